@@ -1,0 +1,153 @@
+"""Attention block kernels: the seam between the ring and the kernels.
+
+``attention_forward`` / ``attention_backward`` compute one (Q block) x (KV block)
+attention and its gradients, returning the fp32 log-sum-exp the ring needs to merge
+blocks. They know nothing of process groups.
+
+Backends (``backend=``): ``"torch"`` (reference, any device), ``"triton"`` (our
+kernels; CUDA/ROCm, or the CPU under ``TRITON_INTERPRET=1``), ``"cudnn"`` and
+``"flash"`` (PyTorch's SDPA ops that return the LSE), and ``"auto"``.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "attention_forward",
+    "attention_backward",
+    "check_attention_inputs",
+    "resolve_backend",
+    "BACKENDS",
+]
+
+BACKENDS = ("torch", "triton", "cudnn", "flash")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Backend name -> module in this package. Modules are imported on first use so that a
+# machine without triton (or a torch without the vendor ops) can still use the others.
+_MODULES = {"torch": "reference", "triton": "triton_attention", "cudnn": "vendor", "flash": "vendor"}
+
+
+def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> None:
+    """Raise TypeError/ValueError naming the problem for inputs the kernels cannot take."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have 4 dims (batch, seq, heads, head_dim), got shape {tuple(t.shape)}"
+            )
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected one of bf16, fp16, fp32, fp64")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"batch sizes differ: q has {q.shape[0]}, k/v have {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"head_dim differs: q has {q.shape[3]}, k/v have {k.shape[3]}")
+    hq, hkv = q.shape[2], k.shape[2]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"causal attention needs aligned blocks (equal lengths); got q length {q.shape[1]} "
+            f"and k/v length {k.shape[1]}"
+        )
+
+
+def _module(backend: str):
+    return importlib.import_module(f".{_MODULES[backend]}", __name__)
+
+
+def backend_available(backend: str, device: torch.device) -> bool:
+    try:
+        mod = _module(backend)
+    except ImportError:
+        return False
+    if backend in ("cudnn", "flash"):
+        return mod.is_available(device, backend)
+    return mod.is_available(device)
+
+
+def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, causal: bool) -> str:
+    """The concrete backend for these inputs; ``"auto"`` picks from recorded measurements."""
+    if backend == "auto":
+        if q.device.type == "cpu":
+            return "torch"
+        from .selection import choose_backend
+
+        backend = choose_backend(q.device, q.dtype, q.shape[-1], q.shape[1], k.shape[1], causal)
+        return backend if backend_available(backend, q.device) else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected 'auto' or one of {BACKENDS}")
+    if not backend_available(backend, q.device):
+        raise ValueError(f"attention backend {backend!r} is not available on device {q.device}")
+    return backend
+
+
+def _scale(softmax_scale: Optional[float], head_dim: int) -> float:
+    return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: Optional[float] = None,
+    backend: str = "auto",
+    out_dtype: Optional[torch.dtype] = None,
+):
+    """Block attention. Returns ``(out, lse)``; lse is fp32 ``(B, Hq, Sq)``, natural log.
+
+    ``out_dtype`` (default: q's dtype) lets the ring ask for fp32 partials so merging
+    many blocks loses nothing to bf16 rounding.
+    """
+    check_attention_inputs(q, k, v, causal=causal)
+    name = resolve_backend(backend, q, k, causal)
+    scale = _scale(softmax_scale, q.shape[-1])
+    mod = _module(name)
+    if name in ("cudnn", "flash"):
+        return mod.forward(q, k, v, causal, scale, out_dtype, which=name)
+    return mod.forward(q, k, v, causal, scale, out_dtype)
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: Optional[torch.Tensor],
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: Optional[float] = None,
+    backend: str = "auto",
+    delta: Optional[torch.Tensor] = None,
+    grad_dtype: Optional[torch.dtype] = None,
+):
+    """Gradients ``(dq, dk, dv)`` of one block from the FINAL out/lse of the whole row.
+
+    ``delta`` = rowsum(dout * out) (fp32, ``(B, Hq, Sq)``) may be passed precomputed (the
+    ring computes it once per layer); then ``out`` may be None. dK/dV are summed over
+    each query-head group (GQA). ``grad_dtype`` defaults to the input dtype.
+    """
+    check_attention_inputs(q, k, v, causal=causal)
+    if dout.shape != q.shape:
+        raise ValueError(f"dout shape {tuple(dout.shape)} differs from q shape {tuple(q.shape)}")
+    if out is None and delta is None:
+        raise ValueError("attention_backward needs `out` or a precomputed `delta`")
+    name = resolve_backend(backend, q, k, causal)
+    scale = _scale(softmax_scale, q.shape[-1])
+    mod = _module(name)
+    if name in ("cudnn", "flash"):
+        return mod.backward(dout, q, k, v, out, lse, causal, scale, delta, grad_dtype, which=name)
+    return mod.backward(dout, q, k, v, out, lse, causal, scale, delta, grad_dtype)

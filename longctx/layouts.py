@@ -1,0 +1,116 @@
+"""Sequence layouts: which tokens of a full sequence each context-parallel rank holds.
+
+Two layouts, both splitting the sequence into equal chunks:
+
+* ``"zigzag"`` (default): 2P chunks; rank r holds chunks r and 2P-1-r, in that order.
+  Under a causal mask every rank then does the same amount of attention work, and
+  the local shard stays position-sorted, so its diagonal block is plain causal.
+* ``"contiguous"``: P chunks; rank r holds chunk r. Simple, but under a causal mask
+  the last rank does P times the work of the first.
+
+Everything here is pure index arithmetic and slicing, except ``unshard_sequence``,
+which gathers over a process group.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+
+
+def chunks_per_rank(layout: str) -> int:
+    check_layout(layout)
+    return 2 if layout == "zigzag" else 1
+
+
+def required_multiple(world_size: int, layout: str) -> int:
+    """The sequence length must be a multiple of this for ``layout`` over ``world_size`` ranks."""
+    return world_size * chunks_per_rank(layout)
+
+
+def check_seq_len(seq_len: int, world_size: int, layout: str) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    multiple = required_multiple(world_size, layout)
+    if seq_len <= 0 or seq_len % multiple != 0:
+        raise ValueError(
+            f"sequence length {seq_len} cannot be split by layout {layout!r} over "
+            f"P={world_size} ranks: it must be a positive multiple of {multiple}"
+            + (" (2 x P)" if layout == "zigzag" and world_size > 1 else "")
+        )
+
+
+def rank_chunks(rank: int, world_size: int, layout: str) -> tuple[int, ...]:
+    """Indices of the chunks (of ``required_multiple`` equal chunks) that ``rank`` holds, in local order."""
+    check_layout(layout)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside [0, {world_size})")
+    if layout == "zigzag":
+        return (rank, 2 * world_size - 1 - rank)
+    return (rank,)
+
+
+def shard_sequence(
+    x: torch.Tensor, dim: int, *, rank: int, world_size: int, layout: str = "zigzag"
+) -> torch.Tensor:
+    """This rank's slice of ``x`` along ``dim`` (no communication).
+
+    Differentiable (slicing + cat), so it can shard tensors that carry gradients.
+    """
+    check_seq_len(x.shape[dim], world_size, layout)
+    if world_size == 1:
+        return x
+    chunk = x.shape[dim] // required_multiple(world_size, layout)
+    pieces = [x.narrow(dim, c * chunk, chunk) for c in rank_chunks(rank, world_size, layout)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+def unshard_sequence(
+    x_local: torch.Tensor, dim: int, *, group: Optional[dist.ProcessGroup], layout: str = "zigzag"
+) -> torch.Tensor:
+    """Gather every rank's shard over ``group`` and restore the original token order.
+
+    ``group=None`` means a single rank (as in ``ring_attention``): ``x_local`` is returned.
+    Not differentiable; meant for evaluation, tests and checkpoint-free inspection.
+    """
+    check_layout(layout)
+    world_size = 1 if group is None else dist.get_world_size(group)
+    if world_size == 1:
+        return x_local
+    per_rank = chunks_per_rank(layout)
+    if x_local.shape[dim] % per_rank != 0:
+        raise ValueError(
+            f"local length {x_local.shape[dim]} along dim {dim} is not a multiple of {per_rank} "
+            f"(layout {layout!r})"
+        )
+    x_local = x_local.contiguous()
+    gathered = [torch.empty_like(x_local) for _ in range(world_size)]
+    dist.all_gather(gathered, x_local, group=group)
+    chunk = x_local.shape[dim] // per_rank
+    ordered: list[Optional[torch.Tensor]] = [None] * (world_size * per_rank)
+    for r, shard in enumerate(gathered):
+        for i, c in enumerate(rank_chunks(r, world_size, layout)):
+            ordered[c] = shard.narrow(dim, i * chunk, chunk)
+    return torch.cat(ordered, dim=dim)  # type: ignore[arg-type]
+
+
+def position_ids(
+    seq_len: int,
+    *,
+    rank: int,
+    world_size: int,
+    layout: str = "zigzag",
+    device: Optional[torch.device] = None,
+) -> torch.Tensor:
+    """Global positions (int64, shape ``(seq_len // world_size,)``) of the tokens ``rank`` holds."""
+    return shard_sequence(
+        torch.arange(seq_len, device=device), 0, rank=rank, world_size=world_size, layout=layout
+    )

@@ -1,0 +1,48 @@
+"""Point-to-point ring exchange: send to rank+1, receive from rank-1, without blocking.
+
+Why batched isend/irecv: ``dist.batch_isend_irecv`` posts the send and the receive
+together, so every rank is sending and receiving at once and no ordering of the ranks
+can deadlock, for any group size (2, odd, 8, ...). On NCCL the pair runs on
+ProcessGroupNCCL's own communication stream: when posted, that stream waits for the
+work already queued on the current (compute) stream, so a receive never overwrites a
+buffer a queued kernel still reads; ``wait()`` only makes the current stream wait for
+the transfer, it does not block the host. Compute queued after posting therefore runs
+concurrently with the transfer. On gloo (CPU) ``wait()`` blocks, which is fine there.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class RingExchange:
+    """Ring neighbours of this rank within ``group`` and non-blocking shifts along the ring."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        # P2P ops address peers by global rank.
+        self.next_rank = dist.get_global_rank(group, (self.rank + 1) % self.world_size)
+        self.prev_rank = dist.get_global_rank(group, (self.rank - 1) % self.world_size)
+
+    def shift(self, send: torch.Tensor, recv: torch.Tensor) -> "PendingShift":
+        """Start sending ``send`` to the next rank and receiving ``recv`` from the previous one."""
+        ops = [
+            dist.P2POp(dist.isend, send, self.next_rank, self.group),
+            dist.P2POp(dist.irecv, recv, self.prev_rank, self.group),
+        ]
+        return PendingShift(dist.batch_isend_irecv(ops))
+
+
+class PendingShift:
+    def __init__(self, works: list):
+        self._works: Optional[list] = works
+
+    def wait(self) -> None:
+        if self._works is not None:
+            for w in self._works:
+                w.wait()
+            self._works = None

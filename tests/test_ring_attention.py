@@ -1,0 +1,178 @@
+"""Ring attention against a float64 single-device reference, over gloo with P processes."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_harness import run_distributed
+from longctx import ring_attention, shard_sequence, unshard_sequence
+
+
+def reference_attention(q, k, v, causal, scale=None):
+    """Plain float64 softmax attention; GQA by repeating K/V (fine for a reference)."""
+    q, k, v = (t.double() for t in (q, k, v))
+    group = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        s = q.shape[1]
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all(), "non-finite values"
+    return ((a - b).norm() / b.norm()).item()
+
+
+# (layout, causal, Hq, Hkv, dtype, chunk, scale). chunk = tokens per layout chunk, so the
+# total length is chunk * P * chunks_per_rank: deliberately odd, never a power of two.
+CASES = [
+    (layout, causal, hq, hkv, torch.float32, 3, None)
+    for layout in ("zigzag", "contiguous")
+    for causal in (True, False)
+    for hq, hkv in ((4, 4), (4, 2), (4, 1))
+] + [
+    ("zigzag", True, 4, 2, torch.bfloat16, 5, None),
+    ("contiguous", True, 4, 1, torch.bfloat16, 5, None),
+    ("zigzag", True, 2, 2, torch.float32, 5, 0.3),
+]
+
+
+def _ring_vs_reference(rank, world, seed):
+    group = dist.group.WORLD
+    errors = []
+    for i, (layout, causal, hq, hkv, dtype, chunk, scale) in enumerate(CASES):
+        g = torch.Generator().manual_seed(seed + i)  # same full tensors on every rank
+        seq = chunk * world * (2 if layout == "zigzag" else 1)
+        b, d = 2, 8
+        q = torch.randn(b, seq, hq, d, generator=g).to(dtype)
+        k = torch.randn(b, seq, hkv, d, generator=g).to(dtype)
+        v = torch.randn(b, seq, hkv, d, generator=g).to(dtype)
+        dout = torch.randn(b, seq, hq, d, generator=g).to(dtype)
+
+        shard = lambda t: shard_sequence(t, 1, rank=rank, world_size=world, layout=layout)  # noqa: E731
+        ql, kl, vl = (shard(t).detach().requires_grad_() for t in (q, k, v))
+        out = ring_attention(ql, kl, vl, group=group, causal=causal, layout=layout, softmax_scale=scale)
+        out.backward(shard(dout))
+        gather = lambda t: unshard_sequence(t.detach(), 1, group=group, layout=layout)  # noqa: E731
+        got = [gather(out), gather(ql.grad), gather(kl.grad), gather(vl.grad)]
+
+        qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+        ref = reference_attention(qr, kr, vr, causal, scale)
+        ref.backward(dout.double())
+        want = [ref, qr.grad, kr.grad, vr.grad]
+        for name, a, w in zip(("out", "dq", "dk", "dv"), got, want):
+            assert a.dtype == dtype, (name, a.dtype)
+            errors.append(((layout, causal, hq, hkv, str(dtype), scale), name, rel_err(a, w)))
+    return errors
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ring_matches_float64_reference(world):
+    seed = random.randrange(1 << 30)  # fresh inputs every run; printed on failure
+    errors = run_distributed(_ring_vs_reference, world, seed)[0]
+    bad = []
+    for case, name, err in errors:
+        tol = 2e-2 if "bfloat16" in case[4] else 1e-5
+        if not err < tol:
+            bad.append(f"{case} {name}: {err:.2e} (tol {tol})")
+    assert not bad, f"seed={seed} P={world}:\n" + "\n".join(bad)
+
+
+def _ring_uses_only_point_to_point(rank, world):
+    """After the one-time shape check, a forward+backward issues no collective at all."""
+    group = dist.group.WORLD
+    q, k, v = (torch.randn(1, 8, 2, 4, requires_grad=True) for _ in range(3))
+    ring_attention(q, k, v, group=group).sum().backward()  # warm-up: caches the shape check
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("ring attention issued a collective")
+
+    names = ["all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "all_to_all", "reduce_scatter"]
+    saved = {n: getattr(dist, n) for n in names}
+    sends = []
+    real_p2p = dist.batch_isend_irecv
+
+    def counting_p2p(ops):
+        sends.extend(op.tensor.numel() for op in ops if op.op is dist.isend)
+        return real_p2p(ops)
+
+    try:
+        for n in names:
+            setattr(dist, n, forbidden)
+        dist.batch_isend_irecv = counting_p2p
+        ring_attention(q, k, v, group=group).sum().backward()
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+        dist.batch_isend_irecv = real_p2p
+    return sends
+
+
+def test_ring_is_point_to_point_and_sends_one_shard_per_hop():
+    world = 3
+    sends = run_distributed(_ring_uses_only_point_to_point, world)[0]
+    kv_shard = 2 * 1 * 8 * 2 * 4  # k and v of one local shard
+    # forward: P-1 K/V hops; backward: P-1 K/V hops plus P dK/dV hops (same size in fp32).
+    assert sends == [kv_shard] * ((world - 1) + (world - 1) + world)
+
+
+def _bad_inputs(rank, world):
+    group = dist.group.WORLD
+    caught = []
+    # Ranks disagree on the local length: every rank must get an error, none may hang.
+    s = 8 if rank == 0 else 12
+    q = torch.randn(1, s, 2, 4)
+    try:
+        ring_attention(q, q, q, group=group)
+    except ValueError as e:
+        caught.append(("mismatch", str(e)))
+    # Odd local length cannot be a zigzag shard.
+    q = torch.randn(1, 5, 2, 4)
+    try:
+        ring_attention(q, q, q, group=group)
+    except ValueError as e:
+        caught.append(("zigzag", str(e)))
+    return caught
+
+
+def test_bad_inputs_fail_on_every_rank():
+    results = run_distributed(_bad_inputs, 2)
+    for caught in results:
+        kinds = dict(caught)
+        assert "different shard shapes" in kinds["mismatch"]
+        assert "multiple of 4" in kinds["zigzag"] and "10" in kinds["zigzag"]
+
+
+@pytest.mark.parametrize(
+    "shapes, dtypes, match",
+    [
+        (((1, 8, 4), (1, 8, 2, 4), (1, 8, 2, 4)), None, "4 dims"),
+        (((1, 8, 3, 4), (1, 8, 2, 4), (1, 8, 2, 4)), None, "multiple of key/value heads"),
+        (((1, 8, 4, 4), (1, 8, 2, 4), (1, 8, 1, 4)), None, "k and v shapes differ"),
+        (((1, 8, 4, 4), (1, 8, 2, 8), (1, 8, 2, 8)), None, "head_dim"),
+        (((1, 8, 4, 4), (1, 6, 2, 4), (1, 6, 2, 4)), None, "same tokens"),
+        (((1, 8, 4, 4), (1, 8, 2, 4), (1, 8, 2, 4)), (torch.float32, torch.float16, torch.float16), "dtypes differ"),
+        (((1, 8, 4, 4), (1, 8, 2, 4), (1, 8, 2, 4)), (torch.int64,) * 3, "dtype"),
+    ],
+)
+def test_input_validation(shapes, dtypes, match):
+    dtypes = dtypes or (torch.float32,) * 3
+    q, k, v = (torch.ones(s).to(dt) for s, dt in zip(shapes, dtypes))
+    with pytest.raises((ValueError, TypeError), match=match):
+        ring_attention(q, k, v)
+
+
+def test_unknown_layout_and_backend():
+    q = torch.randn(1, 8, 2, 4)
+    with pytest.raises(ValueError, match="unknown layout"):
+        ring_attention(q, q, q, layout="spiral")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        ring_attention(q, q, q, backend="magic")
