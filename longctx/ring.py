@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from longctx.kernels import attention_backward, attention_forward, check_attention_inputs
+from longctx.kernels import attention_backward, attention_forward, check_attention_inputs, resolve_backend
+from longctx.kernels.merge import merge_partials_
 
 from .layouts import check_layout, check_seq_len, chunks_per_rank
 from .ring_comm import RingExchange
@@ -44,19 +45,15 @@ def _block_for_step(rank: int, step: int, world_size: int, layout: str, causal: 
     return slice(half, None), ALL, False
 
 
-def _merge_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
-    """Fold a block's (out_b, lse_b) into the running (out, lse) in place, in fp32.
-
-    out <- out - sigmoid(lse_b - lse) * (out - out_b);  lse <- logaddexp(lse, lse_b).
-    A row where both are -inf (it has seen no key) keeps weight 0 instead of NaN.
-    """
-    weight = torch.sigmoid(lse_b - lse).nan_to_num_(0.0)
-    out.sub_(weight.transpose(1, 2).unsqueeze(-1) * (out - out_b))
-    lse.copy_(torch.logaddexp(lse, lse_b))
-
-
 def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _partial_dtype(backend: str, acc_dtype: torch.dtype):
+    """dtype block kernels return partials in. Our kernels write fp32 at no extra pass;
+    the vendor kernels only produce the input dtype, and the merge/accumulate kernels
+    upcast those while reading, so asking them for fp32 would only add a cast pass."""
+    return None if backend in ("cudnn", "flash") else acc_dtype
 
 
 _verified_shapes: set = set()
@@ -114,6 +111,8 @@ class _RingAttention(torch.autograd.Function):
         world, rank = comm.world_size, comm.rank
         s_local = q.shape[1]
         acc_dtype = _accumulator_dtype(q.dtype)
+        backend = resolve_backend(backend, q, k, causal)
+        partial_dtype = _partial_dtype(backend, acc_dtype)
 
         # Double buffer, allocated once per call: [slot][k or v]. One message per hop.
         kv = torch.empty((2, 2, *k.shape), dtype=k.dtype, device=k.device)
@@ -130,13 +129,13 @@ class _RingAttention(torch.autograd.Function):
                 rows, cols, masked = block
                 out_b, lse_b = attention_forward(
                     q[:, rows], current[0][:, cols], current[1][:, cols],
-                    causal=masked, softmax_scale=scale, backend=backend, out_dtype=acc_dtype,
+                    causal=masked, softmax_scale=scale, backend=backend, out_dtype=partial_dtype,
                 )
                 if out is None:
                     # Step 0 always covers every local query row (diagonal or full block).
-                    out, lse = out_b, lse_b.to(acc_dtype)
+                    out, lse = out_b.to(acc_dtype), lse_b.to(acc_dtype)
                 else:
-                    _merge_(out[:, rows], lse[:, :, rows], out_b, lse_b)
+                    merge_partials_(out[:, rows], lse[:, :, rows], out_b, lse_b)
             if pending is not None:
                 pending.wait()
 
@@ -153,6 +152,7 @@ class _RingAttention(torch.autograd.Function):
         world, rank = comm.world_size, comm.rank
         s_local = q.shape[1]
         acc_dtype = _accumulator_dtype(q.dtype)
+        partial_dtype = _partial_dtype(backend, acc_dtype)  # backend was resolved in forward
 
         # delta = rowsum(dO * O) once per layer, not once per block.
         delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1).transpose(1, 2).contiguous()
@@ -175,7 +175,7 @@ class _RingAttention(torch.autograd.Function):
                     dout[:, rows], q[:, rows], current[0][:, cols], current[1][:, cols],
                     out[:, rows], lse[:, :, rows],
                     causal=masked, softmax_scale=scale, backend=backend,
-                    delta=delta[:, :, rows], grad_dtype=acc_dtype,
+                    delta=delta[:, :, rows], grad_dtype=partial_dtype,
                 )
             if dkv_pending is not None:
                 dkv_pending.wait()  # this block's partial dK/dV has arrived from rank-1

@@ -1,0 +1,105 @@
+"""Merge a block's partial attention result into a running one, in place, in fp32.
+
+Given the running ``(out, lse)`` of a set of keys and a block's ``(out_b, lse_b)`` over
+other keys, the attention over the union is
+
+    lse' = logaddexp(lse, lse_b)
+    out' = exp(lse - lse') * out + exp(lse_b - lse') * out_b
+
+A row that has seen no key on either side (both lse = -inf) stays (0-weighted, -inf)
+instead of becoming NaN.
+
+On CUDA this is one Triton pass (read out, out_b, both lse; write out, lse); the
+unfused PyTorch version makes about seven passes over the fp32 accumulator, which at
+8K tokens per GPU costs a third of a ring step. ``out_b`` may be bf16/fp16 (vendor
+kernels) and is upcast while loading, so no fp32 copy of it is ever made.
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional: CPU-only machines merge with PyTorch ops.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+
+
+def _merge_torch_(out, lse, out_b, lse_b) -> None:
+    weight = torch.sigmoid(lse_b.to(lse.dtype) - lse).nan_to_num_(0.0)  # (B, H, S)
+    out.sub_(weight.transpose(1, 2).unsqueeze(-1) * (out - out_b.to(out.dtype)))
+    lse.copy_(torch.logaddexp(lse, lse_b.to(lse.dtype)))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _merge_kernel(
+        out, lse, out_b, lse_b,
+        seq_len, n_heads, head_dim,
+        so_b, so_s, so_h,
+        sob_b, sob_s, sob_h,
+        sl_b, sl_h, sl_s,
+        slb_b, slb_h, slb_s,
+        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        pid_s = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // n_heads
+        h = bh % n_heads
+        rows = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+        cols = tl.arange(0, BLOCK_D)
+        row_ok = rows < seq_len
+        tile_ok = row_ok[:, None] & (cols[None, :] < head_dim)
+
+        lse_ptr = lse + b * sl_b + h * sl_h + rows * sl_s
+        l_run = tl.load(lse_ptr, mask=row_ok, other=float("-inf")).to(tl.float32)
+        l_blk = tl.load(lse_b + b * slb_b + h * slb_h + rows * slb_s, mask=row_ok,
+                        other=float("-inf")).to(tl.float32)
+        top = tl.maximum(l_run, l_blk)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w_run = tl.exp(l_run - top)
+        w_blk = tl.exp(l_blk - top)
+        total = w_run + w_blk
+        seen = total > 0
+        inv = tl.where(seen, 1.0 / tl.where(seen, total, 1.0), 0.0)
+        new_lse = tl.where(seen, top + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+
+        out_ptr = out + b * so_b + h * so_h + rows[:, None] * so_s + cols[None, :]
+        blk_ptr = out_b + b * sob_b + h * sob_h + rows[:, None] * sob_s + cols[None, :]
+        o_run = tl.load(out_ptr, mask=tile_ok, other=0.0).to(tl.float32)
+        o_blk = tl.load(blk_ptr, mask=tile_ok, other=0.0).to(tl.float32)
+        merged = o_run * (w_run * inv)[:, None] + o_blk * (w_blk * inv)[:, None]
+        tl.store(out_ptr, merged.to(out.dtype.element_ty), mask=tile_ok)
+        tl.store(lse_ptr, new_lse, mask=row_ok)
+
+
+def merge_partials_(
+    out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor, *, impl: str = "auto"
+) -> None:
+    """In place: ``out`` (B, S, H, D) fp32 and ``lse`` (B, H, S) fp32 absorb ``(out_b, lse_b)``.
+
+    Views (e.g. the second half of the rows) are fine. ``impl``: "auto" (Triton on CUDA,
+    PyTorch elsewhere), "torch", or "triton" (also on the CPU under TRITON_INTERPRET=1).
+    """
+    if out.shape != out_b.shape or lse.shape != lse_b.shape:
+        raise ValueError(
+            f"merge shapes differ: out {tuple(out.shape)} vs {tuple(out_b.shape)}, "
+            f"lse {tuple(lse.shape)} vs {tuple(lse_b.shape)}"
+        )
+    use_triton = impl == "triton" or (impl == "auto" and triton is not None and out.is_cuda)
+    if not use_triton or out.stride(-1) != 1 or out_b.stride(-1) != 1:
+        _merge_torch_(out, lse, out_b, lse_b)
+        return
+    b, s, h, d = out.shape
+    block_d = triton.next_power_of_2(d)
+    block_s = max(16, min(128, 8192 // block_d))
+    grid = (triton.cdiv(s, block_s), b * h)
+    _merge_kernel[grid](
+        out, lse, out_b, lse_b, s, h, d,
+        out.stride(0), out.stride(1), out.stride(2),
+        out_b.stride(0), out_b.stride(1), out_b.stride(2),
+        lse.stride(0), lse.stride(1), lse.stride(2),
+        lse_b.stride(0), lse_b.stride(1), lse_b.stride(2),
+        BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
+    )
