@@ -88,7 +88,7 @@ def ring_step(q, k, v, dout, group, backend):
 
 
 # ---------------------------------------------------------------------------------- check
-def reference_fp64(q, k, v, dout, chunk=2048):
+def reference_fp64(q, k, v, dout, chunk=512):
     """Causal attention and its gradients in float64, chunked over queries to bound memory."""
     q, k, v, dout = (t.double() for t in (q, k, v, dout))
     b, s, hq, d = q.shape
