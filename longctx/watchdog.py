@@ -147,4 +147,5 @@ class RankWatchdog:
         # Linger so the others can still read the message: the store usually lives in
         # rank 0's process and dies with it.
         time.sleep(3 * self.interval)
-        self.on_failure(f"rank {self.rank} stopping: {message}")
+        if not self._stop.is_set():  # a clean shutdown may have begun meanwhile
+            self.on_failure(f"rank {self.rank} stopping: {message}")

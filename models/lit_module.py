@@ -1,0 +1,232 @@
+"""CausalLMModule: the LightningModule for (long-context) causal-LM training.
+
+It wraps ``longctx.models.GPT`` and knows nothing about context parallelism beyond the
+batch it receives: ``ContextParallelStrategy`` hands the CP group to the GPT's attention
+layers and shards every batch. What this module adds:
+
+* the loss: ``GPT.loss`` gives (summed token loss, token count) of this rank's shard;
+  ``longctx.loss.TokenWeightedAccumulator`` turns it into the exact gradient of the token
+  mean over the whole global batch (dp x cp ranks x accumulated micro-batches);
+* AdamW (weight decay on matrices only) with linear warmup + cosine decay, per step;
+* logging: ``train_loss`` (the true global mean, identical on every rank), ``train_ppl``,
+  ``lr``, ``tokens_per_s``, ``mfu`` (GPU), peak memory; ``val_loss`` / ``val_ppl``
+  token-weighted over all ranks (torchmetrics).
+
+Non-finite losses/gradients are not handled here: ``longctx.health.NonFiniteGuard`` (a
+callback, which train.py adds) decides skip/stop on all ranks at once. It runs before this
+module's ``on_before_optimizer_step``; a skipped step has no gradients, which the
+accumulation rescale below leaves alone.
+"""
+from __future__ import annotations
+
+import math
+import resource
+import time
+from typing import Any, Mapping, Optional, Union
+
+import lightning as L
+import torch
+from torchmetrics import MeanMetric
+
+from longctx.loss import TokenWeightedAccumulator
+
+from .config import GPTConfig
+from .gpt import GPT
+
+# Dense bf16 tensor-core peaks (FLOP/s) by device-name substring; first match wins.
+PEAK_BF16_FLOPS = (
+    ("H200", 989.4e12),
+    ("H100 PCIe", 756.0e12),
+    ("H100", 989.4e12),
+    ("A100", 312.0e12),
+)
+
+
+def peak_flops(device: torch.device) -> Optional[float]:
+    """Peak dense bf16 FLOP/s of ``device``, or None where unknown (CPU, other GPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in PEAK_BF16_FLOPS:
+        if key in name:
+            return flops
+    return None
+
+
+def lr_lambda(warmup_steps: int, decay_steps: int, min_lr_ratio: float):
+    """Multiplier of the peak lr: linear warmup to 1, then cosine to ``min_lr_ratio``."""
+
+    def f(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if step >= decay_steps:
+            return min_lr_ratio
+        progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
+        return min_lr_ratio + 0.5 * (1.0 - min_lr_ratio) * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+class CausalLMModule(L.LightningModule):
+    """Causal-LM training of a ``GPT``.
+
+    Args:
+        model: a ``GPTConfig``, a mapping for ``GPTConfig.from_dict`` (``preset`` plus
+            overrides), or None with ``init_from``.
+        init_from: a Hugging Face directory or ``.gguf`` file to start from
+            (``GPT.from_pretrained``); ``model`` then holds overrides (e.g. ``rope_theta``,
+            ``activation_checkpointing``), not sizes.
+        lr, min_lr_ratio, weight_decay, betas, eps: AdamW and the schedule's floor
+            (``min_lr = lr * min_lr_ratio``).
+        warmup_steps: linear warmup length in optimizer steps.
+        decay_steps: where the cosine reaches its floor; None = the Trainer's max_steps.
+        seq_len: the full (unsharded) training sequence length, for FLOPs/MFU; None = read
+            from the first batch.
+    """
+
+    def __init__(
+        self,
+        model: Union[GPTConfig, Mapping[str, Any], None] = None,
+        *,
+        init_from: Optional[str] = None,
+        lr: float = 3e-4,
+        min_lr_ratio: float = 0.1,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        warmup_steps: int = 100,
+        decay_steps: Optional[int] = None,
+        seq_len: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if isinstance(model, GPTConfig):
+            model = model.to_dict()
+        model = dict(model or {})
+        if init_from is not None:
+            self.model = GPT.from_pretrained(init_from, **model)
+        else:
+            self.model = GPT(GPTConfig.from_dict(model))
+        # Saved with the checkpoint: the resolved config, so the checkpoint alone rebuilds
+        # the model (load_from_checkpoint needs no gguf/HF files).
+        self.save_hyperparameters(ignore=["model", "init_from"])
+        self.hparams["model"] = self.model.config.to_dict()
+        self.config = self.model.config
+        self.seq_len = seq_len
+        self.acc = TokenWeightedAccumulator()
+        # nan_strategy="disable": a NaN validation loss must show, not be dropped with a warning.
+        self.val_loss = MeanMetric(nan_strategy="disable")
+        self._val_started: Optional[float] = None
+        self._step_tokens = 0
+        self._last_step_end: Optional[float] = None
+
+    # -- training -----------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.model(input_ids, position_ids)
+
+    def _loss(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.loss(batch["input_ids"], batch["labels"], batch.get("position_ids"))
+
+    def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss_sum, n_tokens = self._loss(batch)
+        out = self.acc.add(loss_sum, n_tokens, accumulate=self.trainer.accumulate_grad_batches)
+        # Every rank holds B x S/cp tokens, so the world holds (tokens here) x world in total.
+        self._step_tokens += batch["input_ids"].numel() * self.trainer.world_size
+        if self.seq_len is None:
+            self.seq_len = batch["input_ids"].shape[1] * _cp_size(self.trainer)
+        return out.loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # After all micro-batches' backwards (and DDP's all-reduce), before clipping.
+        mean, _ = self.acc.finish(self.parameters())
+        now = time.perf_counter()
+        metrics = {
+            "train_ppl": torch.exp(mean.clamp(max=50.0)),
+            "lr": torch.tensor(optimizer.param_groups[0]["lr"]),
+            "tokens": torch.tensor(float(self._step_tokens)),
+        }
+        if self._last_step_end is not None:
+            tps = self._step_tokens / max(now - self._last_step_end, 1e-9)
+            metrics["tokens_per_s"] = torch.tensor(tps)
+            peak = peak_flops(self.device)
+            if peak is not None and self.seq_len:
+                flops = self.config.flops_per_token(self.seq_len) * tps
+                metrics["mfu"] = torch.tensor(flops / (peak * self.trainer.world_size))
+        if self.device.type == "cuda":
+            metrics["peak_mem_gib"] = torch.tensor(torch.cuda.max_memory_allocated(self.device) / 2**30)
+        else:
+            # ru_maxrss is KiB on Linux: the process's resident-set high-water mark.
+            metrics["peak_rss_gib"] = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+        # Values are already global (identical on all ranks): no sync needed.
+        self.log("train_loss", mean, prog_bar=True, on_step=True, on_epoch=False)
+        self.log_dict({k: v.float() for k, v in metrics.items()}, on_step=True, on_epoch=False)
+        self._step_tokens = 0
+        self._last_step_end = now
+
+    # -- validation -------------------------------------------------------------------------
+
+    def validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> None:
+        loss_sum, n_tokens = self._loss(batch)
+        n = n_tokens.float()
+        # Token-weighted mean of the shard; torchmetrics all-gathers (value, weight) over the
+        # whole world at compute(), so the result is the global token mean.
+        self.val_loss.update(loss_sum.detach() / n.clamp(min=1.0), weight=n)
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_started = time.perf_counter()
+
+    def on_validation_epoch_end(self) -> None:
+        if self._last_step_end is not None and self._val_started is not None:
+            # Validation time is not training time: keep it out of the next tokens_per_s.
+            self._last_step_end += time.perf_counter() - self._val_started
+        if self.val_loss.update_count == 0:
+            return
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("val_loss", loss, prog_bar=True, sync_dist=False)
+        self.log("val_ppl", torch.exp(loss.clamp(max=50.0)), sync_dist=False)
+
+    # -- optimizer --------------------------------------------------------------------------
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        groups = [
+            {"params": decay, "weight_decay": hp.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        # Not fused: Lightning's mixed-precision plugin refuses gradient clipping with
+        # optimizers that unscale internally (fused AdamW), seen on H200 with bf16-mixed.
+        extra = {"foreach": True} if self.device.type == "cuda" else {}
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, **extra)
+        decay_steps = hp.decay_steps
+        if decay_steps is None:
+            max_steps = self.trainer.max_steps if self._trainer is not None else -1
+            decay_steps = max_steps if max_steps and max_steps > 0 else 10**9
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda(hp.warmup_steps, decay_steps, hp.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # A checkpoint of another shape would fail deep inside load_state_dict with a list of
+        # tensor sizes; name the differing config fields instead.
+        saved = (checkpoint.get("hyper_parameters") or {}).get("model")
+        if not saved:
+            return
+        shape_keys = ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size",
+                      "head_dim", "tie_embeddings")
+        mine = self.config.to_dict()
+        diff = {k: (saved.get(k), mine.get(k)) for k in shape_keys if saved.get(k) != mine.get(k)}
+        if diff:
+            detail = ", ".join(f"{k}: checkpoint {a} vs model {b}" for k, (a, b) in diff.items())
+            raise ValueError(f"checkpoint was saved from a different model shape ({detail})")
+
+
+def _cp_size(trainer: "L.Trainer") -> int:
+    return int(getattr(trainer.strategy, "cp_size", 1))

@@ -1,0 +1,153 @@
+"""ContextParallelStrategy in a real Lightning Trainer against single-device training.
+
+Same tiny GPT (fp32), same global batches, a few AdamW steps:
+* CP=2 (world 2, dp 1), batch 4                          vs single device, batch 4;
+* dp2 x cp2 (world 4), batch 1 per dp rank, accumulate 2  vs single device, batch 4.
+Labels are partly -100 with uneven counts per sample, so only exact global token weighting
+(over ranks *and* accumulated micro-batches) reproduces the single-device run. Parameters
+must agree within 1e-5 (norm-relative) and the logged train_loss at every step.
+
+The data is a plain list of full-length dicts in a plain DataLoader: the strategy's
+sampler kwargs (dp only) and automatic sharding in batch_to_device are what is tested.
+Lightning's distributed sampler shuffles a training loader with seed PL_GLOBAL_SEED (0
+here); the reference draws the same permutation with DistributedSampler(num_replicas=1).
+"""
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from dist_harness import run_distributed
+from longctx.strategy import ContextParallelStrategy
+
+VOCAB, SEQ, N_SAMPLES, STEPS, GLOBAL_BATCH = 64, 32, 16, 4, 4
+MODEL = dict(vocab_size=VOCAB, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64,
+             attention_backend="torch", loss_chunk_size=48)
+OPTIM = dict(lr=3e-3, warmup_steps=2, min_lr_ratio=0.1, weight_decay=0.1)
+
+
+def _samples() -> list[dict]:
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, VOCAB, (N_SAMPLES, SEQ + 1), generator=g)
+    out = []
+    for i in range(N_SAMPLES):
+        labels = tokens[i, 1:].clone()
+        labels[torch.rand(SEQ, generator=g) < (i % 4) * 0.2] = -100  # 0..60% ignored
+        out.append({"input_ids": tokens[i, :-1].clone(), "labels": labels})
+    return out
+
+
+class _Record(L.Callback):
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if "train_loss" in trainer.callback_metrics and len(self.losses) < trainer.global_step:
+            self.losses.append(trainer.callback_metrics["train_loss"].item())
+
+
+def _fit(strategy, devices: int, loader: DataLoader, accumulate: int) -> dict:
+    from longctx.models.lit_module import CausalLMModule
+
+    torch.manual_seed(0)
+    module = CausalLMModule(MODEL, **OPTIM)
+    rec = _Record()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, precision="32-true",
+        accumulate_grad_batches=accumulate, gradient_clip_val=1.0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=strategy != "auto",
+        callbacks=[rec],
+    )
+    trainer.fit(module, loader)
+    params = torch.cat([p.detach().flatten() for p in module.parameters()])
+    info = {"params": params.tolist(), "losses": rec.losses}
+    if isinstance(trainer.strategy, ContextParallelStrategy):
+        s = trainer.strategy
+        info["coords"] = (s.dp_rank, s.dp_size, s.cp_rank, s.cp_size)
+        attn = module.model.blocks[0].attn
+        info["attn_group_size"] = None if attn.cp_group is None else torch.distributed.get_world_size(attn.cp_group)
+    return info
+
+
+def _distributed(rank: int, world: int, cp: int, batch: int, accumulate: int) -> dict:
+    # The harness already initialised the process group; LOCAL_RANK tells Lightning that
+    # the processes exist (no launcher) and which one this is.
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", PL_GLOBAL_SEED="0")
+    loader = DataLoader(_samples(), batch_size=batch)
+    return _fit(ContextParallelStrategy(context_parallel_size=cp), world, loader, accumulate)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    data = _samples()
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    return _fit("auto", 1, DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler), 1)
+
+
+def _rel(a: list, b: list) -> float:
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "world,cp,batch,accumulate",
+    # batch = per dp rank and micro-batch: GLOBAL_BATCH = batch * dp * accumulate.
+    [(2, 2, GLOBAL_BATCH, 1), (4, 2, GLOBAL_BATCH // 4, 2)],
+    ids=["cp2", "dp2xcp2-accumulate2"],
+)
+def test_matches_single_device(reference, world, cp, batch, accumulate):
+    results = run_distributed(_distributed, world, cp, batch, accumulate)
+    ref_losses = reference["losses"]
+    assert len(ref_losses) == STEPS and all(map(torch.isfinite, torch.tensor(ref_losses)))
+    for rank, out in enumerate(results):
+        assert out["coords"] == (rank // cp, world // cp, rank % cp, cp)
+        assert out["attn_group_size"] == cp  # the group reached the attention layers
+        err = _rel(out["params"], reference["params"])
+        assert err < 1e-5, f"rank {rank}: parameters differ from single-device training by {err:.2e}"
+        torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    # Parameters moved (a test that cannot fail is no test).
+    torch.manual_seed(0)
+    from longctx.models import GPT, GPTConfig
+
+    start = torch.cat([p.detach().flatten() for p in GPT(GPTConfig.from_dict(MODEL)).parameters()])
+    assert _rel(reference["params"], start.tolist()) > 1e-3
+
+
+def test_errors_and_registration():
+    with pytest.raises(ValueError, match="context_parallel_size must be >= 1, got 0"):
+        ContextParallelStrategy(context_parallel_size=0)
+    with pytest.raises(ValueError, match="got -2"):
+        ContextParallelStrategy(context_parallel_size=-2)
+    with pytest.raises(TypeError, match="must be an int"):
+        ContextParallelStrategy(context_parallel_size=1.5)
+    with pytest.raises(ValueError, match="layout"):
+        ContextParallelStrategy(context_parallel_size=2, layout="spiral")
+    # World 3 is not divisible by CP 2: refused when the Trainer is built, before launching.
+    with pytest.raises(ValueError, match="world size 3 .* not divisible by context_parallel_size 2"):
+        L.Trainer(accelerator="cpu", devices=3, strategy=ContextParallelStrategy(context_parallel_size=2),
+                  logger=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="context_parallel", logger=False)
+    assert isinstance(trainer.strategy, ContextParallelStrategy)
+    assert trainer.strategy.cp_size == 2 and trainer.strategy.dp_size == 1  # default: whole world
+
+
+def test_import_longctx_registers_the_strategy_name():
+    # A fresh interpreter: `import longctx` alone must make strategy="context_parallel" work.
+    import subprocess
+    import sys
+
+    code = ("import longctx; from lightning.pytorch.strategies import StrategyRegistry; "
+            "assert 'context_parallel' in StrategyRegistry, sorted(StrategyRegistry); "
+            "assert longctx.ContextParallelStrategy is StrategyRegistry['context_parallel']['strategy']")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (
+        "`import longctx` must register the 'context_parallel' strategy (longctx/__init__.py imports "
+        ".strategy):\n" + proc.stderr[-2000:]
+    )

