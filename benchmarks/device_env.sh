@@ -4,7 +4,13 @@
 # of the checkout in which longctx/models and longctx/kernels are real subpackages, and
 # runs from there. Either way `import longctx.models, longctx.kernels` works afterwards.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ! pip install --no-deps --no-build-isolation -e . -q >/tmp/longctx_pip.log 2>&1 \
+# Pure-Python wheels the image lacks (datasets, dill, multiprocess, gguf), carried along in
+# .carry/wheels (pip download --no-deps --only-binary=:all: --python-version 3.12 ...).
+if [ -d .carry/wheels ]; then
+  python -m pip install -q --no-deps --no-index .carry/wheels/*.whl >/tmp/longctx_wheels.log 2>&1 \
+    || echo "[device_env] carried wheels did not install: $(tail -1 /tmp/longctx_wheels.log)"
+fi
+if ! python -m pip install --no-deps --no-build-isolation -e . -q >/tmp/longctx_pip.log 2>&1 \
    || ! python -c "import longctx.models, longctx.kernels" 2>/dev/null; then
   echo "[device_env] editable install unavailable ($(tail -1 /tmp/longctx_pip.log)); staging a copy"
   rm -rf /tmp/longctx_stage && mkdir -p /tmp/longctx_stage

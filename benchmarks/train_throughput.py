@@ -1,0 +1,145 @@
+"""Training throughput with context parallelism: tokens/s, MFU and peak memory per GPU.
+
+Run: torchrun --nproc-per-node=N benchmarks/train_throughput.py [--preset gpt-350m]
+     [--seqs 32768,131072] [--steps 3]
+
+One optimizer step = forward + backward of one sequence of S tokens split over a CP group
+of P GPUs (P = 1, 2, 4, ... as subgroups of this launch), DDP gradient all-reduce over
+the group, AdamW. bf16 autocast with fp32 master weights (what Lightning's bf16-mixed
+does). Activation checkpointing per block when S/P >= 64K (recorded per row) or always
+with --checkpointing on. MFU = model FLOPs per token (GPTConfig.flops_per_token, causal
+attention, recompute not counted) x tokens/s / (P x peak bf16 dense FLOP/s).
+Results: $OUT/train_throughput_ws{N}.json (default benchmarks/results/).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from longctx import position_ids, shard_sequence
+from longctx.models import GPT, GPTConfig
+
+PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
+
+
+def peak_flops() -> float:
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16.items() if k in name), float("nan"))
+
+
+def log(*a):
+    if dist.get_rank() == 0:
+        print(*a, flush=True)
+
+
+def measure(preset, s_total, p, group, steps, checkpointing, backend):
+    rank = dist.get_rank()
+    cfg = GPTConfig.from_preset(preset, activation_checkpointing=checkpointing, attention_backend=backend)
+    torch.manual_seed(0)
+    model = GPT(cfg).cuda()
+    model.set_context_parallel_group(group)
+    ddp = DDP(model, process_group=group) if p > 1 else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (1, s_total + 1), device="cuda", generator=g)
+    r = rank if p > 1 else 0
+    inp = shard_sequence(tokens[:, :-1], 1, rank=r, world_size=p)
+    lab = shard_sequence(tokens[:, 1:], 1, rank=r, world_size=p)
+    pos = position_ids(s_total, rank=r, world_size=p, device="cuda")[None]
+    del tokens
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss_sum, _ = model_loss(ddp, inp, lab, pos)
+        (loss_sum / s_total * p).backward()  # DDP averages over p: the global token mean
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss_sum
+
+    step()  # warm-up: allocator, kernels, NCCL communicators
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    if group is not None:
+        dist.barrier(group=group)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / steps
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    finite = bool(torch.isfinite(loss).item())
+    del model, ddp, opt
+    torch.cuda.empty_cache()
+    tps = s_total / dt
+    return dict(preset=preset, P=p, S_total=s_total, S_per_gpu=s_total // p, checkpointing=checkpointing,
+                step_s=dt, tokens_per_s=tps, tokens_per_s_per_gpu=tps / p,
+                mfu=cfg.flops_per_token(s_total) * tps / (p * peak_flops()), peak_mem_GiB=peak,
+                params=cfg.num_params(), loss_finite=finite)
+
+
+def model_loss(ddp, inp, lab, pos):
+    # DDP's forward hook is needed for gradient sync, so call through the wrapper when present.
+    if isinstance(ddp, DDP):
+        return ddp(inp, lab, pos)
+    return ddp.loss(inp, lab, pos)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="gpt-350m")
+    ap.add_argument("--seqs", default="32768,131072")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--checkpointing", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = ap.parse_args()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sizes = [p for p in (1, 2, 4, 8) if p <= world]
+    groups = {p: (dist.new_group(list(range(p))) if p > 1 else None) for p in sizes}
+    res = dict(world_size=world, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+               date=time.strftime("%Y-%m-%d"), peak_bf16_flops=peak_flops(), rows=[])
+    # GPT.loss is not forward(); DDP needs forward() to run its hooks.
+    GPT.forward = _forward_is_loss(GPT.forward)
+    for s_total in [int(s) for s in args.seqs.split(",")]:
+        for p in sizes:
+            ckpt = {"on": True, "off": False}.get(args.checkpointing, s_total // p >= 65536)
+            out = torch.zeros(1, device="cuda")
+            row = None
+            if rank < p:
+                try:
+                    row = measure(args.preset, s_total, p, groups[p], args.steps, ckpt, args.backend)
+                except Exception:
+                    out[0] = 1
+                    if rank == 0:
+                        traceback.print_exc()
+            dist.all_reduce(out)
+            if rank == 0:
+                row = row or dict(preset=args.preset, P=p, S_total=s_total, error=True)
+                res["rows"].append(row)
+                print("train", json.dumps(row), flush=True)
+                os.makedirs(args.out, exist_ok=True)
+                json.dump(res, open(os.path.join(args.out, f"train_throughput_ws{world}.json"), "w"), indent=1)
+            torch.cuda.empty_cache()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _forward_is_loss(original):
+    def forward(self, input_ids, labels=None, position_ids=None):
+        if labels is None:
+            return original(self, input_ids, position_ids)
+        return self.loss(input_ids, labels, position_ids)
+    return forward
+
+
+if __name__ == "__main__":
+    main()
