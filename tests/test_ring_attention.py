@@ -170,6 +170,12 @@ def test_input_validation(shapes, dtypes, match):
         ring_attention(q, k, v)
 
 
+def test_tensors_on_different_devices():
+    q = torch.randn(1, 8, 2, 4)
+    with pytest.raises(ValueError, match="different devices"):
+        ring_attention(q, q.to("meta"), q.to("meta"))
+
+
 def test_unknown_layout_and_backend():
     q = torch.randn(1, 8, 2, 4)
     with pytest.raises(ValueError, match="unknown layout"):

@@ -88,6 +88,16 @@ def test_end_to_end_outputs(full_run):
 
 
 @pytest.mark.slow
+def test_same_seed_gives_bit_identical_losses(full_run, tmp_path, cache_env):
+    """Seeded mode: a second run with the same seed logs the same losses, bit for bit."""
+    out, _ = full_run
+    proc = _train([*SMALL, "--output-dir", str(tmp_path / "again")], cache_env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    first, second = _losses(out / "metrics.csv"), _losses(tmp_path / "again" / "metrics.csv")
+    assert len(first) == 6 and first == second
+
+
+@pytest.mark.slow
 def test_resume_is_exact(full_run, tmp_path, cache_env):
     out, _ = full_run
     resumed = tmp_path / "resumed"
