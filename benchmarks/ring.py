@@ -43,21 +43,9 @@ def log(*a):
 
 
 def time_fn(fn, warmup=2, iters=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    t = torch.tensor([times[len(times) // 2]], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step takes as long as the slowest rank
+    """Median ms over the whole world; the step takes as long as the slowest rank."""
+    t = torch.tensor([time_in_group(fn, dist.group.WORLD, warmup, iters)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
 
@@ -214,6 +202,7 @@ def run_ring_timing(res_key, res, args, groups, s_total, p, hq, hkv, backend, ex
 
 
 def time_in_group(fn, group, warmup=2, iters=5):
+    """Median ms of ``fn`` on this rank (CUDA events), ranks of ``group`` started together."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
