@@ -1,0 +1,22 @@
+"""Under the strategy, a rank that raises ends the whole Lightning job fast, naming itself."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(__file__)
+
+
+def test_raising_rank_ends_the_job_and_is_named():
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "strategy_failure_script.py")],
+                          capture_output=True, text=True, timeout=180, env=env, cwd=HERE)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0 and "finished" not in proc.stdout
+    # The second process's stderr is inherited, so both ranks' messages are here.
+    assert "rank 0 stopping: rank 1 failed: RuntimeError: injected failure in training_step" in proc.stderr, \
+        proc.stderr[-4000:]
+    assert elapsed < 120, f"the job took {elapsed:.0f}s to end"
