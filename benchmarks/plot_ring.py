@@ -14,30 +14,24 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def _scaling(ax, rows, length_key, label, title):
+    """Per-GPU TFLOP/s against GPU count, one line per (backend, length)."""
+    lines = defaultdict(list)
+    for r in rows:
+        if r.get("fb_ms") == r.get("fb_ms"):  # skip failed (NaN) measurements
+            lines[(r["backend"], r[length_key])].append((r["P"], r["fb_tflops_per_gpu"]))
+    for (backend, n), pts in sorted(lines.items()):
+        ax.plot(*zip(*sorted(pts)), marker="o", label=f"ours-{backend} " + label.format(n // 1024))
+    ax.set(title=title, xlabel="GPUs", ylabel="fwd+bwd TFLOP/s per GPU")
+    ax.legend(fontsize=7)
+
+
 def main(path: str) -> str:
     res = json.load(open(path))
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    # 1. strong scaling: per-GPU TFLOP/s against GPU count, one line per (backend, S)
-    ax = axes[0]
-    lines = defaultdict(list)
-    for r in res.get("strong", []):
-        if r.get("fb_ms") == r.get("fb_ms"):
-            lines[(r["backend"], r["S_total"])].append((r["P"], r["fb_tflops_per_gpu"]))
-    for (backend, s), pts in sorted(lines.items()):
-        pts.sort()
-        ax.plot(*zip(*pts), marker="o", label=f"ours-{backend} S={s // 1024}K")
-    ax.set(title="strong scaling (fixed S)", xlabel="GPUs", ylabel="fwd+bwd TFLOP/s per GPU")
-    ax.legend(fontsize=7)
-    # 2. weak scaling
-    ax = axes[1]
-    lines = defaultdict(list)
-    for r in res.get("weak", []):
-        lines[(r["backend"], r["S_local"])].append((r["P"], r["fb_tflops_per_gpu"]))
-    for (backend, s), pts in sorted(lines.items()):
-        pts.sort()
-        ax.plot(*zip(*pts), marker="o", label=f"ours-{backend} {s // 1024}K/GPU")
-    ax.set(title="weak scaling (fixed tokens per GPU)", xlabel="GPUs", ylabel="TFLOP/s per GPU")
-    ax.legend(fontsize=7)
+    # 1-2. strong scaling (fixed S) and weak scaling (fixed tokens per GPU)
+    _scaling(axes[0], res.get("strong", []), "S_total", "S={}K", "strong scaling (fixed S)")
+    _scaling(axes[1], res.get("weak", []), "S_local", "{}K/GPU", "weak scaling (fixed tokens per GPU)")
     # 3. against the peer at the full world size
     ax = axes[2]
     world = res["world_size"]

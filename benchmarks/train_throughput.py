@@ -45,7 +45,9 @@ def measure(preset, s_total, p, group, steps, checkpointing, backend):
     torch.manual_seed(0)
     model = GPT(cfg).cuda()
     model.set_context_parallel_group(group)
-    ddp = DDP(model, process_group=group) if p > 1 else model
+    step_loss = _Loss(model)
+    if p > 1:  # DDP's hooks run through forward(), so wrap the loss path as a module
+        step_loss = DDP(step_loss, process_group=group)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     g = torch.Generator(device="cuda").manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (1, s_total + 1), device="cuda", generator=g)
@@ -57,7 +59,7 @@ def measure(preset, s_total, p, group, steps, checkpointing, backend):
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss_sum, _ = model_loss(ddp, inp, lab, pos)
+            loss_sum, _ = step_loss(inp, lab, pos)
         (loss_sum / s_total * p).backward()  # DDP averages over p: the global token mean
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -75,7 +77,7 @@ def measure(preset, s_total, p, group, steps, checkpointing, backend):
     dt = (time.perf_counter() - t0) / steps
     peak = torch.cuda.max_memory_allocated() / 2**30
     finite = bool(torch.isfinite(loss).item())
-    del model, ddp, opt
+    del model, step_loss, opt
     torch.cuda.empty_cache()
     tps = s_total / dt
     return dict(preset=preset, P=p, S_total=s_total, S_per_gpu=s_total // p, checkpointing=checkpointing,
@@ -84,11 +86,15 @@ def measure(preset, s_total, p, group, steps, checkpointing, backend):
                 params=cfg.num_params(), loss_finite=finite)
 
 
-def model_loss(ddp, inp, lab, pos):
-    # DDP's forward hook is needed for gradient sync, so call through the wrapper when present.
-    if isinstance(ddp, DDP):
-        return ddp(inp, lab, pos)
-    return ddp.loss(inp, lab, pos)
+class _Loss(torch.nn.Module):
+    """forward() = GPT.loss, so DDP (which hooks forward) can wrap the training path."""
+
+    def __init__(self, model: GPT):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels, position_ids):
+        return self.model.loss(input_ids, labels, position_ids)
 
 
 def main():
@@ -107,8 +113,6 @@ def main():
     groups = {p: (dist.new_group(list(range(p))) if p > 1 else None) for p in sizes}
     res = dict(world_size=world, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                date=time.strftime("%Y-%m-%d"), peak_bf16_flops=peak_flops(), rows=[])
-    # GPT.loss is not forward(); DDP needs forward() to run its hooks.
-    GPT.forward = _forward_is_loss(GPT.forward)
     for s_total in [int(s) for s in args.seqs.split(",")]:
         for p in sizes:
             ckpt = {"on": True, "off": False}.get(args.checkpointing, s_total // p >= 65536)
@@ -131,14 +135,6 @@ def main():
             torch.cuda.empty_cache()
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _forward_is_loss(original):
-    def forward(self, input_ids, labels=None, position_ids=None):
-        if labels is None:
-            return original(self, input_ids, position_ids)
-        return self.loss(input_ids, labels, position_ids)
-    return forward
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import zlib
 import pytest
 import torch
 
+from attention_reference import reference
+
 # name: (B, Sq, Sk, Hq, Hkv, D, causal, dtype, options)
 # options: out32 (out_dtype fp32), grad32 (grad_dtype fp32), delta (precomputed delta,
 # out=None), slice (q/k/v/dout are seq-dim slices of larger tensors), atomic (dQ by atomics)
@@ -42,19 +44,6 @@ CASES = {
 }
 TILE_SETS = ("32x16,16x32,32x16", "16x32,32x16,16x32")
 TOL = {"float32": 1e-5, "float16": 2e-2}
-
-
-def reference(q, k, v, dout, causal, scale):
-    """Plain softmax attention in float64; GQA by repeating K/V. Returns out, lse, grads."""
-    q, k, v = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    group = q.shape[2] // k.shape[2]
-    kk, vv = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
-    out = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vv)
-    out.backward(dout.double())
-    return out.detach(), s.logsumexp(-1).detach(), q.grad, k.grad, v.grad
 
 
 def _inputs(B, Sq, Sk, Hq, Hkv, D, dtype, sliced, gen):

@@ -10,6 +10,8 @@ import os
 import pytest
 import torch
 
+from attention_reference import reference
+
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,19 +36,6 @@ def single_triton_config():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LONGCTX_TRITON_AUTOTUNE", os.environ.get("LONGCTX_TRITON_AUTOTUNE", "0"))
         yield
-
-
-def reference(q, k, v, dout, causal, scale):
-    q, k, v = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    group = q.shape[2] // k.shape[2]
-    kk, vv = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1),
-                          float("-inf"))
-    out = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vv)
-    out.backward(dout.double())
-    return out.detach(), s.logsumexp(-1).detach(), q.grad, k.grad, v.grad
 
 
 def rel(got, want):
