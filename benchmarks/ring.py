@@ -12,6 +12,10 @@ Sections (results in $OUT/ring_ws{N}.json, default benchmarks/results/):
   breakdown the same ring with communication switched off (compute only), the transfers
             alone (communication only), and a profiler summary of how much of the NCCL
             kernel time ran concurrently with compute kernels.
+  priority  our ring on a group with a normal- and one with a high-priority NCCL stream,
+            interleaved in the same run (what new_ring_group's default rests on).
+  d64       the ~350M model's attention shape (H=16, D=64): our ring vs PyTorch's CP (cuDNN)
+            at the largest S, full world.
 FLOPs: 4*S^2*D*H per forward (half for causal), backward 2.5x forward.
 """
 from __future__ import annotations
@@ -49,7 +53,7 @@ def time_fn(fn, warmup=2, iters=5):
     return t.item()
 
 
-def subgroups(world):
+def subgroups(world, high_priority=True):
     """Groups of the first p ranks for p = 1, 2, 4, ... <= world (created by every rank)."""
     sizes, p = [], 1
     while p <= world:
@@ -57,7 +61,8 @@ def subgroups(world):
         p *= 2
     if world not in sizes:
         sizes.append(world)
-    return {p: (dist.new_group(list(range(p))) if p > 1 else None) for p in sizes}
+    return {p: (ring_comm.new_ring_group(range(p), high_priority=high_priority) if p > 1 else None)
+            for p in sizes}
 
 
 def local_inputs(b, s_local, hq, hkv, d, seed, dtype=torch.bfloat16):
@@ -174,10 +179,9 @@ def section_memory(res, args, groups):
 
 
 # ---------------------------------------------------------------------------------- speed
-def run_ring_timing(res_key, res, args, groups, s_total, p, hq, hkv, backend, extra=None):
+def run_ring_timing(res_key, res, args, groups, s_total, p, hq, hkv, backend, extra=None, d=128):
     rank = dist.get_rank()
     group = groups[p]
-    d = 128
     t = torch.zeros(1, device="cuda")
     if rank < p:
         try:
@@ -271,38 +275,45 @@ def section_peer(res, args, groups):
             torch.cuda.empty_cache()
     if world == 1:
         return
+    for method in ("allgather", "alltoall"):
+        for s_total in args.seqs:
+            for be, name in sdpa_backends:
+                time_torch_cp(res, "peer", method, s_total, h, d, be, name)
+
+
+def time_torch_cp(res, res_key, method, s_total, h, d, be, name):
+    """PyTorch's context_parallel (SDPA backend ``be``) over the whole world, fwd+bwd."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental import _attention as cpa
+    from torch.nn.attention import sdpa_kernel
 
+    world = dist.get_world_size()
     mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("cp",))
-    for method in ("allgather", "alltoall"):
-        try:
-            cpa.set_rotate_method(method)
-        except Exception as ex:
-            log("rotate method", method, repr(ex)[:200])
-        for s_total in args.seqs:
-            for be, name in sdpa_backends:
-                try:
-                    torch.manual_seed(0)
-                    full = [torch.randn(1, h, s_total, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-                    with context_parallel(mesh, buffers=full, buffer_seq_dims=[2, 2, 2], no_restore_buffers=set(full)):
-                        q, k, v = (t.detach().requires_grad_() for t in full)
-                        do = torch.randn_like(q)
+    try:
+        cpa.set_rotate_method(method)
+    except Exception as ex:
+        log("rotate method", method, repr(ex)[:200])
+    try:
+        torch.manual_seed(0)
+        full = [torch.randn(1, h, s_total, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+        with context_parallel(mesh, buffers=full, buffer_seq_dims=[2, 2, 2], no_restore_buffers=set(full)):
+            q, k, v = (t.detach().requires_grad_() for t in full)
+            do = torch.randn_like(q)
 
-                        def fb():
-                            with sdpa_kernel(be):
-                                F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+            def fb():
+                with sdpa_kernel(be):
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
 
-                        ms = time_fn(fb, iters=5 if s_total <= 128 * K else 2)
-                    r = dict(impl=f"torch-cp-{name}", method=method, P=world, S_total=s_total, fb_ms=ms,
-                             fb_tflops_per_gpu=attn_flops(s_total, h, d) / world / ms / 1e9)
-                    res.setdefault("peer", []).append(r)
-                    log("peer", json.dumps(r))
-                    del full, q, k, v, do
-                except Exception as ex:
-                    log("torch cp fail", method, name, s_total, repr(ex)[:300])
-                torch.cuda.empty_cache()
+            ms = time_fn(fb, iters=5 if s_total <= 128 * K else 2)
+        r = dict(impl=f"torch-cp-{name}", method=method, P=world, S_total=s_total, H=h, D=d, fb_ms=ms,
+                 fb_tflops_per_gpu=attn_flops(s_total, h, d) / world / ms / 1e9)
+        res.setdefault(res_key, []).append(r)
+        log(res_key, json.dumps(r))
+        del full, q, k, v, do
+    except Exception as ex:
+        log("torch cp fail", method, name, s_total, repr(ex)[:300])
+    torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------ breakdown
@@ -317,26 +328,28 @@ def section_breakdown(res, args, groups):
         return
     h, d = 16, 128
     backend = args.backends[0]
+    group = groups[world]
     for s_total in args.seqs[:2]:
         q, k, v, dout = local_inputs(1, s_total // world, h, h, d, seed=rank)
-        total = time_fn(ring_step(q, k, v, dout, dist.group.WORLD, backend))
-        real_shift = ring_comm.RingExchange.shift
+        total = time_fn(ring_step(q, k, v, dout, group, backend))
+        real = ring_comm.RingExchange.shift, ring_comm.RingExchange.shift_back
         ring_comm.RingExchange.shift = lambda self, send, recv: _NoComm()
+        ring_comm.RingExchange.shift_back = lambda self, send, recv: _NoComm()
         try:
-            compute = time_fn(ring_step(q, k, v, dout, dist.group.WORLD, backend))
+            compute = time_fn(ring_step(q, k, v, dout, group, backend))
         finally:
-            ring_comm.RingExchange.shift = real_shift
-        comm_obj = ring_comm.RingExchange(dist.group.WORLD)
+            ring_comm.RingExchange.shift, ring_comm.RingExchange.shift_back = real
+        comm_obj = ring_comm.RingExchange(group)
         kv = torch.empty((2, 2, *k.shape), dtype=k.dtype, device="cuda")
         dkv = torch.empty((2, 2, *k.shape), dtype=torch.float32, device="cuda")
 
         def comm_only():
             for i in range(world - 1):  # forward K/V hops
                 comm_obj.shift(kv[i % 2], kv[(i + 1) % 2]).wait()
-            for i in range(world - 1):  # backward K/V hops
-                comm_obj.shift(kv[i % 2], kv[(i + 1) % 2]).wait()
-            for i in range(world):      # backward dK/dV hops (fp32)
-                comm_obj.shift(dkv[i % 2], dkv[(i + 1) % 2]).wait()
+            for i in range(world - 2):  # backward K/V hops (its first block is kept)
+                comm_obj.shift_back(kv[i % 2], kv[(i + 1) % 2]).wait()
+            for i in range(world - 1):  # backward dK/dV hops (fp32)
+                comm_obj.shift_back(dkv[i % 2], dkv[(i + 1) % 2]).wait()
 
         comm = time_fn(comm_only)
         r = dict(backend=backend, P=world, S_total=s_total, total_ms=total, compute_only_ms=compute,
@@ -345,7 +358,7 @@ def section_breakdown(res, args, groups):
         try:
             from torch.profiler import ProfilerActivity, profile
 
-            run = ring_step(q, k, v, dout, dist.group.WORLD, backend)
+            run = ring_step(q, k, v, dout, group, backend)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 run()
                 torch.cuda.synchronize()
@@ -359,6 +372,36 @@ def section_breakdown(res, args, groups):
         log("breakdown", json.dumps(r))
         del q, k, v, dout, kv, dkv
         torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------- priority
+def section_priority(res, args, groups):
+    """Normal vs high-priority NCCL stream for the ring's group, interleaved, 3 rounds."""
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    normal = ring_comm.new_ring_group(range(world), high_priority=False)
+    high = groups[world] if args.nccl_priority == "high" else ring_comm.new_ring_group(range(world))
+    by_prio = {"normal": {world: normal}, "high": {world: high}}
+    for s_total in args.seqs[:2]:
+        for backend in args.backends:
+            for rnd in range(3):
+                for prio, g in by_prio.items():
+                    run_ring_timing("priority", res, args, g, s_total, world, 16, 16, backend,
+                                    extra=dict(nccl_stream=prio, round=rnd))
+
+
+# ------------------------------------------------------------------------------------ d64
+def section_d64(res, args, groups):
+    """The gpt-350m attention shape (16 heads of 64): ours vs PyTorch CP cuDNN."""
+    from torch.nn.attention import SDPBackend
+
+    world = dist.get_world_size()
+    s_total = args.seqs[min(1, len(args.seqs) - 1)]
+    for backend in args.backends:
+        run_ring_timing("d64", res, args, groups, s_total, world, 16, 16, backend, d=64)
+    if world > 1:
+        time_torch_cp(res, "d64", "alltoall", s_total, 16, 64, SDPBackend.CUDNN_ATTENTION, "cudnn")
 
 
 def _union(intervals):
@@ -393,6 +436,9 @@ def main():
     ap.add_argument("--backends", default="cudnn,triton")
     ap.add_argument("--seqs", default="32768,131072,524288")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--nccl-priority", choices=("high", "normal"), default="high",
+                    help="CUDA stream priority of the ring groups' NCCL stream")
+    ap.add_argument("--tag", default="", help="suffix of the results file name")
     args = ap.parse_args()
     args.backends = args.backends.split(",")
     args.seqs = [int(s) for s in args.seqs.split(",")]
@@ -401,8 +447,9 @@ def main():
     world = dist.get_world_size()
     res = dict(world_size=world, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                date=time.strftime("%Y-%m-%d"), shapes="bf16 causal B=1 H=16 D=128 (gqa: 32q/8kv)")
-    groups = subgroups(world)
-    out_path = os.path.join(args.out, f"ring_ws{world}.json")
+    res["nccl_stream"] = args.nccl_priority
+    groups = subgroups(world, high_priority=args.nccl_priority == "high")
+    out_path = os.path.join(args.out, f"ring_ws{world}{args.tag}.json")
     for name in args.sections.split(","):
         t0 = time.time()
         try:

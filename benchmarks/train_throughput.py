@@ -1,7 +1,7 @@
 """Training throughput with context parallelism: tokens/s, MFU and peak memory per GPU.
 
 Run: torchrun --nproc-per-node=N benchmarks/train_throughput.py [--preset gpt-350m]
-     [--seqs 32768,131072] [--steps 3]
+     [--seqs 32768,131072] [--sizes 1,2,4] [--steps 3] [--profile]
 
 One optimizer step = forward + backward of one sequence of S tokens split over a CP group
 of P GPUs (P = 1, 2, 4, ... as subgroups of this launch), DDP gradient all-reduce over
@@ -9,7 +9,9 @@ the group, AdamW. bf16 autocast with fp32 master weights (what Lightning's bf16-
 does). Activation checkpointing per block when S/P >= 64K (recorded per row) or always
 with --checkpointing on. MFU = model FLOPs per token (GPTConfig.flops_per_token, causal
 attention, recompute not counted) x tokens/s / (P x peak bf16 dense FLOP/s).
-Results: $OUT/train_throughput_ws{N}.json (default benchmarks/results/).
+--profile adds, per row, one profiled step's GPU kernel time by kind (attention, NCCL,
+matmul, other) on rank 0: where a step's time goes.
+Results: $OUT/train_throughput_ws{N}{tag}.json (default benchmarks/results/).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from longctx import position_ids, shard_sequence
+from longctx.ring_comm import new_ring_group
 from longctx.models import GPT, GPTConfig
 
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
@@ -39,7 +42,7 @@ def log(*a):
         print(*a, flush=True)
 
 
-def measure(preset, s_total, p, group, steps, checkpointing, backend):
+def measure(preset, s_total, p, group, steps, checkpointing, backend, profile=False):
     rank = dist.get_rank()
     cfg = GPTConfig.from_preset(preset, activation_checkpointing=checkpointing, attention_backend=backend)
     torch.manual_seed(0)
@@ -77,13 +80,44 @@ def measure(preset, s_total, p, group, steps, checkpointing, backend):
     dt = (time.perf_counter() - t0) / steps
     peak = torch.cuda.max_memory_allocated() / 2**30
     finite = bool(torch.isfinite(loss).item())
+    kernel_time = profile_step(step) if profile else None
     del model, step_loss, opt
     torch.cuda.empty_cache()
     tps = s_total / dt
     return dict(preset=preset, P=p, S_total=s_total, S_per_gpu=s_total // p, checkpointing=checkpointing,
                 step_s=dt, tokens_per_s=tps, tokens_per_s_per_gpu=tps / p,
                 mfu=cfg.flops_per_token(s_total) * tps / (p * peak_flops()), peak_mem_GiB=peak,
-                params=cfg.num_params(), loss_finite=finite)
+                params=cfg.num_params(), loss_finite=finite,
+                **({"kernel_ms_by_kind": kernel_time} if kernel_time else {}))
+
+
+_KINDS = (  # substring of a CUDA kernel name -> kind; first match wins
+    ("nccl", "nccl"),
+    ("fmha", "attention"), ("cudnn", "attention"), ("flash", "attention"), ("_attn_", "attention"),
+    ("merge_partials", "attention"), ("gemm", "matmul"), ("nvjet", "matmul"), ("cutlass", "matmul"),
+    ("xmma", "matmul"),
+)
+
+
+def profile_step(step) -> dict:
+    """GPU kernel time of one step by kind (summed kernel durations, ms), plus the top 12."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    by_kind, by_name = {}, {}
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        us = e.time_range.end - e.time_range.start
+        low = e.name.lower()
+        kind = next((k for sub, k in _KINDS if sub in low), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + us / 1e3
+        by_name[e.name[:90]] = by_name.get(e.name[:90], 0.0) + us / 1e3
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    return dict(by_kind={k: round(v, 2) for k, v in by_kind.items()},
+                top=[(n, round(v, 2)) for n, v in top])
 
 
 class _Loss(torch.nn.Module):
@@ -104,13 +138,16 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--checkpointing", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--sizes", default="1,2,4,8", help="CP sizes to measure (<= world size)")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--tag", default="", help="suffix of the results file name")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = ap.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     world, rank = dist.get_world_size(), dist.get_rank()
-    sizes = [p for p in (1, 2, 4, 8) if p <= world]
-    groups = {p: (dist.new_group(list(range(p))) if p > 1 else None) for p in sizes}
+    sizes = [p for p in (int(x) for x in args.sizes.split(",")) if p <= world]
+    groups = {p: (new_ring_group(range(p)) if p > 1 else None) for p in sizes}
     res = dict(world_size=world, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                date=time.strftime("%Y-%m-%d"), peak_bf16_flops=peak_flops(), rows=[])
     for s_total in [int(s) for s in args.seqs.split(",")]:
@@ -120,7 +157,8 @@ def main():
             row = None
             if rank < p:
                 try:
-                    row = measure(args.preset, s_total, p, groups[p], args.steps, ckpt, args.backend)
+                    row = measure(args.preset, s_total, p, groups[p], args.steps, ckpt, args.backend,
+                                  profile=args.profile)
                 except Exception:
                     out[0] = 1
                     if rank == 0:
@@ -131,7 +169,7 @@ def main():
                 res["rows"].append(row)
                 print("train", json.dumps(row), flush=True)
                 os.makedirs(args.out, exist_ok=True)
-                json.dump(res, open(os.path.join(args.out, f"train_throughput_ws{world}.json"), "w"), indent=1)
+                json.dump(res, open(os.path.join(args.out, f"train_throughput_ws{world}{args.tag}.json"), "w"), indent=1)
             torch.cuda.empty_cache()
     dist.barrier()
     dist.destroy_process_group()

@@ -1,10 +1,17 @@
 """Ring attention: exact attention over a sequence sharded across a context-parallel group.
 
-Each rank keeps its Q shard; K/V shards travel rank -> rank+1 for P-1 hops while every
-rank merges its partial softmax results in fp32 through the log-sum-exp. The backward
-is a ring too: K/V travel again, together with fp32 dK/dV accumulators that collect
-every rank's contribution and arrive home after P hops. Per rank, at most two K/V
-shards, two dK/dV shards and the fp32 accumulators are resident: memory is O(S/P).
+Forward: each rank keeps its Q shard; K/V shards travel rank -> rank+1 for P-1 hops while
+every rank merges its partial softmax results in fp32 through the log-sum-exp. The last
+K/V shard a rank receives (rank+1's) is kept for the backward.
+
+Backward: the same blocks in reverse order, K/V travelling the other way (rank -> rank-1)
+together with fp32 dK/dV accumulators that collect every other rank's contribution.
+Reversing the order hides both ends of the backward ring: its first block is the shard
+kept from the forward (no transfer to wait for), and the local diagonal block is computed
+last, while the accumulated dK/dV of the local shard make their final hop home. (With the
+diagonal first, as in the forward, that final fp32 hop has nothing to overlap with.)
+Per rank: at most three K/V shards (one kept), two dK/dV shards and the fp32 accumulators
+are resident, so memory is O(S/P).
 
 Zigzag layout (rank r holds chunks r and 2P-1-r of 2P), causal, step s, K/V from rank
 (r - s) mod P:
@@ -114,16 +121,18 @@ class _RingAttention(torch.autograd.Function):
         backend = resolve_backend(backend, q, k, causal)
         partial_dtype = _partial_dtype(backend, acc_dtype)
 
-        # Double buffer, allocated once per call: [slot][k or v]. One message per hop.
-        kv = torch.empty((2, 2, *k.shape), dtype=k.dtype, device=k.device)
-        kv[0, 0].copy_(k)
-        kv[0, 1].copy_(v)
+        # Double buffer, allocated once per call as two tensors, so that keeping the last
+        # slot for the backward does not keep the other alive. Slot = [k, v]: one message
+        # per hop.
+        slots = [torch.empty((2, *k.shape), dtype=k.dtype, device=k.device) for _ in range(2)]
+        slots[0][0].copy_(k)
+        slots[0][1].copy_(v)
         out: Optional[torch.Tensor] = None
         lse: Optional[torch.Tensor] = None
         for step in range(world):
-            current = kv[step % 2]
+            current = slots[step % 2]
             # Post the next hop before computing, so the transfer overlaps this block.
-            pending = comm.shift(current, kv[(step + 1) % 2]) if step + 1 < world else None
+            pending = comm.shift(current, slots[(step + 1) % 2]) if step + 1 < world else None
             block = _block_for_step(rank, step, world, layout, causal, s_local)
             if block is not None:
                 rows, cols, masked = block
@@ -140,13 +149,15 @@ class _RingAttention(torch.autograd.Function):
                 pending.wait()
 
         result = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse)
+        # rank+1's K/V shard (step P-1): the backward's first block, already here.
+        last_kv = slots[(world - 1) % 2]
+        ctx.save_for_backward(q, k, v, result, lse, last_kv)
         ctx.args = (group, causal, layout, scale, backend)
         return result
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, last_kv = ctx.saved_tensors
         group, causal, layout, scale, backend = ctx.args
         comm = RingExchange(group)
         world, rank = comm.world_size, comm.rank
@@ -157,39 +168,56 @@ class _RingAttention(torch.autograd.Function):
         # delta = rowsum(dO * O) once per layer, not once per block.
         delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1).transpose(1, 2).contiguous()
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-        kv = torch.empty((2, 2, *k.shape), dtype=k.dtype, device=k.device)
-        kv[0, 0].copy_(k)
-        kv[0, 1].copy_(v)
-        # dK/dV accumulators travel with their K/V block: [slot][dk or dv], fp32.
-        dkv = torch.empty((2, 2, *k.shape), dtype=acc_dtype, device=k.device)
-        dkv[0].zero_()
-        dkv_pending = None
-        for step in range(world):
-            current, dcurrent = kv[step % 2], dkv[step % 2]
-            kv_pending = comm.shift(current, kv[(step + 1) % 2]) if step + 1 < world else None
+
+        def block_grads(step, block_k, block_v):
+            """Adds this step's dQ; returns (kv rows, dK, dV) of the block, or None."""
             block = _block_for_step(rank, step, world, layout, causal, s_local)
-            grads = None
-            if block is not None:
-                rows, cols, masked = block
-                grads = attention_backward(
-                    dout[:, rows], q[:, rows], current[0][:, cols], current[1][:, cols],
-                    out[:, rows], lse[:, :, rows],
-                    causal=masked, softmax_scale=scale, backend=backend,
-                    delta=delta[:, :, rows], grad_dtype=partial_dtype,
-                )
-            if dkv_pending is not None:
-                dkv_pending.wait()  # this block's partial dK/dV has arrived from rank-1
+            if block is None:
+                return None
+            rows, cols, masked = block
+            dq_b, dk_b, dv_b = attention_backward(
+                dout[:, rows], q[:, rows], block_k[:, cols], block_v[:, cols],
+                out[:, rows], lse[:, :, rows],
+                causal=masked, softmax_scale=scale, backend=backend,
+                delta=delta[:, :, rows], grad_dtype=partial_dtype,
+            )
+            dq[:, rows] += dq_b
+            return cols, dk_b, dv_b
+
+        # Steps P-1, ..., 1 (K/V of ranks r+1, r+2, ..., r-1), then the diagonal (step 0).
+        # K/V arrive from rank+1 into two receive buffers (the kept shard is never
+        # overwritten: a second backward with retain_graph=True must find it intact).
+        # dK/dV accumulators go to rank-1, double-buffered.
+        recv_kv = [torch.empty_like(last_kv) if world > 2 else None,
+                   torch.empty_like(last_kv) if world > 3 else None]
+        dkv = [torch.empty((2, *k.shape), dtype=acc_dtype, device=k.device) for _ in range(2)]
+        dkv_pending = None
+        for i, step in enumerate(range(world - 1, 0, -1)):
+            current = last_kv if i == 0 else recv_kv[(i - 1) % 2]
+            # Post the next block's K/V before computing this one.
+            kv_pending = comm.shift_back(current, recv_kv[i % 2]) if step > 1 else None
+            grads = block_grads(step, current[0], current[1])
+            acc = dkv[i % 2]
+            if dkv_pending is None:
+                acc.zero_()  # this rank is the block's first contributor
+            else:
+                dkv_pending.wait()  # rank+1's partial sums for this block have arrived
             if grads is not None:
-                dq_b, dk_b, dv_b = grads
-                dq[:, rows] += dq_b
-                dcurrent[0][:, cols] += dk_b
-                dcurrent[1][:, cols] += dv_b
-            # Pass the partial sums on; the hop at the last step brings each block home.
-            dkv_pending = comm.shift(dcurrent, dkv[(step + 1) % 2])
+                cols, dk_b, dv_b = grads
+                acc[0][:, cols] += dk_b
+                acc[1][:, cols] += dv_b
+            # Pass the partial sums on; the hop after step 1 takes them to the block's owner.
+            dkv_pending = comm.shift_back(acc, dkv[(i + 1) % 2])
             if kv_pending is not None:
                 kv_pending.wait()
+        # The diagonal block runs while this shard's accumulated dK/dV travel home.
+        grads = block_grads(0, k, v)
         dkv_pending.wait()
-        home = dkv[world % 2]
+        home = dkv[(world - 1) % 2]
+        if grads is not None:
+            cols, dk_b, dv_b = grads
+            home[0][:, cols] += dk_b
+            home[1][:, cols] += dv_b
         return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None, None, None
 
 

@@ -1,4 +1,4 @@
-"""Point-to-point ring exchange: send to rank+1, receive from rank-1, without blocking.
+"""Point-to-point ring exchange along the ring in either direction, without blocking.
 
 Why batched isend/irecv: ``dist.batch_isend_irecv`` posts the send and the receive
 together, so every rank is sending and receiving at once and no ordering of the ranks
@@ -11,10 +11,29 @@ concurrently with the transfer. On gloo (CPU) ``wait()`` blocks, which is fine t
 """
 from __future__ import annotations
 
-from typing import Optional
+from datetime import timedelta
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+
+def new_ring_group(ranks: Sequence[int], *, timeout: Optional[timedelta] = None,
+                   high_priority: bool = True) -> dist.ProcessGroup:
+    """``dist.new_group(ranks)`` for a context-parallel group; every rank must call it.
+
+    On NCCL, ``high_priority`` puts the group's communication stream at the highest CUDA
+    stream priority. Why: a ring hop is posted just before the block it should overlap,
+    and both become runnable when the previous block ends; the block scheduler then
+    serves the transfer's thread blocks first instead of after a whole attention kernel
+    that fills every SM.
+    """
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    if high_priority and dist.get_backend() == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = True
+        kwargs["pg_options"] = options
+    return dist.new_group(list(ranks), **kwargs)
 
 
 class RingExchange:
@@ -33,6 +52,14 @@ class RingExchange:
         ops = [
             dist.P2POp(dist.isend, send, self.next_rank, self.group),
             dist.P2POp(dist.irecv, recv, self.prev_rank, self.group),
+        ]
+        return PendingShift(dist.batch_isend_irecv(ops))
+
+    def shift_back(self, send: torch.Tensor, recv: torch.Tensor) -> "PendingShift":
+        """The reverse direction: send ``send`` to the previous rank, receive ``recv`` from the next."""
+        ops = [
+            dist.P2POp(dist.isend, send, self.prev_rank, self.group),
+            dist.P2POp(dist.irecv, recv, self.next_rank, self.group),
         ]
         return PendingShift(dist.batch_isend_irecv(ops))
 

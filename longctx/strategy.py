@@ -43,6 +43,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch.distributed.device_mesh import DeviceMesh
 
 from .layouts import check_layout
+from .ring_comm import new_ring_group
 from .watchdog import RankWatchdog
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -260,7 +261,8 @@ class ContextParallelStrategy(DDPStrategy):
         # The subgroups are created by hand (not init_device_mesh) so they get our timeout:
         # new_group without one falls back to torch's 10/30-minute defaults. Every rank must
         # create every group, in the same order.
-        cp_groups = [dist.new_group(r.tolist(), timeout=self._timeout) for r in ranks]
+        # CP groups carry the ring's P2P traffic: high-priority NCCL stream (see new_ring_group).
+        cp_groups = [new_ring_group(r.tolist(), timeout=self._timeout) for r in ranks]
         dp_groups = [dist.new_group(c.tolist(), timeout=self._timeout) for c in ranks.t()]
         cp_group = cp_groups[self.dp_rank]
         dp_group = dp_groups[self.cp_rank]

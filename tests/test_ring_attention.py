@@ -120,8 +120,28 @@ def test_ring_is_point_to_point_and_sends_one_shard_per_hop():
     world = 3
     sends = run_distributed(_ring_uses_only_point_to_point, world)[0]
     kv_shard = 2 * 1 * 8 * 2 * 4  # k and v of one local shard
-    # forward: P-1 K/V hops; backward: P-1 K/V hops plus P dK/dV hops (same size in fp32).
-    assert sends == [kv_shard] * ((world - 1) + (world - 1) + world)
+    # forward: P-1 K/V hops. Backward: its first block is the shard kept from the forward,
+    # so P-2 K/V hops, plus P-1 dK/dV hops (same element count, fp32).
+    assert sends == [kv_shard] * ((world - 1) + (world - 2) + (world - 1))
+
+
+def _second_backward_matches_first(rank, world):
+    """retain_graph=True: a second backward must reuse intact saved tensors (the backward
+    receives K/V into its own buffers, never into the shard kept from the forward)."""
+    torch.manual_seed(100 + rank)
+    q, k, v = (torch.randn(1, 8, 2, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    w = torch.randn(1, 8, 2, 4, dtype=torch.float64)
+    out = ring_attention(q, k, v, group=dist.group.WORLD)
+    first = torch.autograd.grad((out * w).sum(), (q, k, v), retain_graph=True)
+    second = torch.autograd.grad((out * w).sum(), (q, k, v))
+    return [(a - b).abs().max().item() for a, b in zip(first, second)] + [
+        float(torch.isfinite(g).all()) for g in first
+    ]
+
+
+def test_second_backward_with_retained_graph_is_identical():
+    for diffs in run_distributed(_second_backward_matches_first, 4):
+        assert diffs[:3] == [0.0, 0.0, 0.0] and diffs[3:] == [1.0, 1.0, 1.0], diffs
 
 
 def _bad_inputs(rank, world):
