@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-tool call's worth of GPU benchmarks; results land in $OUT (JSON + logs).
 #   bash benchmarks/device_suite.sh ring    # ring.py: correctness, scaling, peers, breakdown
-#   bash benchmarks/device_suite.sh train   # train_throughput.py at 32K/128K on all GPUs, profiled
+#   bash benchmarks/device_suite.sh train [--set k=v ...]  # train_throughput.py, profiled
 # Each part has its own time limit so one slow section cannot eat the whole call.
 set -u
 OUT=${OUT:-benchmarks/results}
@@ -19,6 +19,7 @@ case "${1:-ring}" in
   train)
     timeout 560 torchrun --nproc-per-node="$N" benchmarks/train_throughput.py \
       --seqs "${SEQS:-131072,32768}" --sizes "${SIZES:-$N}" --steps 3 --profile \
-      --out "$OUT" --tag "${TAG:-}" 2>&1 | tee "$OUT/train.log" | tail -40
+      --out "$OUT" --tag "${TAG:-}" "${@:2}" 2>&1 | grep -v "^W1\|Warning\|_warn_once" \
+      | tee "$OUT/train.log" | tail -40
     ;;
 esac

@@ -42,9 +42,10 @@ def log(*a):
         print(*a, flush=True)
 
 
-def measure(preset, s_total, p, group, steps, checkpointing, backend, profile=False):
+def measure(preset, s_total, p, group, steps, checkpointing, backend, profile=False, overrides=None):
     rank = dist.get_rank()
-    cfg = GPTConfig.from_preset(preset, activation_checkpointing=checkpointing, attention_backend=backend)
+    cfg = GPTConfig.from_preset(preset, activation_checkpointing=checkpointing, attention_backend=backend,
+                                **(overrides or {}))
     torch.manual_seed(0)
     model = GPT(cfg).cuda()
     model.set_context_parallel_group(group)
@@ -84,7 +85,7 @@ def measure(preset, s_total, p, group, steps, checkpointing, backend, profile=Fa
     del model, step_loss, opt
     torch.cuda.empty_cache()
     tps = s_total / dt
-    return dict(preset=preset, P=p, S_total=s_total, S_per_gpu=s_total // p, checkpointing=checkpointing,
+    return dict(preset=preset, overrides=overrides or {}, head_dim=cfg.head_dim, P=p, S_total=s_total, S_per_gpu=s_total // p, checkpointing=checkpointing,
                 step_s=dt, tokens_per_s=tps, tokens_per_s_per_gpu=tps / p,
                 mfu=cfg.flops_per_token(s_total) * tps / (p * peak_flops()), peak_mem_GiB=peak,
                 params=cfg.num_params(), loss_finite=finite,
@@ -140,6 +141,9 @@ def main():
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--sizes", default="1,2,4,8", help="CP sizes to measure (<= world size)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="GPTConfig overrides (JSON values) of one variant, ',' between keys, e.g. "
+                         "'fuse_pointwise=true,n_head=8'; repeat --set to measure several variants")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = ap.parse_args()
@@ -150,27 +154,32 @@ def main():
     groups = {p: (new_ring_group(range(p)) if p > 1 else None) for p in sizes}
     res = dict(world_size=world, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                date=time.strftime("%Y-%m-%d"), peak_bf16_flops=peak_flops(), rows=[])
-    for s_total in [int(s) for s in args.seqs.split(",")]:
-        for p in sizes:
-            ckpt = {"on": True, "off": False}.get(args.checkpointing, s_total // p >= 65536)
-            out = torch.zeros(1, device="cuda")
-            row = None
-            if rank < p:
-                try:
-                    row = measure(args.preset, s_total, p, groups[p], args.steps, ckpt, args.backend,
-                                  profile=args.profile)
-                except Exception:
-                    out[0] = 1
-                    if rank == 0:
-                        traceback.print_exc()
-            dist.all_reduce(out)
-            if rank == 0:
-                row = row or dict(preset=args.preset, P=p, S_total=s_total, error=True)
-                res["rows"].append(row)
-                print("train", json.dumps(row), flush=True)
-                os.makedirs(args.out, exist_ok=True)
-                json.dump(res, open(os.path.join(args.out, f"train_throughput_ws{world}{args.tag}.json"), "w"), indent=1)
-            torch.cuda.empty_cache()
+    variants = [{}]
+    if args.set:
+        variants = []
+        for chunk in ";".join(args.set).split(";"):
+            pairs = [kv for kv in chunk.split(",") if kv.strip()]
+            variants.append({k.strip(): json.loads(v) for k, v in (kv.split("=", 1) for kv in pairs)})
+    for s_total, p, overrides in [(int(s), p, o) for s in args.seqs.split(",") for p in sizes for o in variants]:
+        ckpt = {"on": True, "off": False}.get(args.checkpointing, s_total // p >= 65536)
+        out = torch.zeros(1, device="cuda")
+        row = None
+        if rank < p:
+            try:
+                row = measure(args.preset, s_total, p, groups[p], args.steps, ckpt, args.backend,
+                              profile=args.profile, overrides=overrides)
+            except Exception:
+                out[0] = 1
+                if rank == 0:
+                    traceback.print_exc()
+        dist.all_reduce(out)
+        if rank == 0:
+            row = row or dict(preset=args.preset, overrides=overrides, P=p, S_total=s_total, error=True)
+            res["rows"].append(row)
+            print("train", json.dumps(row), flush=True)
+            os.makedirs(args.out, exist_ok=True)
+            json.dump(res, open(os.path.join(args.out, f"train_throughput_ws{world}{args.tag}.json"), "w"), indent=1)
+        torch.cuda.empty_cache()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -52,6 +52,9 @@ class GPTConfig:
     # most this many tokens exist at once (4096 x 49152 x 4 B = 0.8 GB for SmolLM2).
     loss_chunk_size: int = 4096
     init_std: float = 0.02
+    # Fuse RMSNorm, RoPE and the SwiGLU gate with torch.compile (the first step compiles;
+    # needs a working inductor backend). Same math; fewer passes over the activations.
+    fuse_pointwise: bool = False
     # Passed to ring_attention(backend=...): "auto", "torch", "triton", "cudnn", "flash".
     attention_backend: str = "auto"
 

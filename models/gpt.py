@@ -37,19 +37,45 @@ from .config import GPTConfig
 
 IGNORE_INDEX = -100
 
+# ---- pointwise fusion ----------------------------------------------------------------
+# Eager RMSNorm, RoPE and the SwiGLU gate are chains of small elementwise kernels, each a
+# full pass over the activations (profiled on H200: ~30% of a 350M step at 32K tokens).
+# With fusion on, each chain runs through torch.compile as one or two kernels, forward
+# and backward. Attention (with its ring communication) is never compiled.
+COMPILE_BACKEND = "inductor"
+_compiled: dict = {}
+
+
+def fused(fn):
+    """``fn`` through torch.compile, compiled once per (function, backend)."""
+    key = (fn, COMPILE_BACKEND)
+    if key not in _compiled:
+        _compiled[key] = torch.compile(fn, backend=COMPILE_BACKEND)
+    return _compiled[key]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in fp32 (bf16 squares lose too much), then return to the input dtype
+    # before the gain, as Llama does.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def swiglu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fuse_pointwise = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 (bf16 squares lose too much), then return to the input dtype
-        # before the gain, as Llama does.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        fn = fused(rms_norm) if self.fuse_pointwise else rms_norm
+        return fn(x, self.weight, self.eps)
 
 
 # ---- rotary embeddings ------------------------------------------------------------------
@@ -89,6 +115,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
 def default_position_ids(local_len: int, group: Optional[dist.ProcessGroup], layout: str,
                          device: torch.device) -> torch.Tensor:
     """Global positions of this rank's tokens when the caller gave none: the layout decides."""
@@ -126,6 +157,7 @@ class RingSelfAttention(nn.Module):
         self.o_proj = nn.Linear(n_head * head_dim, n_embd, bias=False)
         self.cp_group: Optional[dist.ProcessGroup] = None
         self.cp_layout = "zigzag"
+        self.fuse_pointwise = False
 
     def set_context_parallel_group(self, group: Optional[dist.ProcessGroup],
                                    layout: str = "zigzag") -> None:
@@ -144,7 +176,7 @@ class RingSelfAttention(nn.Module):
         k = self.k_proj(x).view(B, S, self.n_kv_head, self.head_dim)
         v = self.v_proj(x).view(B, S, self.n_kv_head, self.head_dim)
         cos, sin = rope_cos_sin(position_ids, self.head_dim, self.rope_theta, self.rope_scaling)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = (fused(apply_rope_qk) if self.fuse_pointwise else apply_rope_qk)(q, k, cos, sin)
         y = ring_attention(q, k, v, group=self.cp_group, causal=True, layout=self.cp_layout,
                            backend=self.backend)
         return self.o_proj(y.reshape(B, S, self.n_head * self.head_dim))
@@ -156,9 +188,11 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(n_embd, hidden, bias=False)
         self.up_proj = nn.Linear(n_embd, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, n_embd, bias=False)
+        self.fuse_pointwise = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = fused(swiglu_gate) if self.fuse_pointwise else swiglu_gate
+        return self.down_proj(gate(self.gate_proj(x), self.up_proj(x)))
 
 
 class TransformerBlock(nn.Module):
@@ -240,6 +274,7 @@ class GPT(nn.Module):
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.cp_group: Optional[dist.ProcessGroup] = None
         self.cp_layout = "zigzag"
+        self.set_pointwise_fusion(config.fuse_pointwise)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -267,6 +302,12 @@ class GPT(nn.Module):
         for m in self.modules():
             if isinstance(m, RingSelfAttention):
                 m.set_context_parallel_group(group, layout)
+
+    def set_pointwise_fusion(self, enabled: bool) -> None:
+        """Run RMSNorm, RoPE and the SwiGLU gate through torch.compile (see ``fused``)."""
+        for m in self.modules():
+            if hasattr(m, "fuse_pointwise"):
+                m.fuse_pointwise = bool(enabled)
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
         for block in self.blocks:

@@ -187,3 +187,18 @@ def test_lr_schedule():
     assert values[:3] == [0.5, 1.0, 1.0]  # linear warmup, then the cosine starts at the peak
     assert all(a > b for a, b in zip(values[2:10], values[3:11]))  # decays to the floor...
     assert values[10] == values[11] == pytest.approx(0.1)  # ...and stays there
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_resolves(path):
+    """A config in configs/ with a misspelt or stale key would only fail on a GPU job."""
+    import importlib.util
+
+    from longctx.models import GPTConfig
+
+    spec = importlib.util.spec_from_file_location("train_cli", TRAIN)
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    cfg, _ = train.resolve_config(train.parse_args(["--config", str(path)]))
+    config = GPTConfig.from_dict(cfg["model"])
+    assert config.n_layer > 0
