@@ -53,7 +53,7 @@ def time_fn(fn, warmup=2, iters=5):
     return t.item()
 
 
-def subgroups(world, high_priority=True):
+def subgroups(world, high_priority=False):
     """Groups of the first p ranks for p = 1, 2, 4, ... <= world (created by every rank)."""
     sizes, p = [], 1
     while p <= world:
@@ -380,8 +380,10 @@ def section_priority(res, args, groups):
     world = dist.get_world_size()
     if world == 1:
         return
-    normal = ring_comm.new_ring_group(range(world), high_priority=False)
-    high = groups[world] if args.nccl_priority == "high" else ring_comm.new_ring_group(range(world))
+    normal = (groups[world] if args.nccl_priority == "normal"
+              else ring_comm.new_ring_group(range(world), high_priority=False))
+    high = (groups[world] if args.nccl_priority == "high"
+            else ring_comm.new_ring_group(range(world), high_priority=True))
     by_prio = {"normal": {world: normal}, "high": {world: high}}
     for s_total in args.seqs[:2]:
         for backend in args.backends:
@@ -436,7 +438,7 @@ def main():
     ap.add_argument("--backends", default="cudnn,triton")
     ap.add_argument("--seqs", default="32768,131072,524288")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    ap.add_argument("--nccl-priority", choices=("high", "normal"), default="high",
+    ap.add_argument("--nccl-priority", choices=("high", "normal"), default="normal",
                     help="CUDA stream priority of the ring groups' NCCL stream")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     args = ap.parse_args()

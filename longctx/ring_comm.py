@@ -19,14 +19,13 @@ import torch.distributed as dist
 
 
 def new_ring_group(ranks: Sequence[int], *, timeout: Optional[timedelta] = None,
-                   high_priority: bool = True) -> dist.ProcessGroup:
+                   high_priority: bool = False) -> dist.ProcessGroup:
     """``dist.new_group(ranks)`` for a context-parallel group; every rank must call it.
 
     On NCCL, ``high_priority`` puts the group's communication stream at the highest CUDA
-    stream priority. Why: a ring hop is posted just before the block it should overlap,
-    and both become runnable when the previous block ends; the block scheduler then
-    serves the transfer's thread blocks first instead of after a whole attention kernel
-    that fills every SM.
+    stream priority, so that a hop posted just before a block could be scheduled ahead of
+    that block's attention kernel. Measured on 2 x H200 (benchmarks/ring.py --sections
+    priority): no difference at 32K or 128K, hence off by default.
     """
     kwargs = {} if timeout is None else {"timeout": timeout}
     if high_priority and dist.get_backend() == "nccl":

@@ -261,7 +261,6 @@ class ContextParallelStrategy(DDPStrategy):
         # The subgroups are created by hand (not init_device_mesh) so they get our timeout:
         # new_group without one falls back to torch's 10/30-minute defaults. Every rank must
         # create every group, in the same order.
-        # CP groups carry the ring's P2P traffic: high-priority NCCL stream (see new_ring_group).
         cp_groups = [new_ring_group(r.tolist(), timeout=self._timeout) for r in ranks]
         dp_groups = [dist.new_group(c.tolist(), timeout=self._timeout) for c in ranks.t()]
         cp_group = cp_groups[self.dp_rank]
