@@ -6,9 +6,10 @@ Run: torchrun --nproc-per-node=N benchmarks/train_throughput.py [--preset gpt-35
 One optimizer step = forward + backward of one sequence of S tokens split over a CP group
 of P GPUs (P = 1, 2, 4, ... as subgroups of this launch), DDP gradient all-reduce over
 the group, AdamW. bf16 autocast with fp32 master weights (what Lightning's bf16-mixed
-does). Activation checkpointing per block when S/P >= 64K (recorded per row) or always
-with --checkpointing on. MFU = model FLOPs per token (GPTConfig.flops_per_token, causal
-attention, recompute not counted) x tokens/s / (P x peak bf16 dense FLOP/s).
+does). Activation checkpointing per block when S/P >= 64K (recorded per row), or as
+--checkpointing says (on, off, selective, auto-selective). MFU = model FLOPs per token
+(GPTConfig.flops_per_token, causal attention, recompute not counted) x tokens/s /
+(P x peak bf16 dense FLOP/s).
 --profile adds, per row, one profiled step's GPU kernel time by kind (attention, NCCL,
 matmul, other) on rank 0: where a step's time goes.
 Results: $OUT/train_throughput_ws{N}{tag}.json (default benchmarks/results/).
@@ -44,8 +45,9 @@ def log(*a):
 
 def measure(preset, s_total, p, group, steps, checkpointing, backend, profile=False, overrides=None):
     rank = dist.get_rank()
-    cfg = GPTConfig.from_preset(preset, activation_checkpointing=checkpointing, attention_backend=backend,
-                                **(overrides or {}))
+    # --set overrides win over --checkpointing/--backend (variants may set them too).
+    cfg = GPTConfig.from_preset(preset, **{"activation_checkpointing": checkpointing,
+                                           "attention_backend": backend, **(overrides or {})})
     torch.manual_seed(0)
     model = GPT(cfg).cuda()
     model.set_context_parallel_group(group)
@@ -85,7 +87,7 @@ def measure(preset, s_total, p, group, steps, checkpointing, backend, profile=Fa
     del model, step_loss, opt
     torch.cuda.empty_cache()
     tps = s_total / dt
-    return dict(preset=preset, overrides=overrides or {}, head_dim=cfg.head_dim, P=p, S_total=s_total, S_per_gpu=s_total // p, checkpointing=checkpointing,
+    return dict(preset=preset, overrides=overrides or {}, head_dim=cfg.head_dim, P=p, S_total=s_total, S_per_gpu=s_total // p, checkpointing=cfg.activation_checkpointing,
                 step_s=dt, tokens_per_s=tps, tokens_per_s_per_gpu=tps / p,
                 mfu=cfg.flops_per_token(s_total) * tps / (p * peak_flops()), peak_mem_GiB=peak,
                 params=cfg.num_params(), loss_finite=finite,
@@ -137,7 +139,9 @@ def main():
     ap.add_argument("--preset", default="gpt-350m")
     ap.add_argument("--seqs", default="32768,131072")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--checkpointing", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--checkpointing", default="auto", choices=["auto", "auto-selective", "on", "off", "selective"],
+                    help="auto: whole blocks when S/P >= 64K, else none; auto-selective: 'selective' "
+                         "(never recompute the ring) when S/P >= 64K")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--sizes", default="1,2,4,8", help="CP sizes to measure (<= world size)")
     ap.add_argument("--profile", action="store_true")
@@ -161,7 +165,9 @@ def main():
             pairs = [kv for kv in chunk.split(",") if kv.strip()]
             variants.append({k.strip(): json.loads(v) for k, v in (kv.split("=", 1) for kv in pairs)})
     for s_total, p, overrides in [(int(s), p, o) for s in args.seqs.split(",") for p in sizes for o in variants]:
-        ckpt = {"on": True, "off": False}.get(args.checkpointing, s_total // p >= 65536)
+        big = s_total // p >= 65536
+        ckpt = {"on": True, "off": False, "selective": "selective", "auto": big,
+                "auto-selective": "selective" if big else False}[args.checkpointing]
         out = torch.zeros(1, device="cuda")
         row = None
         if rank < p:

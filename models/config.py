@@ -24,9 +24,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 ROPE_SCALING_TYPES = ("linear", "ntk")
+CHECKPOINTING_MODES = {False: False, True: True, "none": False, "full": True, "selective": "selective"}
 
 
 @dataclass
@@ -46,8 +47,13 @@ class GPTConfig:
     # Informational: the length the model was trained for (RoPE itself has no table
     # and no limit; positions come from position_ids).
     max_seq_len: int = 2048
-    # Recompute each block in the backward pass instead of keeping its activations.
-    activation_checkpointing: bool = False
+    # Recompute activations in the backward pass instead of keeping them:
+    #   False        keep everything;
+    #   True/"full"  keep each block's input only; the backward re-runs the whole block,
+    #                ring attention (and its K/V round) included;
+    #   "selective"  keep attention's inputs and output too: the backward re-runs the norms,
+    #                projections, RoPE and MLP but never the ring.
+    activation_checkpointing: Union[bool, str] = False
     # Tokens per chunk of the chunked cross-entropy: the full-vocabulary fp32 logits of at
     # most this many tokens exist at once (4096 x 49152 x 4 B = 0.8 GB for SmolLM2).
     loss_chunk_size: int = 4096
@@ -71,6 +77,13 @@ class GPTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        mode = self.activation_checkpointing
+        if not isinstance(mode, (bool, str)) or mode not in CHECKPOINTING_MODES:
+            raise ValueError(
+                "activation_checkpointing must be false, true, 'none', 'full' or 'selective', "
+                f"got {mode!r}"
+            )
+        self.activation_checkpointing = CHECKPOINTING_MODES[mode]  # False, True or "selective"
         if self.n_head % self.n_kv_head != 0:
             raise ValueError(
                 f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head} (GQA)"

@@ -165,6 +165,10 @@ class RingSelfAttention(nn.Module):
         self.cp_group, self.cp_layout = group, layout
 
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.o_proj(self.attend(*self.qkv(x, position_ids)))
+
+    def qkv(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None):
+        """Projections and RoPE: ``(q, k, v)``, each ``(B, S_local, heads, head_dim)``."""
         B, S, _ = x.shape
         if position_ids is None:
             position_ids = default_position_ids(S, self.cp_group, self.cp_layout, x.device)
@@ -177,9 +181,13 @@ class RingSelfAttention(nn.Module):
         v = self.v_proj(x).view(B, S, self.n_kv_head, self.head_dim)
         cos, sin = rope_cos_sin(position_ids, self.head_dim, self.rope_theta, self.rope_scaling)
         q, k = (fused(apply_rope_qk) if self.fuse_pointwise else apply_rope_qk)(q, k, cos, sin)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Ring attention over the CP group: ``(B, S_local, n_head * head_dim)``, before o_proj."""
         y = ring_attention(q, k, v, group=self.cp_group, causal=True, layout=self.cp_layout,
                            backend=self.backend)
-        return self.o_proj(y.reshape(B, S, self.n_head * self.head_dim))
+        return y.flatten(2)
 
 
 class SwiGLU(nn.Module):
@@ -214,13 +222,27 @@ class TransformerBlock(nn.Module):
         x = x + self.attn(self.attn_norm(x), position_ids)
         return x + self.mlp(self.mlp_norm(x))
 
+    def _before_attention(self, x: torch.Tensor, position_ids: Optional[torch.Tensor]):
+        return self.attn.qkv(self.attn_norm(x), position_ids)
+
+    def _after_attention(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn.o_proj(y)
+        return x + self.mlp(self.mlp_norm(x))
+
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.activation_checkpointing and torch.is_grad_enabled():
-            # Non-reentrant: works with autocast, kwargs and inputs that need no grad. The
-            # recompute re-runs the ring forward; every rank recomputes the blocks in the
-            # same order, so the collective sequence stays matched.
-            return checkpoint(self._forward, x, position_ids, use_reentrant=False)
-        return self._forward(x, position_ids)
+        mode = self.activation_checkpointing
+        if not (mode and torch.is_grad_enabled()):
+            return self._forward(x, position_ids)
+        # Non-reentrant checkpoints: they work with autocast, kwargs and inputs that need no
+        # grad. Every rank recomputes the blocks in the same order, so the P2P sequence of
+        # a recomputed ring forward stays matched across the group.
+        if mode == "selective":
+            # The ring runs once: q, k, v and its output are kept (the ring saves them for
+            # its own backward anyway); the per-token parts around it are recomputed.
+            q, k, v = checkpoint(self._before_attention, x, position_ids, use_reentrant=False)
+            y = self.attn.attend(q, k, v)
+            return checkpoint(self._after_attention, x, y, use_reentrant=False)
+        return checkpoint(self._forward, x, position_ids, use_reentrant=False)
 
 
 # ---- loss --------------------------------------------------------------------------------
@@ -309,9 +331,11 @@ class GPT(nn.Module):
             if hasattr(m, "fuse_pointwise"):
                 m.fuse_pointwise = bool(enabled)
 
-    def set_activation_checkpointing(self, enabled: bool) -> None:
+    def set_activation_checkpointing(self, mode: Union[bool, str]) -> None:
+        """False, True/"full" (recompute whole blocks) or "selective" (never the ring)."""
+        mode = self.config.replace(activation_checkpointing=mode).activation_checkpointing
         for block in self.blocks:
-            block.activation_checkpointing = enabled
+            block.activation_checkpointing = mode
 
     def hidden_states(self, input_ids: torch.Tensor,
                       position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

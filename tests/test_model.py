@@ -60,6 +60,7 @@ def _cp_worker(rank: int, world: int, seq_len: int) -> dict:
         "zigzag": ("zigzag", False, True, 1),
         "zigzag+checkpointing+default_pos": ("zigzag", True, False, 2),
         "contiguous": ("contiguous", False, True, 3),
+        "zigzag+selective_checkpointing": ("zigzag", "selective", True, 4),
     }.items():
         torch.manual_seed(seed)
         config = small_config(activation_checkpointing=ckpt)
@@ -109,7 +110,7 @@ def test_context_parallel_equals_single_device(world):
     for rank, errors in enumerate(results):
         for key, err in errors.items():
             assert err <= 1e-5, f"P={world} rank {rank} {key}: relative error {err:.2e}"
-    assert len(results[0]) == 12
+    assert len(results[0]) == 16  # 4 cases x (logits, loss_sum, n_tokens, grad_max)
 
 
 # ---- RoPE ----------------------------------------------------------------------------------
@@ -239,6 +240,41 @@ def test_loss_matches_logits_and_checkpointing_matches():
     assert model.lm_head is None and model.num_params() == config.num_params()
     untied = GPT(small_config(tie_embeddings=False))
     assert untied.num_params() == untied.config.num_params() == config.num_params() + 96 * 32
+
+
+def test_selective_checkpointing_runs_the_ring_once(monkeypatch):
+    """'selective' keeps attention's inputs/output: same loss and grads as no checkpointing,
+    one ring call per layer per step (full checkpointing re-runs it in the backward)."""
+    import longctx.models.gpt as gpt_module
+
+    calls = []
+    real = gpt_module.ring_attention
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gpt_module, "ring_attention", counting)
+    torch.manual_seed(0)
+    model = GPT(small_config())
+    input_ids, labels = make_batch(20, model.config.vocab_size, seed=7)
+    results = {}
+    for mode in (False, "selective", "full"):
+        model.zero_grad()
+        model.set_activation_checkpointing(mode)
+        calls.clear()
+        loss, _ = model.loss(input_ids, labels)
+        loss.backward()
+        results[mode] = (loss.item(), {k: p.grad.clone() for k, p in model.named_parameters()}, len(calls))
+    n_layer = model.config.n_layer
+    assert [results[m][2] for m in (False, "selective", "full")] == [n_layer, n_layer, 2 * n_layer]
+    for mode in ("selective", "full"):
+        assert abs(results[mode][0] - results[False][0]) <= 1e-6 * abs(results[False][0])
+        for k, g in results[False][1].items():
+            assert rel_err(results[mode][1][k], g) < 1e-6, (mode, k)
+    with pytest.raises(ValueError, match="activation_checkpointing"):
+        GPTConfig.from_preset("tiny", activation_checkpointing="sometimes")
+    assert GPTConfig.from_preset("tiny", activation_checkpointing="full").activation_checkpointing is True
 
 
 @pytest.mark.parametrize("backend", [
