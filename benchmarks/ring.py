@@ -16,6 +16,8 @@ Sections (results in $OUT/ring_ws{N}.json, default benchmarks/results/):
             interleaved in the same run (what new_ring_group's default rests on).
   d64       the ~350M model's attention shape (H=16, D=64): our ring vs PyTorch's CP (cuDNN)
             at the largest S, full world.
+  ulysses   head-parallel all-to-all attention (longctx.ulysses_attention), same shapes and
+            groups as the ring's strong scaling. (check covers it too.)
 FLOPs: 4*S^2*D*H per forward (half for causal), backward 2.5x forward.
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from longctx import ring_attention, shard_sequence
+from longctx import ring_attention, shard_sequence, ulysses_attention
 from longctx import ring_comm
 
 K = 1024
@@ -72,10 +74,15 @@ def local_inputs(b, s_local, hq, hkv, d, seed, dtype=torch.bfloat16):
     return q, k, v, mk(hq)
 
 
-def ring_step(q, k, v, dout, group, backend):
+ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention}
+
+
+def ring_step(q, k, v, dout, group, backend, impl="ring"):
+    attention = ATTENTION[impl]
+
     def run():
         q.grad = k.grad = v.grad = None
-        out = ring_attention(q, k, v, group=group, causal=True, backend=backend)
+        out = attention(q, k, v, group=group, causal=True, backend=backend)
         out.backward(dout)
     return run
 
@@ -114,39 +121,38 @@ def section_check(res, args, groups):
     rank = dist.get_rank()
     s_total, d = 32 * K, 128
     for hq, hkv in ((16, 16), (32, 8)):
-        for backend in args.backends:
-            torch.manual_seed(1234 + hq)
-            full = [torch.randn(1, s_total, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv, hq)]
-            ref = reference_fp64(*full)
-            for p, group in groups.items():
-                if p == 1:
-                    continue
-                if rank < p:
-                    shard = lambda t: shard_sequence(t, 1, rank=rank, world_size=p)  # noqa: E731
-                    q, k, v = (shard(t).detach().requires_grad_() for t in full[:3])
-                    try:
-                        out = ring_attention(q, k, v, group=group, backend=backend)
-                        out.backward(shard(full[3]))
-                        errs = {}
-                        for name, got, want in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), ref):
-                            want = shard(want)
-                            finite = bool(torch.isfinite(got).all())
-                            e = ((got.double() - want).norm() / want.norm()).item() if finite else float("nan")
-                            errs[name] = e
-                        errs_t = torch.tensor([errs[n] for n in ("out", "dq", "dk", "dv")], device="cuda")
-                    except Exception as ex:  # report, keep going
-                        log("check fail", backend, p, repr(ex)[:300])
-                        errs_t = torch.full((4,), float("nan"), device="cuda")
-                else:
-                    errs_t = torch.zeros(4, device="cuda")
-                dist.all_reduce(errs_t, op=dist.ReduceOp.MAX)
-                r = dict(backend=backend, P=p, S_total=s_total, Hq=hq, Hkv=hkv, D=d, dtype="bf16",
-                         **{n: e for n, e in zip(("out", "dq", "dk", "dv"), errs_t.tolist())})
-                r["pass"] = all(e < 2e-2 for e in errs_t.tolist())
-                res.setdefault("check", []).append(r)
-                log("check", json.dumps(r))
-            del full, ref
-            torch.cuda.empty_cache()
+        torch.manual_seed(1234 + hq)
+        full = [torch.randn(1, s_total, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv, hq)]
+        ref = reference_fp64(*full)
+        for impl, backend, (p, group) in [(i, b, g) for i in ATTENTION for b in args.backends
+                                          for g in groups.items()]:
+            if p == 1 or hkv % p:
+                continue
+            if rank < p:
+                shard = lambda t: shard_sequence(t, 1, rank=rank, world_size=p)  # noqa: E731
+                q, k, v = (shard(t).detach().requires_grad_() for t in full[:3])
+                try:
+                    out = ATTENTION[impl](q, k, v, group=group, backend=backend)
+                    out.backward(shard(full[3]))
+                    errs = []
+                    for got, want in zip((out, q.grad, k.grad, v.grad), ref):
+                        want = shard(want)
+                        finite = bool(torch.isfinite(got).all())
+                        errs.append(((got.double() - want).norm() / want.norm()).item() if finite else float("nan"))
+                    errs_t = torch.tensor(errs, device="cuda")
+                except Exception as ex:  # report, keep going
+                    log("check fail", impl, backend, p, repr(ex)[:300])
+                    errs_t = torch.full((4,), float("nan"), device="cuda")
+            else:
+                errs_t = torch.zeros(4, device="cuda")
+            dist.all_reduce(errs_t, op=dist.ReduceOp.MAX)
+            r = dict(impl=impl, backend=backend, P=p, S_total=s_total, Hq=hq, Hkv=hkv, D=d, dtype="bf16",
+                     **{n: e for n, e in zip(("out", "dq", "dk", "dv"), errs_t.tolist())})
+            r["pass"] = all(e < 2e-2 for e in errs_t.tolist())
+            res.setdefault("check", []).append(r)
+            log("check", json.dumps(r))
+        del full, ref
+        torch.cuda.empty_cache()
 
 
 # --------------------------------------------------------------------------------- memory
@@ -179,7 +185,8 @@ def section_memory(res, args, groups):
 
 
 # ---------------------------------------------------------------------------------- speed
-def run_ring_timing(res_key, res, args, groups, s_total, p, hq, hkv, backend, extra=None, d=128):
+def run_ring_timing(res_key, res, args, groups, s_total, p, hq, hkv, backend, extra=None, d=128,
+                    impl="ring"):
     rank = dist.get_rank()
     group = groups[p]
     t = torch.zeros(1, device="cuda")
@@ -188,14 +195,14 @@ def run_ring_timing(res_key, res, args, groups, s_total, p, hq, hkv, backend, ex
             q, k, v, dout = local_inputs(1, s_total // p, hq, hkv, d, seed=rank)
             iters = 5 if s_total <= 128 * K else 2
             # Ranks outside the subgroup must not join its barrier: time inside the group.
-            t[0] = time_in_group(ring_step(q, k, v, dout, group, backend), group, iters=iters)
+            t[0] = time_in_group(ring_step(q, k, v, dout, group, backend, impl), group, iters=iters)
             del q, k, v, dout
         except Exception as ex:
             log("speed fail", backend, s_total, p, repr(ex)[:300])
             t[0] = float("nan")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     ms = t.item()
-    r = dict(backend=backend, P=p, S_total=s_total, S_local=s_total // p, Hq=hq, Hkv=hkv, D=d,
+    r = dict(impl=impl, backend=backend, P=p, S_total=s_total, S_local=s_total // p, Hq=hq, Hkv=hkv, D=d,
              fb_ms=ms, fb_tflops_per_gpu=attn_flops(s_total, hq, d) / p / ms / 1e9 if ms == ms else None)
     if extra:
         r.update(extra)
@@ -401,9 +408,24 @@ def section_d64(res, args, groups):
     world = dist.get_world_size()
     s_total = args.seqs[min(1, len(args.seqs) - 1)]
     for backend in args.backends:
-        run_ring_timing("d64", res, args, groups, s_total, world, 16, 16, backend, d=64)
+        for impl in ATTENTION:
+            run_ring_timing("d64", res, args, groups, s_total, world, 16, 16, backend, d=64, impl=impl)
     if world > 1:
         time_torch_cp(res, "d64", "alltoall", s_total, 16, 64, SDPBackend.CUDNN_ATTENTION, "cudnn")
+
+
+# -------------------------------------------------------------------------------- ulysses
+def section_ulysses(res, args, groups):
+    """Head-parallel attention: strong scaling over the same groups and lengths, and GQA."""
+    world = dist.get_world_size()
+    for backend in args.backends:
+        for s_total in args.seqs:
+            for p in groups:
+                if p > 1:
+                    run_ring_timing("ulysses", res, args, groups, s_total, p, 16, 16, backend, impl="ulysses")
+        for s_total in args.seqs[:2]:
+            if 8 % world == 0:
+                run_ring_timing("ulysses", res, args, groups, s_total, world, 32, 8, backend, impl="ulysses")
 
 
 def _union(intervals):

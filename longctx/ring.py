@@ -67,7 +67,7 @@ _verified_shapes: set = set()
 _DTYPE_CODES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check_same_shapes_across_ranks(group, q: torch.Tensor, k: torch.Tensor) -> None:
+def check_same_shapes_across_ranks(group, q: torch.Tensor, k: torch.Tensor) -> None:
     """Fail on every rank, instead of hanging, when ranks hold differently shaped shards.
 
     One small all-gather per new (group, shapes, dtype); cached afterwards so the ring
@@ -250,5 +250,5 @@ def ring_attention(
     s_local = q.shape[1]
     if s_local % chunks_per_rank(layout) != 0:
         check_seq_len(s_local * world, world, layout)  # raises, naming the multiple needed
-    _check_same_shapes_across_ranks(group, q, k)
+    check_same_shapes_across_ranks(group, q, k)
     return _RingAttention.apply(q, k, v, group, causal, layout, softmax_scale, backend)

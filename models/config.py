@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
 ROPE_SCALING_TYPES = ("linear", "ntk")
+CP_ATTENTION = ("ring", "ulysses")
 CHECKPOINTING_MODES = {False: False, True: True, "none": False, "full": True, "selective": "selective"}
 
 
@@ -61,6 +62,10 @@ class GPTConfig:
     # Fuse RMSNorm, RoPE and the SwiGLU gate with torch.compile (the first step compiles;
     # needs a working inductor backend). Same math; fewer passes over the activations.
     fuse_pointwise: bool = False
+    # How attention spans a context-parallel group: "ring" (ring_attention: any head
+    # count, transfers overlapped with compute) or "ulysses" (ulysses_attention:
+    # all-to-all to head-parallel, full-length kernel calls; n_kv_head % P == 0).
+    cp_attention: str = "ring"
     # Passed to ring_attention(backend=...): "auto", "torch", "triton", "cudnn", "flash".
     attention_backend: str = "auto"
 
@@ -77,6 +82,8 @@ class GPTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        if self.cp_attention not in CP_ATTENTION:
+            raise ValueError(f"cp_attention must be one of {CP_ATTENTION}, got {self.cp_attention!r}")
         mode = self.activation_checkpointing
         if not isinstance(mode, (bool, str)) or mode not in CHECKPOINTING_MODES:
             raise ValueError(

@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from longctx import ring_attention
+from longctx import ring_attention, ulysses_attention
 from longctx.layouts import check_layout
 from longctx.layouts import position_ids as layout_position_ids
 
@@ -142,7 +142,8 @@ class RingSelfAttention(nn.Module):
 
     def __init__(self, n_embd: int, n_head: int, n_kv_head: Optional[int] = None,
                  head_dim: Optional[int] = None, *, rope_theta: float = 10000.0,
-                 rope_scaling: Optional[dict] = None, backend: str = "auto"):
+                 rope_scaling: Optional[dict] = None, backend: str = "auto",
+                 cp_attention: str = "ring"):
         super().__init__()
         n_kv_head = n_head if n_kv_head is None else n_kv_head
         head_dim = n_embd // n_head if head_dim is None else head_dim
@@ -151,6 +152,9 @@ class RingSelfAttention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
         self.backend = backend
+        if cp_attention not in ("ring", "ulysses"):
+            raise ValueError(f"cp_attention must be 'ring' or 'ulysses', got {cp_attention!r}")
+        self.cp_attention = cp_attention
         self.q_proj = nn.Linear(n_embd, n_head * head_dim, bias=False)
         self.k_proj = nn.Linear(n_embd, n_kv_head * head_dim, bias=False)
         self.v_proj = nn.Linear(n_embd, n_kv_head * head_dim, bias=False)
@@ -184,9 +188,10 @@ class RingSelfAttention(nn.Module):
         return q, k, v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Ring attention over the CP group: ``(B, S_local, n_head * head_dim)``, before o_proj."""
-        y = ring_attention(q, k, v, group=self.cp_group, causal=True, layout=self.cp_layout,
-                           backend=self.backend)
+        """Attention over the CP group: ``(B, S_local, n_head * head_dim)``, before o_proj."""
+        attention = ulysses_attention if self.cp_attention == "ulysses" else ring_attention
+        y = attention(q, k, v, group=self.cp_group, causal=True, layout=self.cp_layout,
+                      backend=self.backend)
         return y.flatten(2)
 
 
@@ -212,7 +217,7 @@ class TransformerBlock(nn.Module):
         self.attn = RingSelfAttention(
             config.n_embd, config.n_head, config.n_kv_head, config.head_dim,
             rope_theta=config.rope_theta, rope_scaling=config.rope_scaling,
-            backend=config.attention_backend,
+            backend=config.attention_backend, cp_attention=config.cp_attention,
         )
         self.mlp_norm = RMSNorm(config.n_embd, config.rms_norm_eps)
         self.mlp = SwiGLU(config.n_embd, config.intermediate_size)

@@ -1,0 +1,96 @@
+"""Head-parallel (Ulysses) attention against a float64 single-device reference, over gloo."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_harness import run_distributed
+from longctx import shard_sequence, ulysses_attention, unshard_sequence
+from longctx.models import GPT, GPTConfig
+from test_ring_attention import reference_attention, rel_err
+
+# (layout, causal, Hq, Hkv, dtype, chunk, scale); Hkv is a multiple of every P tested.
+CASES = [
+    ("zigzag", True, 8, 4, torch.float32, 3, None),
+    ("zigzag", False, 4, 4, torch.float32, 3, None),
+    ("contiguous", True, 4, 4, torch.float32, 5, 0.3),
+    ("contiguous", False, 8, 4, torch.float32, 3, None),
+    ("zigzag", True, 8, 4, torch.bfloat16, 5, None),
+]
+
+
+def _ulysses_vs_reference(rank, world, seed):
+    group = dist.group.WORLD
+    errors = []
+    for i, (layout, causal, hq, hkv, dtype, chunk, scale) in enumerate(CASES):
+        g = torch.Generator().manual_seed(seed + i)  # same full tensors on every rank
+        seq = chunk * world * (2 if layout == "zigzag" else 1)
+        q, k, v, dout = (torch.randn(2, seq, h, 8, generator=g).to(dtype) for h in (hq, hkv, hkv, hq))
+        shard = lambda t: shard_sequence(t, 1, rank=rank, world_size=world, layout=layout)  # noqa: E731
+        ql, kl, vl = (shard(t).detach().requires_grad_() for t in (q, k, v))
+        out = ulysses_attention(ql, kl, vl, group=group, causal=causal, layout=layout, softmax_scale=scale)
+        out.backward(shard(dout))
+        gather = lambda t: unshard_sequence(t.detach(), 1, group=group, layout=layout)  # noqa: E731
+        got = [gather(out), gather(ql.grad), gather(kl.grad), gather(vl.grad)]
+        qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+        ref = reference_attention(qr, kr, vr, causal, scale)
+        ref.backward(dout.double())
+        for name, a, w in zip(("out", "dq", "dk", "dv"), got, (ref, qr.grad, kr.grad, vr.grad)):
+            assert a.dtype == dtype, (name, a.dtype)
+            errors.append(((layout, causal, hq, hkv, str(dtype)), name, rel_err(a, w)))
+    return errors
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ulysses_matches_float64_reference(world):
+    seed = random.randrange(1 << 30)  # fresh inputs every run; printed on failure
+    errors = run_distributed(_ulysses_vs_reference, world, seed)[0]
+    bad = [f"{case} {name}: {err:.2e}" for case, name, err in errors
+           if not err < (2e-2 if "bfloat16" in case[4] else 1e-5)]
+    assert len(errors) == 4 * len(CASES) and not bad, f"seed={seed} P={world}:\n" + "\n".join(bad)
+
+
+def _heads_not_divisible(rank, world):
+    q = torch.randn(1, 4, 4, 8)
+    kv = torch.randn(1, 4, 2, 8)  # 2 KV heads over 4 ranks
+    try:
+        ulysses_attention(q, kv, kv, group=dist.group.WORLD)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ulysses_refuses_heads_that_do_not_split():
+    for message in run_distributed(_heads_not_divisible, 4):
+        assert "2 key/value heads" in message and "group size 4" in message
+
+
+def _model_with_ulysses(rank, world):
+    """The GPT with cp_attention='ulysses' on a CP group equals the ring model (fp32)."""
+    group = dist.new_group(list(range(world)))
+    base = dict(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=48,
+                attention_backend="torch", init_std=0.15)
+    torch.manual_seed(0)
+    ring_model = GPT(GPTConfig(**base))
+    ulysses_model = GPT(GPTConfig(**base, cp_attention="ulysses"))
+    ulysses_model.load_state_dict(ring_model.state_dict())
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 64, (2, 16), generator=g)
+    labels = torch.randint(0, 64, (2, 16), generator=g)
+    results = []
+    for model in (ring_model, ulysses_model):
+        model.set_context_parallel_group(group)
+        loss, _ = model.loss(shard_sequence(ids, 1, rank=rank, world_size=world),
+                             shard_sequence(labels, 1, rank=rank, world_size=world))
+        loss.backward()
+        results.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    (l0, g0), (l1, g1) = results
+    return abs(l1 - l0) / abs(l0), max(rel_err(a, b) for a, b in zip(g1, g0))
+
+
+def test_model_with_ulysses_equals_ring():
+    for loss_err, grad_err in run_distributed(_model_with_ulysses, 2):
+        assert loss_err < 1e-6 and grad_err < 1e-5, (loss_err, grad_err)
