@@ -50,8 +50,27 @@ def fused(fn):
     """``fn`` through torch.compile, compiled once per (function, backend)."""
     key = (fn, COMPILE_BACKEND)
     if key not in _compiled:
-        _compiled[key] = torch.compile(fn, backend=COMPILE_BACKEND)
+        _compiled[key] = _explain_compile_failure(torch.compile(fn, backend=COMPILE_BACKEND))
     return _compiled[key]
+
+
+def _explain_compile_failure(compiled):
+    """A compiler that cannot run here (no C++/CUDA toolchain, ...) fails on the first call
+    deep inside torch.compile; say which setting asked for it and how to turn it off."""
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._inductor.exc import InductorError
+
+    def call(*args):
+        try:
+            return compiled(*args)
+        except (BackendCompilerFailed, InductorError) as e:
+            raise RuntimeError(
+                "fuse_pointwise=True compiles RMSNorm/RoPE/SwiGLU with torch.compile, which "
+                f"failed on this machine ({type(e).__name__}); set fuse_pointwise: false "
+                "(--set model.fuse_pointwise=false) to run them eagerly"
+            ) from e
+
+    return call
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

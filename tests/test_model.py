@@ -306,6 +306,19 @@ def test_pointwise_fusion_matches_eager(monkeypatch, backend):
         assert rel_err(g1[k], g0[k]) < 1e-5, k
 
 
+def test_pointwise_fusion_failure_names_the_setting(monkeypatch):
+    import longctx.models.gpt as gpt_module
+
+    def broken_backend(graph_module, example_inputs):
+        raise RuntimeError("no C++ compiler here")
+
+    monkeypatch.setattr(gpt_module, "COMPILE_BACKEND", broken_backend)
+    model = GPT(small_config(fuse_pointwise=True))
+    input_ids, labels = make_batch(8, model.config.vocab_size, seed=3)
+    with pytest.raises(RuntimeError, match="fuse_pointwise: false"):
+        model.loss(input_ids, labels)
+
+
 class _TaggerWithBlocks(nn.Module):
     """Someone else's model that reuses the block (no GPT, no Lightning, no process group)."""
 
