@@ -12,11 +12,15 @@ Why have it beside the ring: its communication per layer is four all-to-alls of 
 local activations, independent of P's effect on block sizes, and every kernel call is a
 full-length one (the ring splits the work into P block calls of (S/P)^2 each, which run
 below the kernel's large-block rate when S/P is small). It needs the K/V head count to
-be a multiple of P, and it does not overlap its transfers with compute; the ring
-has neither limit. ``benchmarks/ring.py`` measures both.
+be a multiple of P; the ring has no such limit. Transfers overlap compute by head
+groups (``PIPELINE_CHUNKS``): all groups' all-to-alls are posted at once and run in
+order on the communication stream while the groups' attention runs on the compute
+stream, each group's output going back as soon as it is ready.
+``benchmarks/ring.py`` measures both.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -28,78 +32,121 @@ from .layouts import check_layout, check_seq_len, chunks_per_rank
 from .ring import check_same_shapes_across_ranks, ring_attention
 
 
+# Head groups per rank that take turns: while one group's attention runs, the next
+# group's all-to-all is in flight (and the previous group's output travels back).
+PIPELINE_CHUNKS = 2
+
+
+@lru_cache(maxsize=None)
+def _zigzag_index(world: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half-shards in rank-major order (2 * rank + half) vs sequence order of the 2P chunks.
+
+    Rank r holds chunks r and 2P-1-r. Returns (for each chunk, its rank-major index;
+    for each rank-major index, its chunk)."""
+    chunk_of = [r if half == 0 else 2 * world - 1 - r for r in range(world) for half in (0, 1)]
+    to_sequence = [chunk_of.index(c) for c in range(2 * world)]
+    return (torch.tensor(to_sequence, device=device), torch.tensor(chunk_of, device=device))
+
+
 def _ranks_to_sequence(parts: torch.Tensor, layout: str) -> torch.Tensor:
     """(P, B, S_local, h, D), part i = rank i's shard -> (B, S, h, D) in sequence order."""
     world, b, s_local, h, d = parts.shape
     if layout == "contiguous":
-        return parts.permute(1, 0, 2, 3, 4).reshape(b, world * s_local, h, d)
-    # zigzag: rank i holds chunks i and 2P-1-i, so the first halves in rank order are
-    # chunks 0..P-1 and the second halves in reverse rank order are chunks P..2P-1.
-    halves = parts.view(world, b, 2, s_local // 2, h, d)
-    chunks = torch.cat((halves[:, :, 0], halves[:, :, 1].flip(0)))  # (2P, B, c, h, D)
-    return chunks.permute(1, 0, 2, 3, 4).reshape(b, world * s_local, h, d)
+        return parts.transpose(0, 1).reshape(b, world * s_local, h, d)
+    halves = parts.view(world, b, 2, s_local // 2, h, d).transpose(1, 2).reshape(2 * world, b, s_local // 2, h, d)
+    chunks = halves.index_select(0, _zigzag_index(world, parts.device)[0])  # one copy (B = 1)
+    return chunks.transpose(0, 1).reshape(b, world * s_local, h, d)
 
 
 def _sequence_to_ranks(full: torch.Tensor, world: int, layout: str) -> torch.Tensor:
     """Inverse of ``_ranks_to_sequence``: (B, S, h, D) -> contiguous (P, B, S_local, h, D)."""
     b, s, h, d = full.shape
     if layout == "contiguous":
-        return full.view(b, world, s // world, h, d).permute(1, 0, 2, 3, 4).contiguous()
+        return full.view(b, world, s // world, h, d).transpose(0, 1).contiguous()
     chunks = full.view(b, 2 * world, s // (2 * world), h, d).transpose(0, 1)
-    return torch.stack((chunks[:world], chunks[world:].flip(0)), dim=2).reshape(
-        world, b, s // world, h, d)
+    halves = chunks.index_select(0, _zigzag_index(world, full.device)[1])  # rank-major
+    return halves.view(world, 2, b, s // (2 * world), h, d).transpose(1, 2).reshape(
+        world, b, s // world, h, d).contiguous()
 
 
-def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:
+def _heads_for_everyone(t: torch.Tensor, world: int, chunks: int, g: int) -> torch.Tensor:
+    """(B, S_local, H, D) -> (P, B, S_local, H / (P * chunks), D): slot j holds rank j's
+    heads of head group g."""
+    b, s_local, heads, d = t.shape
+    return t.reshape(b, s_local, world, chunks, heads // (world * chunks), d)[:, :, :, g].permute(2, 0, 1, 3, 4)
+
+
+def _start_all_to_all(send: torch.Tensor, group):
+    send = send.contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    return recv, _Pending(work, send)
 
 
-def _scatter_heads(tensors, group, world: int, layout: str) -> list:
-    """Token shards with all heads -> the whole sequence with this rank's heads.
+class _Pending:
+    """An async all-to-all and its send buffer, kept alive until the transfer is waited on."""
 
-    ``tensors``: (B, S_local, H_t, D) each; returns (B, S, H_t / P, D) views of one
-    all-to-all's result."""
-    b, s_local, _, d = tensors[0].shape
-    widths = [t.shape[2] // world for t in tensors]
-    # (P, B, S_local, sum(h_t), D): slot j holds the heads destined for rank j.
-    send = torch.cat([t.reshape(b, s_local, world, w, d).permute(2, 0, 1, 3, 4)
-                      for t, w in zip(tensors, widths)], dim=3)
-    full = _ranks_to_sequence(_all_to_all(send.contiguous(), group), layout)
-    return list(full.split(widths, dim=2))
+    def __init__(self, work, send: torch.Tensor):
+        self._work, self._send = work, send
+
+    def wait(self) -> None:
+        self._work.wait()
+        self._send = None
 
 
-def _gather_heads(tensors, group, world: int, layout: str) -> list:
-    """Inverse of ``_scatter_heads``: (B, S, h_t, D) each -> (B, S_local, h_t * P, D)."""
-    widths = [t.shape[2] for t in tensors]
-    send = _sequence_to_ranks(torch.cat(tensors, dim=2), world, layout)
-    recv = _all_to_all(send, group)  # slot j: my tokens, rank j's heads
-    p, b, s_local, _, d = recv.shape
-    return [part.permute(1, 2, 0, 3, 4).reshape(b, s_local, p * w, d)
-            for part, w in zip(recv.split(widths, dim=3), widths)]
+def _to_shard(dst: torch.Tensor, parts: torch.Tensor, world: int, chunks: int, g: int) -> None:
+    """Write (P, B, S_local, h, D), slot j = rank j's heads of group g, into dst's heads."""
+    b, s_local, heads, d = dst.shape
+    dst.view(b, s_local, world, chunks, heads // (world * chunks), d)[:, :, :, g].copy_(parts.permute(1, 2, 0, 3, 4))
 
 
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, layout, scale, backend):
         world = dist.get_world_size(group)
-        qf, kf, vf = _scatter_heads((q, k, v), group, world, layout)
-        out_f, lse = attention_forward(qf, kf, vf, causal=causal, softmax_scale=scale, backend=backend)
-        (out,) = _gather_heads((out_f,), group, world, layout)
-        ctx.save_for_backward(qf, kf, vf, out_f, lse)
-        ctx.args = (group, causal, layout, scale, backend, q.dtype)
+        hkv = k.shape[2] // world
+        chunks = PIPELINE_CHUNKS if hkv % PIPELINE_CHUNKS == 0 else 1
+        widths = [t.shape[2] // (world * chunks) for t in (q, k, v)]
+        # Post every group's all-to-all (q, k, v packed): they run back to back on the
+        # communication stream while the groups' attention runs on the compute stream.
+        inbound = [_start_all_to_all(torch.cat([_heads_for_everyone(t, world, chunks, g) for t in (q, k, v)], dim=3), group)
+                   for g in range(chunks)]
+        out = torch.empty_like(q)
+        outbound, saved = [], []
+        for g, (recv, work) in enumerate(inbound):
+            work.wait()
+            qf, kf, vf = _ranks_to_sequence(recv, layout).split(widths, dim=2)
+            out_f, lse = attention_forward(qf, kf, vf, causal=causal, softmax_scale=scale, backend=backend)
+            outbound.append(_start_all_to_all(_sequence_to_ranks(out_f, world, layout), group))
+            saved += [qf, kf, vf, out_f, lse]
+        for g, (recv, work) in enumerate(outbound):
+            work.wait()
+            _to_shard(out, recv, world, chunks, g)
+        ctx.save_for_backward(*saved)
+        ctx.args = (group, causal, layout, scale, backend, chunks, widths)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        qf, kf, vf, out_f, lse = ctx.saved_tensors
-        group, causal, layout, scale, backend, dtype = ctx.args
+        group, causal, layout, scale, backend, chunks, widths = ctx.args
+        saved = ctx.saved_tensors
         world = dist.get_world_size(group)
-        (dout_f,) = _scatter_heads((dout.to(dtype),), group, world, layout)
-        dq_f, dk_f, dv_f = attention_backward(dout_f, qf, kf, vf, out_f, lse, causal=causal,
-                                              softmax_scale=scale, backend=backend)
-        dq, dk, dv = _gather_heads((dq_f, dk_f, dv_f), group, world, layout)
+        dout = dout.contiguous()
+        inbound = [_start_all_to_all(_heads_for_everyone(dout, world, chunks, g), group) for g in range(chunks)]
+        outbound = []
+        for g, (recv, work) in enumerate(inbound):
+            work.wait()
+            qf, kf, vf, out_f, lse = saved[5 * g:5 * g + 5]
+            grads = attention_backward(_ranks_to_sequence(recv, layout), qf, kf, vf, out_f, lse,
+                                       causal=causal, softmax_scale=scale, backend=backend)
+            outbound.append(_start_all_to_all(_sequence_to_ranks(torch.cat(grads, dim=2), world, layout), group))
+        b, s_local, _, d = dout.shape
+        dq, dk, dv = (torch.empty(b, s_local, w * world * chunks, d, dtype=dout.dtype, device=dout.device)
+                      for w in widths)
+        for g, (recv, work) in enumerate(outbound):
+            work.wait()
+            for dst, part in zip((dq, dk, dv), recv.split(widths, dim=3)):
+                _to_shard(dst, part, world, chunks, g)
         return dq, dk, dv, None, None, None, None, None
 
 
