@@ -185,6 +185,14 @@ class RingSelfAttention(nn.Module):
     def set_context_parallel_group(self, group: Optional[dist.ProcessGroup],
                                    layout: str = "zigzag") -> None:
         check_layout(layout)
+        world = 1 if group is None else dist.get_world_size(group)
+        if self.cp_attention == "ulysses" and self.n_kv_head % world != 0:
+            # Fail when the group is handed over, not at the first step on every rank.
+            raise ValueError(
+                f"cp_attention='ulysses' splits heads over the context-parallel group: "
+                f"n_kv_head={self.n_kv_head} is not a multiple of its size {world}; "
+                "use cp_attention='ring' or a CP size dividing n_kv_head"
+            )
         self.cp_group, self.cp_layout = group, layout
 
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -63,9 +63,22 @@ def _heads_not_divisible(rank, world):
     return "no error"
 
 
+def _model_heads_not_divisible(rank, world):
+    model = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=4, n_kv_head=2, n_embd=32,
+                          intermediate_size=48, cp_attention="ulysses"))
+    try:
+        model.set_context_parallel_group(dist.group.WORLD)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def test_ulysses_refuses_heads_that_do_not_split():
     for message in run_distributed(_heads_not_divisible, 4):
         assert "2 key/value heads" in message and "group size 4" in message
+    # The model says so when the strategy hands it the group, before any step.
+    for message in run_distributed(_model_heads_not_divisible, 4):
+        assert "n_kv_head=2" in message and "size 4" in message
 
 
 def _model_with_ulysses(rank, world):
