@@ -67,25 +67,71 @@ _verified_shapes: set = set()
 _DTYPE_CODES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_same_shapes_across_ranks(group, q: torch.Tensor, k: torch.Tensor) -> None:
-    """Fail on every rank, instead of hanging, when ranks hold differently shaped shards.
+def check_cp_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, layout: str,
+                    *, name: str, extra=None) -> int:
+    """Validate a context-parallel attention call; returns the group size (1: run locally).
 
-    One small all-gather per new (group, shapes, dtype); cached afterwards so the ring
-    loop never pays it again (on CUDA it costs one host sync the first time).
+    With a real group every rank reaches the same verdict: a problem found on one rank
+    only (a length its layout cannot split, a shard shaped unlike the others', or what
+    ``extra(world)`` rejects) is exchanged in the one-time cross-rank check, and every
+    rank raises. A rank raising alone would leave the others waiting in a transfer that
+    never comes.
     """
-    key = (id(group), tuple(q.shape), tuple(k.shape), q.dtype)
-    if key in _verified_shapes:
+    world = 1 if group is None else dist.get_world_size(group)
+    error = None
+    try:
+        check_layout(layout)
+        check_attention_inputs(q, k, v, causal=False)
+        if q.shape[1] != k.shape[1]:
+            raise ValueError(
+                f"q and k/v must hold the same tokens: local lengths {q.shape[1]} and {k.shape[1]}"
+            )
+        if world > 1:
+            if q.shape[1] % chunks_per_rank(layout) != 0:
+                check_seq_len(q.shape[1] * world, world, layout)  # raises, naming the multiple
+            if extra is not None:
+                extra(world)
+    except (ValueError, TypeError) as e:
+        if world == 1:
+            raise
+        error = e
+    if world > 1:
+        _check_group_agrees(group, q, k, layout, name, failed=error is not None)
+    if error is not None:
+        raise error
+    return world
+
+
+def _shape_row(t: torch.Tensor) -> list:
+    return list(t.shape[:4]) + [-1] * (4 - min(4, t.dim()))  # fixed width, whatever arrives
+
+
+def _check_group_agrees(group, q: torch.Tensor, k: torch.Tensor, layout: str, name: str,
+                        failed: bool) -> None:
+    """One small all-gather per new (group, shapes, dtype, layout), cached afterwards so the
+    ring loop never pays it again (on CUDA it costs one host sync the first time)."""
+    key = (id(group), tuple(q.shape), tuple(k.shape), q.dtype, layout)
+    if key in _verified_shapes and not failed:
         return
-    device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    mine = torch.tensor([*q.shape, *k.shape, _DTYPE_CODES.index(q.dtype)], device=device)
+    device = q.device if dist.get_backend(group) == "nccl" and q.is_cuda else torch.device("cpu")
+    code = _DTYPE_CODES.index(q.dtype) if q.dtype in _DTYPE_CODES else -1
+    mine = torch.tensor([*_shape_row(q), *_shape_row(k), code, int(failed)], device=device)
     world = dist.get_world_size(group)
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
     table = torch.stack(everyone).cpu()
-    if not bool((table == table[0]).all()):
+    bad = [r for r in range(world) if table[r, -1]]
+    if bad:
+        if failed:
+            return  # the caller raises this rank's own error
+        raise ValueError(
+            f"{name}: rank(s) {bad} of the context-parallel group rejected their inputs (their "
+            "error says why); every rank stops here"
+        )
+    if not bool((table[:, :-1] == table[0, :-1]).all()):
         rows = {r: tuple(table[r, :4].tolist()) for r in range(world)}
         raise ValueError(
-            "ring_attention: ranks of the context-parallel group hold different shard shapes or "
+            f"{name}: ranks of the context-parallel group hold different shard shapes or "
             f"dtypes (q shape per rank: {rows}); every rank must hold an equal slice of the same sequence"
         )
     _verified_shapes.add(key)
@@ -238,17 +284,7 @@ def ring_attention(
     the Hkv heads travel). Shards must follow ``layout`` (see ``shard_sequence``).
     ``group=None`` or a group of size 1 is plain local attention. Differentiable.
     """
-    check_layout(layout)
-    check_attention_inputs(q, k, v, causal=False)
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(
-            f"q and k/v must hold the same tokens: local lengths {q.shape[1]} and {k.shape[1]}"
-        )
-    world = 1 if group is None else dist.get_world_size(group)
+    world = check_cp_inputs(q, k, v, group, layout, name="ring_attention")
     if world == 1:
         return _LocalAttention.apply(q, k, v, causal, softmax_scale, backend)
-    s_local = q.shape[1]
-    if s_local % chunks_per_rank(layout) != 0:
-        check_seq_len(s_local * world, world, layout)  # raises, naming the multiple needed
-    check_same_shapes_across_ranks(group, q, k)
     return _RingAttention.apply(q, k, v, group, causal, layout, softmax_scale, backend)

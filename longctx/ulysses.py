@@ -26,10 +26,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from longctx.kernels import attention_backward, attention_forward, check_attention_inputs
+from longctx.kernels import attention_backward, attention_forward
 
-from .layouts import check_layout, check_seq_len, chunks_per_rank
-from .ring import check_same_shapes_across_ranks, ring_attention
+from .ring import check_cp_inputs, ring_attention
 
 
 # Head groups per rank that take turns: while one group's attention runs, the next
@@ -166,22 +165,15 @@ def ulysses_attention(
     Arguments as ``ring_attention``; additionally ``Hkv`` (and so ``Hq``) must be a
     multiple of the group size. ``group=None`` or size 1 is plain local attention.
     """
-    check_layout(layout)
-    check_attention_inputs(q, k, v, causal=False)
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(
-            f"q and k/v must hold the same tokens: local lengths {q.shape[1]} and {k.shape[1]}"
-        )
-    world = 1 if group is None else dist.get_world_size(group)
+    def heads_split(world: int) -> None:
+        if k.shape[2] % world != 0:
+            raise ValueError(
+                f"ulysses_attention splits heads over the group: the {k.shape[2]} key/value "
+                f"heads are not a multiple of the group size {world}; use ring_attention"
+            )
+
+    world = check_cp_inputs(q, k, v, group, layout, name="ulysses_attention", extra=heads_split)
     if world == 1:  # the ring's local path: plain attention through the same kernels
         return ring_attention(q, k, v, group=None, causal=causal, softmax_scale=softmax_scale,
                               backend=backend)
-    if k.shape[2] % world != 0:
-        raise ValueError(
-            f"ulysses_attention splits heads over the group: the {k.shape[2]} key/value heads "
-            f"are not a multiple of the group size {world}; use ring_attention"
-        )
-    if q.shape[1] % chunks_per_rank(layout) != 0:
-        check_seq_len(q.shape[1] * world, world, layout)  # raises, naming the multiple needed
-    check_same_shapes_across_ranks(group, q, k)
     return _UlyssesAttention.apply(q, k, v, group, causal, layout, softmax_scale, backend)

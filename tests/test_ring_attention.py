@@ -160,15 +160,26 @@ def _bad_inputs(rank, world):
         ring_attention(q, q, q, group=group)
     except ValueError as e:
         caught.append(("zigzag", str(e)))
+    # Only rank 0's shard is unsplittable: rank 1 alone would pass its own checks and wait
+    # for transfers forever; it must be told instead.
+    q = torch.randn(1, 7 if rank == 0 else 8, 2, 4)
+    try:
+        ring_attention(q, q, q, group=group)
+    except ValueError as e:
+        caught.append(("one_rank", str(e)))
     return caught
 
 
 def test_bad_inputs_fail_on_every_rank():
     results = run_distributed(_bad_inputs, 2)
-    for caught in results:
+    for rank, caught in enumerate(results):
         kinds = dict(caught)
         assert "different shard shapes" in kinds["mismatch"]
         assert "multiple of 4" in kinds["zigzag"] and "10" in kinds["zigzag"]
+        if rank == 0:
+            assert "multiple of 4" in kinds["one_rank"], kinds["one_rank"]
+        else:
+            assert "rank(s) [0]" in kinds["one_rank"] and "rejected" in kinds["one_rank"]
 
 
 @pytest.mark.parametrize(
