@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_distributed
-from longctx import shard_sequence, ulysses_attention, unshard_sequence
+from longctx import shard_sequence, ulysses_attention
 from longctx.models import GPT, GPTConfig
-from test_ring_attention import reference_attention, rel_err
+from test_ring_attention import attention_vs_reference, failures, rel_err
 
 # (layout, causal, Hq, Hkv, dtype, chunk, scale); Hkv is a multiple of every P tested.
 CASES = [
@@ -22,34 +22,11 @@ CASES = [
 ]
 
 
-def _ulysses_vs_reference(rank, world, seed):
-    group = dist.group.WORLD
-    errors = []
-    for i, (layout, causal, hq, hkv, dtype, chunk, scale) in enumerate(CASES):
-        g = torch.Generator().manual_seed(seed + i)  # same full tensors on every rank
-        seq = chunk * world * (2 if layout == "zigzag" else 1)
-        q, k, v, dout = (torch.randn(2, seq, h, 8, generator=g).to(dtype) for h in (hq, hkv, hkv, hq))
-        shard = lambda t: shard_sequence(t, 1, rank=rank, world_size=world, layout=layout)  # noqa: E731
-        ql, kl, vl = (shard(t).detach().requires_grad_() for t in (q, k, v))
-        out = ulysses_attention(ql, kl, vl, group=group, causal=causal, layout=layout, softmax_scale=scale)
-        out.backward(shard(dout))
-        gather = lambda t: unshard_sequence(t.detach(), 1, group=group, layout=layout)  # noqa: E731
-        got = [gather(out), gather(ql.grad), gather(kl.grad), gather(vl.grad)]
-        qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-        ref = reference_attention(qr, kr, vr, causal, scale)
-        ref.backward(dout.double())
-        for name, a, w in zip(("out", "dq", "dk", "dv"), got, (ref, qr.grad, kr.grad, vr.grad)):
-            assert a.dtype == dtype, (name, a.dtype)
-            errors.append(((layout, causal, hq, hkv, str(dtype)), name, rel_err(a, w)))
-    return errors
-
-
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_ulysses_matches_float64_reference(world):
     seed = random.randrange(1 << 30)  # fresh inputs every run; printed on failure
-    errors = run_distributed(_ulysses_vs_reference, world, seed)[0]
-    bad = [f"{case} {name}: {err:.2e}" for case, name, err in errors
-           if not err < (2e-2 if "bfloat16" in case[4] else 1e-5)]
+    errors = run_distributed(attention_vs_reference, world, seed, "ulysses", CASES)[0]
+    bad = failures(errors)
     assert len(errors) == 4 * len(CASES) and not bad, f"seed={seed} P={world}:\n" + "\n".join(bad)
 
 
