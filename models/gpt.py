@@ -33,7 +33,7 @@ from longctx import ring_attention, ulysses_attention
 from longctx.layouts import check_layout
 from longctx.layouts import position_ids as layout_position_ids
 
-from .config import GPTConfig
+from .config import CP_ATTENTION, GPTConfig
 
 IGNORE_INDEX = -100
 
@@ -171,8 +171,8 @@ class RingSelfAttention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
         self.backend = backend
-        if cp_attention not in ("ring", "ulysses"):
-            raise ValueError(f"cp_attention must be 'ring' or 'ulysses', got {cp_attention!r}")
+        if cp_attention not in CP_ATTENTION:
+            raise ValueError(f"cp_attention must be one of {CP_ATTENTION}, got {cp_attention!r}")
         self.cp_attention = cp_attention
         self.q_proj = nn.Linear(n_embd, n_head * head_dim, bias=False)
         self.k_proj = nn.Linear(n_embd, n_kv_head * head_dim, bias=False)
