@@ -39,6 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, ROOT)
 
+from longctx.kernels import attention_backward, attention_forward  # noqa: E402
 from longctx.kernels import triton_attention as ta  # noqa: E402
 from longctx.kernels import vendor  # noqa: E402
 
@@ -79,15 +80,13 @@ def poison_allocator(nbytes=1 << 30):
 
 
 def reference(q, k, v, dout, causal, scale):
-    q, k, v = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    group = q.shape[2] // k.shape[2]
-    kk, vv = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    out = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vv)
-    out.backward(dout.double())
-    return out.detach(), s.logsumexp(-1).detach(), q.grad, k.grad, v.grad
+    """out, lse, dq, dk, dv in float64 through the library's reference backend (itself
+    tested against float64 autograd in tests/test_triton_kernels.py)."""
+    q, k, v, dout = (t.detach().double() for t in (q, k, v, dout))
+    out, lse = attention_forward(q, k, v, causal=causal, softmax_scale=scale, backend="torch")
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                                    backend="torch")
+    return out, lse, dq, dk, dv
 
 
 def rel_err(got, want):
