@@ -141,3 +141,27 @@ def test_triton_strided_views_and_delta():
     want = reference(q, kh, vh, dout, False, scale)
     for name, got, w in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), want):
         assert rel(got, w) < BF16_TOL, name
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
+def test_triton_every_listed_config(kernel, D, monkeypatch):
+    """Each config the autotuner may pick (not only the first, which the other tests run)
+    on ragged, GQA, causal and Sq != Sk shapes: a config that is fast but wrong at some
+    shape would otherwise only show in training."""
+    from longctx.kernels import triton_attention as ta
+
+    _require("triton")
+    table = {"fwd": ta._FWD_CONFIGS, "dkdv": ta._DKDV_CONFIGS, "dq": ta._DQ_CONFIGS}[kernel]
+    monkeypatch.setenv("LONGCTX_TRITON_AUTOTUNE", "1")  # the pruner hands over the pinned list
+    for cfg in list(table[D]):
+        monkeypatch.setitem(table, D, [cfg])
+        for tuned in (ta._fwd_kernel, ta._dkdv_split, ta._dq_tuned):
+            tuned.cache.clear()
+        for shape in ((2, 1000, 1000, 8, 2, D, True), (1, 384, 1000, 4, 1, D, False)):
+            try:
+                check("triton", shape)
+            except AssertionError as e:
+                raise AssertionError(f"{kernel} config {cfg}: {e}") from None
+    for tuned in (ta._fwd_kernel, ta._dkdv_split, ta._dq_tuned):
+        tuned.cache.clear()  # later tests autotune over the restored lists
