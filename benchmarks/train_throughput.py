@@ -43,7 +43,8 @@ def log(*a):
         print(*a, flush=True)
 
 
-def measure(preset, s_total, p, group, steps, checkpointing, backend, profile=False, overrides=None):
+def measure(preset, s_total, p, group, ddp_group, steps, checkpointing, backend, profile=False,
+            overrides=None):
     rank = dist.get_rank()
     # --set overrides win over --checkpointing/--backend (variants may set them too).
     cfg = GPTConfig.from_preset(preset, **{"activation_checkpointing": checkpointing,
@@ -53,7 +54,7 @@ def measure(preset, s_total, p, group, steps, checkpointing, backend, profile=Fa
     model.set_context_parallel_group(group)
     step_loss = _Loss(model)
     if p > 1:  # DDP's hooks run through forward(), so wrap the loss path as a module
-        step_loss = DDP(step_loss, process_group=group)
+        step_loss = DDP(step_loss, process_group=ddp_group)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     g = torch.Generator(device="cuda").manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (1, s_total + 1), device="cuda", generator=g)
@@ -156,6 +157,10 @@ def main():
     world, rank = dist.get_world_size(), dist.get_rank()
     sizes = [p for p in (int(x) for x in args.sizes.split(",")) if p <= world]
     groups = {p: (new_ring_group(range(p)) if p > 1 else None) for p in sizes}
+    # Gradients reduce on a communicator of their own, as in ContextParallelStrategy (DDP on
+    # the world group, the ring on its CP group): on the ring's own communicator DDP's
+    # all-reduce would queue on the stream that carries the ring's K/V hops.
+    ddp_groups = {p: (dist.new_group(list(range(p))) if p > 1 else None) for p in sizes}
     res = dict(world_size=world, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                date=time.strftime("%Y-%m-%d"), peak_bf16_flops=peak_flops(), rows=[])
     variants = [{}]
@@ -172,8 +177,8 @@ def main():
         row = None
         if rank < p:
             try:
-                row = measure(args.preset, s_total, p, groups[p], args.steps, ckpt, args.backend,
-                              profile=args.profile, overrides=overrides)
+                row = measure(args.preset, s_total, p, groups[p], ddp_groups[p], args.steps, ckpt,
+                              args.backend, profile=args.profile, overrides=overrides)
             except Exception:
                 out[0] = 1
                 if rank == 0:
