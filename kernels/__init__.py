@@ -19,6 +19,7 @@ import torch
 __all__ = [
     "attention_forward",
     "attention_backward",
+    "attention_delta",
     "check_attention_inputs",
     "resolve_backend",
     "BACKENDS",
@@ -151,3 +152,24 @@ def attention_backward(
     if name in ("cudnn", "flash"):
         return mod.backward(dout, q, k, v, out, lse, causal, scale, delta, grad_dtype, which=name)
     return mod.backward(dout, q, k, v, out, lse, causal, scale, delta, grad_dtype)
+
+
+def attention_delta(out: torch.Tensor, dout: torch.Tensor, *, backend: str) -> Optional[torch.Tensor]:
+    """``rowsum(dout * out)`` as fp32 ``(B, Hq, Sq)`` for ``attention_backward(delta=...)``,
+    or None where ``backend`` (already resolved) recomputes it inside its own kernel.
+
+    The ring computes delta once per layer instead of once per block. The vendor kernels
+    ("cudnn", "flash") take ``out`` and ignore a given delta, so for them the (fp32,
+    several passes) computation would be pure memory traffic: it is skipped. Triton: one
+    fused pass; "torch": the reference expression.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} (resolved), got {backend!r}")
+    if out.shape != dout.shape:
+        raise ValueError(f"out shape {tuple(out.shape)} differs from dout shape {tuple(dout.shape)}")
+    if backend in ("cudnn", "flash"):
+        return None
+    if backend == "triton":
+        return _module("triton").compute_delta(out, dout)
+    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()

@@ -776,6 +776,17 @@ def forward(q, k, v, causal, softmax_scale, out_dtype=None):
     return out, lse
 
 
+def compute_delta(out, dout):
+    """rowsum(dout * out) in fp32, (B, Hq, Sq): one pass over both (any float dtypes)."""
+    if out.shape != dout.shape or out.dim() != 4:
+        raise ValueError(f"out {tuple(out.shape)} and dout {tuple(dout.shape)} must be equal (B, S, H, D)")
+    B, Sq, Hq, _ = out.shape
+    if out.numel() == 0:
+        return torch.zeros((B, Hq, Sq), dtype=torch.float32, device=out.device)
+    with _device_guard(out):
+        return _compute_delta(_last_dim_unit(out), _last_dim_unit(dout), (B, Hq, Sq))
+
+
 def _compute_delta(out, dout, lse_shape):
     B, Sq, Hq, D = out.shape
     delta = torch.empty(lse_shape, dtype=torch.float32, device=out.device)

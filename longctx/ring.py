@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from longctx.kernels import attention_backward, attention_forward, check_attention_inputs, resolve_backend
+from longctx.kernels import (attention_backward, attention_delta, attention_forward,
+                             check_attention_inputs, resolve_backend)
 from longctx.kernels.merge import merge_partials_
 
 from .layouts import check_layout, check_seq_len, chunks_per_rank
@@ -50,6 +51,35 @@ def _block_for_step(rank: int, step: int, world_size: int, layout: str, causal: 
     if step <= rank:
         return ALL, slice(0, half), False
     return slice(half, None), ALL, False
+
+
+def _add_into(buf: torch.Tensor, index: slice, x: torch.Tensor, fresh: bool) -> None:
+    """``buf[:, index] += x``; into a ``fresh`` (uninitialised) buffer, a copy instead and
+    zeros outside ``index``: one pass less over the fp32 buffer than zero-fill + add."""
+    if not fresh:
+        buf[:, index] += x
+        return
+    n = buf.shape[1]
+    start, stop, _ = index.indices(n)
+    if start > 0:
+        buf[:, :start].zero_()
+    if stop < n:
+        buf[:, stop:].zero_()
+    buf[:, start:stop].copy_(x)
+
+
+def _finish(buf: torch.Tensor, index: slice, x: torch.Tensor, fresh: bool,
+            dtype: torch.dtype) -> torch.Tensor:
+    """The last contribution: ``buf`` plus ``x`` at ``index``, returned as ``dtype``. Where
+    ``index`` covers the whole buffer this is one pass (computed in fp32, rounded once on
+    write) instead of an in-place add followed by a cast."""
+    start, stop, _ = index.indices(buf.shape[1])
+    if start == 0 and stop == buf.shape[1]:
+        if fresh:
+            return x.to(dtype)
+        return torch.add(buf, x, out=torch.empty(buf.shape, dtype=dtype, device=buf.device))
+    _add_into(buf, index, x, fresh)
+    return buf.to(dtype)
 
 
 def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -188,7 +218,11 @@ class _RingAttention(torch.autograd.Function):
                 )
                 if out is None:
                     # Step 0 always covers every local query row (diagonal or full block).
-                    out, lse = out_b.to(acc_dtype), lse_b.to(acc_dtype)
+                    # Dense (B, S, H, D) whatever layout the kernel wrote: the merges, the
+                    # model's reshape and the vendor backward (which copies a dO strided
+                    # unlike O) then all see one layout. A no-op for our fp32 partials.
+                    out = out_b.to(acc_dtype, memory_format=torch.contiguous_format)
+                    lse = lse_b.to(acc_dtype)
                 else:
                     merge_partials_(out[:, rows], lse[:, :, rows], out_b, lse_b)
             if pending is not None:
@@ -211,12 +245,16 @@ class _RingAttention(torch.autograd.Function):
         acc_dtype = _accumulator_dtype(q.dtype)
         partial_dtype = _partial_dtype(backend, acc_dtype)  # backend was resolved in forward
 
-        # delta = rowsum(dO * O) once per layer, not once per block.
-        delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1).transpose(1, 2).contiguous()
-        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+        # delta = rowsum(dO * O) once per layer, not once per block (None for the vendor
+        # kernels, which recompute it inside).
+        delta = attention_delta(out, dout, backend=backend)
+        dq = torch.empty(q.shape, dtype=acc_dtype, device=q.device)
+        dq_fresh = True  # no block has written dq yet
 
         def block_grads(step, block_k, block_v):
-            """Adds this step's dQ; returns (kv rows, dK, dV) of the block, or None."""
+            """Adds this step's dQ; returns (kv rows, dK, dV) of the block, or None. The
+            last block (step 0) returns dQ finished in q's dtype as a fourth item."""
+            nonlocal dq_fresh
             block = _block_for_step(rank, step, world, layout, causal, s_local)
             if block is None:
                 return None
@@ -225,9 +263,12 @@ class _RingAttention(torch.autograd.Function):
                 dout[:, rows], q[:, rows], block_k[:, cols], block_v[:, cols],
                 out[:, rows], lse[:, :, rows],
                 causal=masked, softmax_scale=scale, backend=backend,
-                delta=delta[:, :, rows], grad_dtype=partial_dtype,
+                delta=None if delta is None else delta[:, :, rows], grad_dtype=partial_dtype,
             )
-            dq[:, rows] += dq_b
+            if step == 0:
+                return cols, dk_b, dv_b, _finish(dq, rows, dq_b, dq_fresh, q.dtype)
+            _add_into(dq, rows, dq_b, dq_fresh)
+            dq_fresh = False
             return cols, dk_b, dv_b
 
         # Steps P-1, ..., 1 (K/V of ranks r+1, r+2, ..., r-1), then the diagonal (step 0).
@@ -244,27 +285,27 @@ class _RingAttention(torch.autograd.Function):
             kv_pending = comm.shift_back(current, recv_kv[i % 2]) if step > 1 else None
             grads = block_grads(step, current[0], current[1])
             acc = dkv[i % 2]
-            if dkv_pending is None:
-                acc.zero_()  # this rank is the block's first contributor
-            else:
+            fresh = dkv_pending is None  # this rank is the block's first contributor
+            if not fresh:
                 dkv_pending.wait()  # rank+1's partial sums for this block have arrived
             if grads is not None:
                 cols, dk_b, dv_b = grads
-                acc[0][:, cols] += dk_b
-                acc[1][:, cols] += dv_b
+                _add_into(acc[0], cols, dk_b, fresh)
+                _add_into(acc[1], cols, dv_b, fresh)
+            elif fresh:
+                acc.zero_()
             # Pass the partial sums on; the hop after step 1 takes them to the block's owner.
             dkv_pending = comm.shift_back(acc, dkv[(i + 1) % 2])
             if kv_pending is not None:
                 kv_pending.wait()
-        # The diagonal block runs while this shard's accumulated dK/dV travel home.
-        grads = block_grads(0, k, v)
+        # The diagonal block (which every rank has: step 0 is never skipped) runs while
+        # this shard's accumulated dK/dV travel home.
+        cols, dk_b, dv_b, dq_out = block_grads(0, k, v)
         dkv_pending.wait()
         home = dkv[(world - 1) % 2]
-        if grads is not None:
-            cols, dk_b, dv_b = grads
-            home[0][:, cols] += dk_b
-            home[1][:, cols] += dv_b
-        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None, None, None
+        dk_out = _finish(home[0], cols, dk_b, False, k.dtype)
+        dv_out = _finish(home[1], cols, dv_b, False, v.dtype)
+        return dq_out, dk_out, dv_out, None, None, None, None, None
 
 
 def ring_attention(

@@ -219,3 +219,41 @@ def test_unknown_layout_and_backend():
         ring_attention(q, q, q, layout="spiral")
     with pytest.raises(ValueError, match="unknown attention backend"):
         ring_attention(q, q, q, backend="magic")
+
+
+def test_ring_add_into_fresh_buffer():
+    """The ring writes the first contribution into an uninitialised fp32 buffer: what the
+    block does not cover must come out zero, whatever the memory held (NaN here)."""
+    from longctx.ring import _add_into
+
+    g = torch.Generator().manual_seed(4)
+    for index in (slice(None), slice(0, 3), slice(3, None)):
+        x = torch.randn(1, len(range(6)[index]), 2, 4, generator=g)
+        buf = torch.full((1, 6, 2, 4), float("nan"))
+        _add_into(buf, index, x, fresh=True)
+        want = torch.zeros(1, 6, 2, 4)
+        want[:, index] = x
+        assert torch.equal(buf, want), index
+        _add_into(buf, index, x, fresh=False)
+        want[:, index] += x
+        assert torch.equal(buf, want), index
+
+
+def test_ring_finish_last_contribution():
+    """The last contribution and the cast to the output dtype in one step: equal to an fp32
+    add followed by the cast (one rounding), whole-buffer and partial indices, and a buffer
+    that never got an earlier contribution (NaN garbage must not leak)."""
+    from longctx.ring import _finish
+
+    g = torch.Generator().manual_seed(5)
+    for index in (slice(None), slice(0, 3), slice(3, None)):
+        buf = torch.randn(1, 6, 2, 4, generator=g)
+        x = torch.randn(1, len(range(6)[index]), 2, 4, generator=g).bfloat16()
+        want = buf.clone()
+        want[:, index] += x.float()
+        got = _finish(buf.clone(), index, x, False, torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16()), index
+        fresh_want = torch.zeros(1, 6, 2, 4)
+        fresh_want[:, index] = x.float()
+        got = _finish(torch.full((1, 6, 2, 4), float("nan")), index, x, True, torch.bfloat16)
+        assert torch.equal(got, fresh_want.bfloat16()), index

@@ -70,7 +70,7 @@ def _rel(got, want):
 
 
 def run_case(name):
-    from longctx.kernels import attention_backward, attention_forward, triton_attention
+    from longctx.kernels import attention_backward, attention_delta, attention_forward, triton_attention
 
     B, Sq, Sk, Hq, Hkv, D, causal, dtype_name, opts = CASES[name]
     dtype = getattr(torch, dtype_name)
@@ -85,8 +85,11 @@ def run_case(name):
                                  out_dtype=out_dtype)
     delta = None
     out_arg = out
+    extra = {}
     if "delta" in opts:
-        delta = (dout.double() * out.double()).sum(-1).transpose(1, 2).float().contiguous()
+        # The ring's once-per-layer delta (fused Triton pass), checked against float64.
+        delta = attention_delta(out, dout, backend="triton")
+        extra["delta"] = _rel(delta, (dout.double() * out.double()).sum(-1).transpose(1, 2))
         out_arg = None
     dq, dk, dv = attention_backward(dout, q, k, v, out_arg, lse, causal=causal, softmax_scale=scale,
                                     backend="triton", delta=delta, grad_dtype=grad_dtype)
@@ -96,6 +99,7 @@ def run_case(name):
                  and all(g.dtype == (grad_dtype or dtype) for g in (dq, dk, dv))
                  and lse.shape == (B, Hq, Sq) and dk.shape == k.shape and dq.shape == q.shape)
     errs = {n: _rel(g, w) for n, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want)}
+    errs.update(extra)
     return {"errs": errs, "dtypes_ok": bool(dtypes_ok)}
 
 
@@ -183,3 +187,23 @@ def test_choose_backend_table(monkeypatch):
 
 if __name__ == "__main__":
     _worker_main()
+
+
+def test_attention_delta_dispatch():
+    """The ring's once-per-layer delta: skipped (None) for the vendor kernels, which
+    recompute it; the reference path equals rowsum(dout * out) in float64; bad input named."""
+    from longctx.kernels import attention_delta
+
+    g = torch.Generator().manual_seed(3)
+    out, dout = torch.randn(2, 9, 4, 16, generator=g), torch.randn(2, 9, 4, 16, generator=g)
+    assert attention_delta(out, dout, backend="cudnn") is None
+    assert attention_delta(out, dout, backend="flash") is None
+    got = attention_delta(out, dout, backend="torch")
+    want = (out.double() * dout.double()).sum(-1).transpose(1, 2)
+    assert got.shape == (2, 4, 9) and got.dtype == torch.float32 and got.is_contiguous()
+    assert _rel(got, want) < 1e-6
+    with pytest.raises(ValueError, match="backend"):
+        attention_delta(out, dout, backend="auto")
+    with pytest.raises(ValueError, match="differs"):
+        attention_delta(out, dout[:, :8], backend="torch")
+
