@@ -366,13 +366,42 @@ def section_breakdown(res, args, groups):
             from torch.profiler import ProfilerActivity, profile
 
             run = ring_step(q, k, v, dout, group, backend)
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                         record_shapes=True) as prof:
                 run()
                 torch.cuda.synchronize()
             kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start]
             nccl = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
             comp = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
             r["profile"] = overlap_summary(nccl, comp)
+            # Where compute time goes, and how long the GPU sat idle within the step.
+            span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
+            busy = sum(e - s for s, e in _union(nccl + comp))
+            by_name = {}
+            for e in kernels:
+                n, t = by_name.get(e.name[:80], (0, 0.0))
+                by_name[e.name[:80]] = (n + 1, t + (e.time_range.end - e.time_range.start))
+            # Which operator launched each elementwise kernel (copies, casts, adds): the
+            # part of a ring step that is neither attention nor communication.
+            sources = {}
+            for e in prof.events():
+                if e.device_type.name != "CPU" or not e.kernels:
+                    continue
+                t = sum(kk.duration for kk in e.kernels if "elementwise" in kk.name or "Memcpy" in kk.name)
+                if t <= 0:
+                    continue
+                chain, parent = [], e
+                while parent is not None and len(chain) < 4:
+                    chain.append(parent.name)
+                    parent = parent.cpu_parent
+                key = " < ".join(chain) + " " + str(e.input_shapes)[:120]
+                sources[key] = sources.get(key, 0.0) + t
+            r["profile"].update(
+                elementwise_sources=sorted(((k, round(t, 1)) for k, t in sources.items()),
+                                           key=lambda kv: -kv[1])[:16],
+                span_us=span, idle_us=span - busy,
+                top=[(name, n, round(t, 1)) for name, (n, t) in
+                     sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]])
         except Exception as ex:
             r["profile_error"] = repr(ex)[:200]
         res.setdefault("breakdown", []).append(r)
