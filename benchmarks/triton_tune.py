@@ -98,7 +98,7 @@ def _forward_state(ta, shipped, q, k, v, dout, causal, scale, d):
     autotuning: it would rerun at every cache clear)."""
     _pin(ta, shipped, "fwd", d, _cfg_tuple(shipped["fwd"][d][0]))
     out, lse = ta.forward(q, k, v, causal, scale)
-    return {"lse": lse, "delta": (out.float() * dout.float()).sum(-1).transpose(1, 2).contiguous()}
+    return {"lse": lse, "delta": ta.compute_delta(out, dout)}
 
 
 def _jobs(head_dims, seqs):
