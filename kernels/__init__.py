@@ -7,6 +7,11 @@ blocks. They know nothing of process groups.
 Backends (``backend=``): ``"torch"`` (reference, any device), ``"triton"`` (our
 kernels; CUDA/ROCm, or the CPU under ``TRITON_INTERPRET=1``), ``"cudnn"`` and
 ``"flash"`` (PyTorch's SDPA ops that return the LSE), and ``"auto"``.
+
+Document masking: ``q_document_ids`` / ``k_document_ids`` (int tensors ``(B, Sq)`` /
+``(B, Sk)``, both or neither) restrict query i to keys j with the same id (and j <= i
+when ``causal``). A query row that sees no key in a block gets ``out = 0`` and
+``lse = -inf`` (the ring's merge treats that as "no contribution").
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ __all__ = [
     "attention_backward",
     "attention_delta",
     "check_attention_inputs",
+    "check_document_ids",
     "resolve_backend",
     "BACKENDS",
 ]
@@ -61,6 +67,26 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             f"causal attention needs aligned blocks (equal lengths); got q length {q.shape[1]} "
             f"and k/v length {k.shape[1]}"
         )
+
+
+def check_document_ids(q: torch.Tensor, k: torch.Tensor, q_document_ids, k_document_ids):
+    """Validate a block's document ids; returns them (or (None, None))."""
+    if q_document_ids is None and k_document_ids is None:
+        return None, None
+    if q_document_ids is None or k_document_ids is None:
+        raise ValueError("document masking needs both q_document_ids and k_document_ids (or neither)")
+    for name, ids, t in (("q_document_ids", q_document_ids, q), ("k_document_ids", k_document_ids, k)):
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(ids).__name__}")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integers, got dtype {ids.dtype}")
+        if tuple(ids.shape) != tuple(t.shape[:2]):
+            raise ValueError(
+                f"{name} must be (batch, seq) = {tuple(t.shape[:2])}, got shape {tuple(ids.shape)}"
+            )
+        if ids.device != t.device:
+            raise ValueError(f"{name} is on {ids.device}, the attention inputs on {t.device}")
+    return q_document_ids, k_document_ids
 
 
 def _module(backend: str):
@@ -106,16 +132,23 @@ def attention_forward(
     softmax_scale: Optional[float] = None,
     backend: str = "auto",
     out_dtype: Optional[torch.dtype] = None,
+    q_document_ids: Optional[torch.Tensor] = None,
+    k_document_ids: Optional[torch.Tensor] = None,
 ):
     """Block attention. Returns ``(out, lse)``; lse is fp32 ``(B, Hq, Sq)``, natural log.
 
     ``out_dtype`` (default: q's dtype) lets the ring ask for fp32 partials so merging
-    many blocks loses nothing to bf16 rounding.
+    many blocks loses nothing to bf16 rounding. ``q/k_document_ids``: see the module doc.
     """
     check_attention_inputs(q, k, v, causal=causal)
+    docs = check_document_ids(q, k, q_document_ids, k_document_ids)
     name = resolve_backend(backend, q, k, causal)
     scale = _scale(softmax_scale, q.shape[-1])
     mod = _module(name)
+    if docs[0] is not None:
+        if name in ("cudnn", "flash"):
+            raise NotImplementedError(f"backend {name!r} does not take document ids")
+        return mod.forward(q, k, v, causal, scale, out_dtype, *docs)
     if name in ("cudnn", "flash"):
         return mod.forward(q, k, v, causal, scale, out_dtype, which=name)
     return mod.forward(q, k, v, causal, scale, out_dtype)
@@ -134,6 +167,8 @@ def attention_backward(
     backend: str = "auto",
     delta: Optional[torch.Tensor] = None,
     grad_dtype: Optional[torch.dtype] = None,
+    q_document_ids: Optional[torch.Tensor] = None,
+    k_document_ids: Optional[torch.Tensor] = None,
 ):
     """Gradients ``(dq, dk, dv)`` of one block from the FINAL out/lse of the whole row.
 
@@ -146,9 +181,14 @@ def attention_backward(
         raise ValueError(f"dout shape {tuple(dout.shape)} differs from q shape {tuple(q.shape)}")
     if out is None and delta is None:
         raise ValueError("attention_backward needs `out` or a precomputed `delta`")
+    docs = check_document_ids(q, k, q_document_ids, k_document_ids)
     name = resolve_backend(backend, q, k, causal)
     scale = _scale(softmax_scale, q.shape[-1])
     mod = _module(name)
+    if docs[0] is not None:
+        if name in ("cudnn", "flash"):
+            raise NotImplementedError(f"backend {name!r} does not take document ids")
+        return mod.backward(dout, q, k, v, out, lse, causal, scale, delta, grad_dtype, *docs)
     if name in ("cudnn", "flash"):
         return mod.backward(dout, q, k, v, out, lse, causal, scale, delta, grad_dtype, which=name)
     return mod.backward(dout, q, k, v, out, lse, causal, scale, delta, grad_dtype)

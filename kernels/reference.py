@@ -25,7 +25,8 @@ def _grouped(q: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
     return q.reshape(b, s, n_kv_heads, hq // n_kv_heads, d)
 
 
-def _probabilities(q, k, causal: bool, softmax_scale: float, lse: Optional[torch.Tensor] = None):
+def _probabilities(q, k, causal: bool, softmax_scale: float, lse: Optional[torch.Tensor] = None,
+                   q_doc: Optional[torch.Tensor] = None, k_doc: Optional[torch.Tensor] = None):
     """Scores -> (probabilities, lse), computed in the compute dtype. Shapes: (B, Hkv, G, Sq, Sk)."""
     ct = _compute_dtype(q.dtype)
     qg = _grouped(q.to(ct), k.shape[2])
@@ -34,6 +35,10 @@ def _probabilities(q, k, causal: bool, softmax_scale: float, lse: Optional[torch
         sq, sk = scores.shape[-2:]
         mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu_(1)
         scores = scores.masked_fill(mask, float("-inf"))
+    if q_doc is not None:
+        # (B, Sq, Sk): keys of another document are invisible.
+        other = q_doc[:, :, None] != k_doc[:, None, :]
+        scores = scores.masked_fill(other[:, None, None], float("-inf"))
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
     else:
@@ -46,8 +51,9 @@ def _probabilities(q, k, causal: bool, softmax_scale: float, lse: Optional[torch
     return probs, lse
 
 
-def forward(q, k, v, causal: bool, softmax_scale: float, out_dtype: Optional[torch.dtype]):
-    probs, lse = _probabilities(q, k, causal, softmax_scale)
+def forward(q, k, v, causal: bool, softmax_scale: float, out_dtype: Optional[torch.dtype],
+            q_doc: Optional[torch.Tensor] = None, k_doc: Optional[torch.Tensor] = None):
+    probs, lse = _probabilities(q, k, causal, softmax_scale, q_doc=q_doc, k_doc=k_doc)
     out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v.to(probs.dtype))
     b, sq, hq, d = q.shape
     out = out.reshape(b, sq, hq, v.shape[-1]).to(out_dtype or q.dtype)
@@ -66,10 +72,12 @@ def backward(
     softmax_scale: float,
     delta: Optional[torch.Tensor],
     grad_dtype: Optional[torch.dtype],
+    q_doc: Optional[torch.Tensor] = None,
+    k_doc: Optional[torch.Tensor] = None,
 ):
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
-    probs, _ = _probabilities(q, k, causal, softmax_scale, lse=lse)
+    probs, _ = _probabilities(q, k, causal, softmax_scale, lse=lse, q_doc=q_doc, k_doc=k_doc)
     ct = probs.dtype
     if delta is None:
         delta = (dout.to(ct) * out.to(ct)).sum(-1).transpose(1, 2)  # (B, Hq, Sq)
