@@ -310,10 +310,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     from lightning.pytorch.loggers import CSVLogger
 
     from longctx.data import LongDocumentDataModule
-    from longctx.health import NonFiniteGuard
+    from longctx.lightning.health import NonFiniteGuard
     from longctx.models import GPTConfig
     from longctx.models.lit_module import CausalLMModule
-    from longctx.strategy import ContextParallelStrategy, find_resume_checkpoint
+    from longctx.lightning.strategy import ContextParallelStrategy, find_resume_checkpoint
 
     model_cfg = dict(cfg["model"])
     try:

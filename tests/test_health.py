@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from longctx.health import NonFiniteError, NonFiniteGuard
+from longctx.lightning.health import NonFiniteError, NonFiniteGuard
 from longctx.models import GPT, GPTConfig
 
 from dist_harness import run_distributed

@@ -66,7 +66,7 @@ def full_run(tmp_path_factory, cache_env) -> tuple[Path, subprocess.CompletedPro
 
 @pytest.mark.slow
 def test_end_to_end_outputs(full_run):
-    from longctx.strategy import is_complete_checkpoint
+    from longctx.lightning.strategy import is_complete_checkpoint
 
     out, proc = full_run
     assert "world 2 = dp 1 x cp 2" in proc.stdout and "tokens per step 128" in proc.stdout
@@ -123,7 +123,7 @@ def test_unknown_config_key(tmp_path, cache_env):
 _SAVER = textwrap.dedent(
     """
     import sys, torch
-    from longctx.strategy import AtomicCheckpointIO
+    from longctx.lightning.strategy import AtomicCheckpointIO
     io, i = AtomicCheckpointIO(), 0
     while True:  # keep writing big checkpoints until killed
         i += 1
@@ -134,7 +134,7 @@ _SAVER = textwrap.dedent(
 
 
 def test_killed_save_leaves_last_checkpoint_whole(tmp_path):
-    from longctx.strategy import AtomicCheckpointIO, find_resume_checkpoint, is_complete_checkpoint
+    from longctx.lightning.strategy import AtomicCheckpointIO, find_resume_checkpoint, is_complete_checkpoint
 
     ckpt_dir = tmp_path / "checkpoints"
     last = ckpt_dir / "last.ckpt"

@@ -42,9 +42,9 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch.distributed.device_mesh import DeviceMesh
 
-from .layouts import check_layout
-from .ring_comm import new_ring_group
-from .watchdog import RankWatchdog
+from ..layouts import check_layout
+from ..ring_comm import new_ring_group
+from ..watchdog import RankWatchdog
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 
@@ -304,7 +304,7 @@ class ContextParallelStrategy(DDPStrategy):
         # Shard after the LightningModule's transfer hooks, which may expect full sequences
         # (e.g. to shift labels). shard_batch is idempotent, so an already sharded batch passes.
         # With cp == 1 nothing is split: any batch (not only token dicts) passes untouched.
-        from .sharding import shard_batch
+        from ..sharding import shard_batch
 
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if self.cp_size == 1:

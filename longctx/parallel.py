@@ -1,0 +1,263 @@
+"""How a model runs in parallel, as values: the CP context, the parallel layout, the plan,
+and ``parallelize``, which applies them to an architecture-only model from outside.
+
+* ``CPContext(group, layout)``: the context-parallel group and sequence layout, one object.
+* ``ContextParallelAttention``: the attention core a model puts where ``softmax(QK^T)V``
+  goes. It holds the ``CPContext`` (handed over once, by ``parallelize``) and calls
+  ``ring_attention`` or ``ulysses_attention``. A model built from it knows nothing of
+  process groups.
+* ``ParallelDims``: the layout of the world for one model: CP context, data-parallel mode
+  (``"fsdp"``, ``"ddp"`` or ``"none"``), the mesh FSDP2 shards over (every rank of dp x cp:
+  CP ranks hold other tokens of the same samples, so they shard parameters too),
+  FSDP2's compute dtype and CPU offload. The strategy builds it.
+* ``ParallelPlan``: the runtime policy of one model: activation checkpointing, pointwise
+  fusion, ring or Ulysses, kernel backend, loss chunk size. The training module owns it.
+* ``parallelize(model, dims, plan)``: applies both, FSDP2 last (per block, then the root).
+
+Blocks are the modules named in the model's ``_no_split_modules`` (Hugging Face's
+convention, which ``longctx.models.GPT`` follows too). Activation checkpointing, fusion
+and the loss chunk go through the model's own setters (``set_activation_checkpointing``,
+``set_pointwise_fusion``, ``loss_chunk_size``); Hugging Face models get full
+checkpointing through ``gradient_checkpointing_enable``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .layouts import check_layout
+from .ring import ring_attention
+from .ulysses import ulysses_attention
+
+CP_ATTENTION = ("ring", "ulysses")
+DATA_PARALLEL = ("fsdp", "ddp", "none")
+CHECKPOINTING = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class CPContext:
+    """A context-parallel group and the layout its shards follow (``group=None``: no CP)."""
+
+    group: Optional[dist.ProcessGroup] = None
+    layout: str = "zigzag"
+
+    def __post_init__(self) -> None:
+        check_layout(self.layout)
+
+    @property
+    def size(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.group is None else dist.get_rank(self.group)
+
+
+class ContextParallelAttention(nn.Module):
+    """Exact causal attention of this rank's shard over its CP group (no parameters).
+
+    ``forward(q, k, v, document_ids=None)`` on ``(B, S_local, heads, head_dim)`` tensors.
+    ``kind`` is ``"ring"`` or ``"ulysses"``; ``backend`` goes to the block kernels.
+    """
+
+    def __init__(self, n_head: int, n_kv_head: int, *, kind: str = "ring", backend: str = "auto"):
+        super().__init__()
+        self.n_head, self.n_kv_head = n_head, n_kv_head
+        self.cp = CPContext()
+        self.kind, self.backend = "ring", backend
+        self.configure(kind=kind)
+
+    def configure(self, *, cp: Optional[CPContext] = None, kind: Optional[str] = None,
+                  backend: Optional[str] = None) -> None:
+        cp = self.cp if cp is None else cp
+        kind = self.kind if kind is None else kind
+        if kind not in CP_ATTENTION:
+            raise ValueError(f"cp_attention must be one of {CP_ATTENTION}, got {kind!r}")
+        if kind == "ulysses" and self.n_kv_head % cp.size != 0:
+            # Fail at hand-over, not at the first step on every rank.
+            raise ValueError(
+                f"cp_attention='ulysses' splits heads over the context-parallel group: "
+                f"n_kv_head={self.n_kv_head} is not a multiple of its size {cp.size}; "
+                "use cp_attention='ring' or a CP size dividing n_kv_head"
+            )
+        self.cp, self.kind = cp, kind
+        if backend is not None:
+            self.backend = backend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        attention = ulysses_attention if self.kind == "ulysses" else ring_attention
+        extra = {} if document_ids is None else {"document_ids": document_ids}
+        return attention(q, k, v, group=self.cp.group, causal=True, layout=self.cp.layout,
+                         backend=self.backend, **extra)
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind!r}, backend={self.backend!r}, cp_size={self.cp.size}, layout={self.cp.layout!r}"
+
+
+@dataclass
+class ParallelPlan:
+    """How one model runs (never its sizes).
+
+    Args:
+        activation_checkpointing: ``"none"``; ``"full"`` (keep each block's input, recompute
+            the whole block, ring included); ``"selective"`` (keep attention's inputs and
+            output too: norms, projections, RoPE and MLP are recomputed, never the ring).
+        fuse_pointwise: RMSNorm, RoPE and the SwiGLU gate through ``torch.compile``.
+        cp_attention: ``"ring"`` (any head count) or ``"ulysses"`` (``n_kv_head % cp == 0``).
+        attention_backend: block kernels: ``"auto"``, ``"triton"``, ``"cudnn"``, ``"flash"``,
+            ``"torch"``.
+        loss_chunk_size: tokens per chunk of the chunked cross-entropy (fp32 logits of at
+            most this many tokens exist at once).
+    """
+
+    activation_checkpointing: str = "none"
+    fuse_pointwise: bool = False
+    cp_attention: str = "ring"
+    attention_backend: str = "auto"
+    loss_chunk_size: int = 4096
+
+    def __post_init__(self) -> None:
+        ac = self.activation_checkpointing
+        ac = {False: "none", True: "full"}.get(ac, ac) if isinstance(ac, bool) else ac
+        if ac not in CHECKPOINTING:
+            raise ValueError(f"activation_checkpointing must be one of {CHECKPOINTING}, got {ac!r}")
+        self.activation_checkpointing = ac
+        if self.cp_attention not in CP_ATTENTION:
+            raise ValueError(f"cp_attention must be one of {CP_ATTENTION}, got {self.cp_attention!r}")
+        from longctx.kernels import BACKENDS
+
+        if self.attention_backend not in ("auto", *BACKENDS):
+            raise ValueError(
+                f"attention_backend must be 'auto' or one of {BACKENDS}, got {self.attention_backend!r}"
+            )
+        n = self.loss_chunk_size
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise ValueError(f"loss_chunk_size must be a positive int, got {n!r}")
+
+    @classmethod
+    def from_dict(cls, d: Union["ParallelPlan", Mapping[str, Any], None]) -> "ParallelPlan":
+        if d is None:
+            return cls()
+        if isinstance(d, cls):
+            return d
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown ParallelPlan key(s) {unknown}; valid keys: {', '.join(sorted(names))}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The parallel layout one model is run under (built by the strategy).
+
+    ``data_parallel="fsdp"`` shards parameters, gradients and optimizer state over
+    ``fsdp_mesh`` (FSDP2 ``fully_shard``); ``"ddp"`` replicates them (the strategy wraps the
+    module); ``"none"``: one process. ``param_dtype`` (e.g. ``torch.bfloat16``) is FSDP2's
+    compute dtype: parameters stay fp32 (master weights) and gradients are reduced in fp32.
+    ``cpu_offload`` keeps sharded parameters, gradients and optimizer state in host memory.
+    """
+
+    cp: CPContext = CPContext()
+    data_parallel: str = "none"
+    fsdp_mesh: Any = None  # torch.distributed.device_mesh.DeviceMesh
+    param_dtype: Optional[torch.dtype] = None
+    cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        if self.data_parallel not in DATA_PARALLEL:
+            raise ValueError(f"data_parallel must be one of {DATA_PARALLEL}, got {self.data_parallel!r}")
+        if self.data_parallel == "fsdp" and self.fsdp_mesh is None:
+            raise ValueError("data_parallel='fsdp' needs fsdp_mesh (the DeviceMesh to shard over)")
+        if self.cpu_offload and self.data_parallel != "fsdp":
+            raise ValueError("cpu_offload needs data_parallel='fsdp' (FSDP2 offloads the shards)")
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of ``model``: instances of the classes its ``_no_split_modules`` names."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def parallelize(model: nn.Module, dims: Optional[ParallelDims] = None,
+                plan: Optional[ParallelPlan] = None) -> nn.Module:
+    """Apply the parallel layout and the runtime plan to ``model`` (in place; returns it).
+
+    Order: CP hand-over, runtime policy (checkpointing, fusion, loss chunk), then FSDP2
+    (per block, then the root, as torchtitan does). Call it once, from the
+    LightningModule's ``configure_model`` (the strategy calls it for modules that don't).
+    """
+    dims = ParallelDims() if dims is None else dims
+    plan = ParallelPlan() if plan is None else ParallelPlan.from_dict(plan)
+    if getattr(model, "_longctx_parallelized", False):
+        raise RuntimeError(f"{type(model).__name__} was already parallelized; parallelize() runs once per model")
+
+    cores = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
+    for core in cores:
+        core.configure(cp=dims.cp, kind=plan.cp_attention, backend=plan.attention_backend)
+    if not cores:
+        _hand_over_to_hf(model, dims.cp, plan)
+
+    _apply_runtime_policy(model, plan)
+    if dims.data_parallel == "fsdp":
+        _apply_fsdp(model, dims)
+    model._longctx_parallelized = True
+    return model
+
+
+def _hand_over_to_hf(model: nn.Module, cp: CPContext, plan: ParallelPlan) -> None:
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if isinstance(impl, str) and impl.startswith("longctx_"):
+        from . import hf
+
+        hf.set_context_parallel_group(model, cp.group, layout=cp.layout)
+    elif cp.size > 1:
+        raise ValueError(
+            f"{type(model).__name__} has no ContextParallelAttention module and is not a Hugging Face "
+            "model loaded with attn_implementation='longctx_ring': nothing in it would run context-parallel"
+        )
+
+
+def _apply_runtime_policy(model: nn.Module, plan: ParallelPlan) -> None:
+    ac = plan.activation_checkpointing
+    if hasattr(model, "set_activation_checkpointing"):
+        model.set_activation_checkpointing(ac)
+    elif ac == "full" and hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif ac != "none":
+        raise ValueError(f"{type(model).__name__} does not support activation_checkpointing={ac!r}")
+    if hasattr(model, "set_pointwise_fusion"):
+        model.set_pointwise_fusion(plan.fuse_pointwise)
+    elif plan.fuse_pointwise:
+        raise ValueError(f"{type(model).__name__} does not support fuse_pointwise")
+    if hasattr(model, "loss_chunk_size"):
+        model.loss_chunk_size = plan.loss_chunk_size
+
+
+def _apply_fsdp(model: nn.Module, dims: ParallelDims) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {"mesh": dims.fsdp_mesh}
+    if dims.param_dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dims.param_dtype, reduce_dtype=torch.float32)
+    if dims.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    blocks = blocks_of(model)
+    if not blocks:
+        raise ValueError(
+            f"data_parallel='fsdp' shards {type(model).__name__} per block, but it names no block classes "
+            "in `_no_split_modules`"
+        )
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by the backward: keep them.
+        fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kwargs)
+    fully_shard(model, **kwargs)
