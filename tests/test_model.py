@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from dist_harness import run_distributed
 
-from longctx import position_ids, shard_sequence, unshard_sequence
+from longctx import CPContext, ParallelDims, ParallelPlan, parallelize, position_ids, shard_sequence, unshard_sequence
 from longctx.models import (
     GPT,
     GPTConfig,
@@ -33,11 +33,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def small_config(**kw) -> GPTConfig:
     base = dict(vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=48,
-                rope_theta=500.0, loss_chunk_size=7, attention_backend="torch",
+                rope_theta=500.0,
                 # Larger than a real init so attention (and RoPE) move the logits visibly.
                 init_std=0.15)
     base.update(kw)
     return GPTConfig(**base)
+
+
+def small_plan(**kw) -> ParallelPlan:
+    return ParallelPlan(**{"loss_chunk_size": 7, "attention_backend": "torch", **kw})
 
 
 def make_batch(seq_len: int, vocab: int, seed: int, batch: int = 2):
@@ -63,18 +67,18 @@ def _cp_worker(rank: int, world: int, seq_len: int) -> dict:
         "zigzag+selective_checkpointing": ("zigzag", "selective", True, 4),
     }.items():
         torch.manual_seed(seed)
-        config = small_config(activation_checkpointing=ckpt)
+        config = small_config()
         model = GPT(config)
         input_ids, labels = make_batch(seq_len, config.vocab_size, seed=100 + seed)
 
         # Reference: the whole sequence on one device, float64.
-        ref = copy.deepcopy(model).double()
+        ref = parallelize(copy.deepcopy(model).double(), plan=small_plan())
         ref_logits = ref(input_ids)
         ref_sum, ref_n = ref.loss(input_ids, labels)
         ref_sum.backward()
 
         # CP: this rank's shard, fp32.
-        model.set_context_parallel_group(cp, layout)
+        parallelize(model, ParallelDims(cp=CPContext(cp, layout)), small_plan(activation_checkpointing=ckpt))
         shard = dict(rank=rank, world_size=world, layout=layout)
         ids_l, lab_l = shard_sequence(input_ids, 1, **shard), shard_sequence(labels, 1, **shard)
         pos = position_ids(seq_len, **shard) if explicit_pos else None
@@ -219,7 +223,7 @@ def test_chunked_loss_keeps_no_full_logits():
 def test_loss_matches_logits_and_checkpointing_matches():
     torch.manual_seed(0)
     config = small_config()
-    model = GPT(config)
+    model = parallelize(GPT(config), plan=small_plan())
     input_ids, labels = make_batch(20, config.vocab_size, seed=5)
     logits = model(input_ids)
     assert logits.shape == (2, 20, config.vocab_size)
@@ -245,18 +249,18 @@ def test_loss_matches_logits_and_checkpointing_matches():
 def test_selective_checkpointing_runs_the_ring_once(monkeypatch):
     """'selective' keeps attention's inputs/output: same loss and grads as no checkpointing,
     one ring call per layer per step (full checkpointing re-runs it in the backward)."""
-    import longctx.models.gpt as gpt_module
+    import longctx.parallel as parallel_module
 
     calls = []
-    real = gpt_module.ring_attention
+    real = parallel_module.ring_attention
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gpt_module, "ring_attention", counting)
+    monkeypatch.setattr(parallel_module, "ring_attention", counting)
     torch.manual_seed(0)
-    model = GPT(small_config())
+    model = parallelize(GPT(small_config()), plan=small_plan())
     input_ids, labels = make_batch(20, model.config.vocab_size, seed=7)
     results = {}
     for mode in (False, "selective", "full"):
@@ -273,8 +277,11 @@ def test_selective_checkpointing_runs_the_ring_once(monkeypatch):
         for k, g in results[False][1].items():
             assert rel_err(results[mode][1][k], g) < 1e-6, (mode, k)
     with pytest.raises(ValueError, match="activation_checkpointing"):
-        GPTConfig.from_preset("tiny", activation_checkpointing="sometimes")
-    assert GPTConfig.from_preset("tiny", activation_checkpointing="full").activation_checkpointing is True
+        ParallelPlan(activation_checkpointing="sometimes")
+    assert ParallelPlan(activation_checkpointing=True).activation_checkpointing == "full"
+    # How a model runs is not its architecture: GPTConfig refuses the old runtime keys.
+    with pytest.raises(ValueError, match="ParallelPlan"):
+        GPTConfig.from_preset("tiny", activation_checkpointing="full")
 
 
 @pytest.mark.parametrize("backend", [
@@ -290,9 +297,10 @@ def test_pointwise_fusion_matches_eager(monkeypatch, backend):
 
     monkeypatch.setattr(gpt_module, "COMPILE_BACKEND", backend)
     torch.manual_seed(0)
-    model = GPT(small_config())
-    fused_model = GPT(small_config(fuse_pointwise=True, activation_checkpointing=True))
+    model = parallelize(GPT(small_config()), plan=small_plan())
+    fused_model = GPT(small_config())
     fused_model.load_state_dict(model.state_dict())
+    parallelize(fused_model, plan=small_plan(fuse_pointwise=True, activation_checkpointing="full"))
     assert all(m.fuse_pointwise for m in fused_model.modules() if hasattr(m, "fuse_pointwise"))
     input_ids, labels = make_batch(20, model.config.vocab_size, seed=11)
     results = []
@@ -313,7 +321,7 @@ def test_pointwise_fusion_failure_names_the_setting(monkeypatch):
         raise RuntimeError("no C++ compiler here")
 
     monkeypatch.setattr(gpt_module, "COMPILE_BACKEND", broken_backend)
-    model = GPT(small_config(fuse_pointwise=True))
+    model = parallelize(GPT(small_config()), plan=small_plan(fuse_pointwise=True))
     input_ids, labels = make_batch(8, model.config.vocab_size, seed=3)
     with pytest.raises(RuntimeError, match="fuse_pointwise: false"):
         model.loss(input_ids, labels)
@@ -350,11 +358,13 @@ def test_block_reuse_in_plain_module():
     with torch.no_grad():
         a, b = tagger(ids), tagger(ids2)
     assert torch.equal(a[:, :8], b[:, :8]) and not torch.allclose(a[:, 8:], b[:, 8:])
-    # The block's attention takes part in the CP protocol like any module.
-    attn = tagger.blocks[0].attn
-    assert hasattr(attn, "set_context_parallel_group")
+    # parallelize hands the CP context to the blocks' attention inside any module.
+    parallelize(tagger, ParallelDims(cp=CPContext(None, "contiguous")))
+    assert all(b.attn.core.cp.layout == "contiguous" for b in tagger.blocks)
     with pytest.raises(ValueError, match="layout"):
-        attn.set_context_parallel_group(None, "spiral")
+        CPContext(None, "spiral")
+    with pytest.raises(RuntimeError, match="already parallelized"):
+        parallelize(tagger)
 
 
 def test_model_input_errors():
@@ -363,6 +373,8 @@ def test_model_input_errors():
         model(torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match="position_ids"):
         model(torch.zeros(1, 6, dtype=torch.long), torch.arange(5))
+    with pytest.raises(TypeError, match="position_ids must be integers"):
+        model(torch.zeros(1, 6, dtype=torch.long), torch.full((6,), float("nan")))
     with pytest.raises(TypeError, match="GPTConfig"):
         GPT({"n_layer": 2})
 
@@ -372,12 +384,15 @@ def test_model_input_errors():
 
 def test_presets_and_param_counts():
     expected_millions = {"tiny": (0.5, 2), "gpt-125m": (115, 135), "gpt-350m": (330, 380),
-                         "gpt-1b": (950, 1250), "smollm2-135m": (134.4, 134.6)}
+                         "gpt-1b": (950, 1250), "smollm2-135m": (134.4, 134.6),
+                         "llama3.2-1b": (1235, 1236), "llama3.2-3b": (3212, 3213), "llama3-8b": (8030, 8031)}
     assert set(expected_millions) == set(PRESETS)
     for name, (lo, hi) in expected_millions.items():
         c = GPTConfig.from_preset(name)
         assert lo <= c.num_params() / 1e6 <= hi, (name, c.num_params())
         n_matmul = c.num_params() - c.n_embd * (2 * c.n_layer + 1)  # minus norms
+        if not c.tie_embeddings:
+            n_matmul -= c.vocab_size * c.n_embd  # the embedding lookup is no matmul
         assert c.flops_per_token(1024, causal=False) == 6 * n_matmul + 12 * c.n_layer * c.q_dim * 1024
         assert c.flops_per_token(1024) < c.flops_per_token(1024, causal=False)
     s = GPTConfig.from_preset("smollm2-135m")

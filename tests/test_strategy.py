@@ -1,6 +1,7 @@
 """ContextParallelStrategy in a real Lightning Trainer against single-device training.
 
-Same tiny GPT (fp32), same global batches, a few AdamW steps:
+Same tiny GPT (fp32), same global batches, a few AdamW steps, with FSDP2 (every parameter
+sharded over the world) and with DDP:
 * CP=2 (world 2, dp 1), batch 4                          vs single device, batch 4;
 * dp2 x cp2 (world 4), batch 1 per dp rank, accumulate 2  vs single device, batch 4.
 Labels are partly -100 with uneven counts per sample, so only exact global token weighting
@@ -25,8 +26,8 @@ from dist_harness import run_distributed
 from longctx.lightning.strategy import ContextParallelStrategy
 
 VOCAB, SEQ, N_SAMPLES, STEPS, GLOBAL_BATCH = 64, 32, 16, 4, 4
-MODEL = dict(vocab_size=VOCAB, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64,
-             attention_backend="torch", loss_chunk_size=48)
+MODEL = dict(vocab_size=VOCAB, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64)
+PLAN = dict(attention_backend="torch", loss_chunk_size=48)
 OPTIM = dict(lr=3e-3, warmup_steps=2, min_lr_ratio=0.1, weight_decay=0.1)
 
 
@@ -54,7 +55,7 @@ def _fit(strategy, devices: int, loader: DataLoader, accumulate: int) -> dict:
     from longctx.models.lit_module import CausalLMModule
 
     torch.manual_seed(0)
-    module = CausalLMModule(MODEL, **OPTIM)
+    module = CausalLMModule(MODEL, parallel=PLAN, **OPTIM)
     rec = _Record()
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, precision="32-true",
@@ -64,22 +65,29 @@ def _fit(strategy, devices: int, loader: DataLoader, accumulate: int) -> dict:
         callbacks=[rec],
     )
     trainer.fit(module, loader)
-    params = torch.cat([p.detach().flatten() for p in module.parameters()])
+    from torch.distributed.tensor import DTensor, Shard
+
+    full = [p.full_tensor() if isinstance(p, DTensor) else p for p in module.parameters()]
+    params = torch.cat([p.detach().flatten() for p in full])
     info = {"params": params.tolist(), "losses": rec.losses}
     if isinstance(trainer.strategy, ContextParallelStrategy):
         s = trainer.strategy
         info["coords"] = (s.dp_rank, s.dp_size, s.cp_rank, s.cp_size)
-        attn = module.model.blocks[0].attn
-        info["attn_group_size"] = None if attn.cp_group is None else torch.distributed.get_world_size(attn.cp_group)
+        info["cp_size_in_attention"] = module.model.cp.size  # the CP context reached the layers
+        info["data_parallel"] = s.data_parallel
+        info["sharded"] = [isinstance(p, DTensor) and p.placements == (Shard(0),) for p in module.parameters()]
+        info["local_numel"] = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+                                  for p in module.parameters())
     return info
 
 
-def _distributed(rank: int, world: int, cp: int, batch: int, accumulate: int) -> dict:
+def _distributed(rank: int, world: int, cp: int, batch: int, accumulate: int, data_parallel: str) -> dict:
     # The harness already initialised the process group; LOCAL_RANK tells Lightning that
     # the processes exist (no launcher) and which one this is.
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", PL_GLOBAL_SEED="0")
     loader = DataLoader(_samples(), batch_size=batch)
-    return _fit(ContextParallelStrategy(context_parallel_size=cp), world, loader, accumulate)
+    strategy = ContextParallelStrategy(context_parallel_size=cp, data_parallel=data_parallel)
+    return _fit(strategy, world, loader, accumulate)
 
 
 @pytest.fixture(scope="module")
@@ -97,18 +105,28 @@ def _rel(a: list, b: list) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "world,cp,batch,accumulate",
+    "world,cp,batch,accumulate,data_parallel",
     # batch = per dp rank and micro-batch: GLOBAL_BATCH = batch * dp * accumulate.
-    [(2, 2, GLOBAL_BATCH, 1), (4, 2, GLOBAL_BATCH // 4, 2)],
-    ids=["cp2", "dp2xcp2-accumulate2"],
+    [(2, 2, GLOBAL_BATCH, 1, "fsdp"), (4, 2, GLOBAL_BATCH // 4, 2, "fsdp"),
+     (2, 2, GLOBAL_BATCH, 1, "ddp"), (4, 2, GLOBAL_BATCH // 4, 2, "ddp")],
+    ids=["fsdp-cp2", "fsdp-dp2xcp2-accumulate2", "ddp-cp2", "ddp-dp2xcp2-accumulate2"],
 )
-def test_matches_single_device(reference, world, cp, batch, accumulate):
-    results = run_distributed(_distributed, world, cp, batch, accumulate)
+def test_matches_single_device(reference, world, cp, batch, accumulate, data_parallel):
+    results = run_distributed(_distributed, world, cp, batch, accumulate, data_parallel)
     ref_losses = reference["losses"]
     assert len(ref_losses) == STEPS and all(map(torch.isfinite, torch.tensor(ref_losses)))
+    n_params = len(reference["params"])
     for rank, out in enumerate(results):
         assert out["coords"] == (rank // cp, world // cp, rank % cp, cp)
-        assert out["attn_group_size"] == cp  # the group reached the attention layers
+        assert out["cp_size_in_attention"] == cp
+        assert out["data_parallel"] == data_parallel
+        if data_parallel == "fsdp":
+            # Every parameter is a DTensor sharded on dim 0 over the whole world; each rank
+            # holds about 1/world of the model (FSDP2 pads dim 0 to a multiple of world).
+            assert all(out["sharded"]), out["sharded"]
+            assert out["local_numel"] <= n_params / world * 1.1
+        else:
+            assert not any(out["sharded"]) and out["local_numel"] == n_params
         err = _rel(out["params"], reference["params"])
         assert err < 1e-5, f"rank {rank}: parameters differ from single-device training by {err:.2e}"
         torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)

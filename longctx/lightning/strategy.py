@@ -1,37 +1,50 @@
-"""Lightning strategy for context parallelism (ring attention) combined with data parallelism.
+"""Lightning strategy for context parallelism (ring attention) with FSDP2 or DDP.
 
-``ContextParallelStrategy`` is Lightning's ``DDPStrategy`` plus a 2-D ``(dp, cp)`` device
-mesh. The world of ``dp * cp`` processes is split into ``dp`` context-parallel groups of
-``cp`` *consecutive* ranks (cp innermost, so on a node with 8 GPUs and ``cp=8`` the ring
-stays on NVLink); every CP group works on the same samples, each rank holding ``1/cp`` of
-every sequence.
+``ContextParallelStrategy`` builds on Lightning's ``ModelParallelStrategy`` (FSDP2,
+``configure_model``, distributed checkpoints). The world of ``dp * cp`` processes is split
+into ``dp`` context-parallel groups of ``cp`` *consecutive* ranks (cp innermost, so on a
+node with 8 GPUs and ``cp=8`` the ring stays on NVLink); every CP group works on the same
+samples, each rank holding ``1/cp`` of every sequence.
 
-What the strategy does, so that a plain LightningModule and DataLoader work unchanged:
+Data parallelism (``data_parallel``) runs over the whole ``dp x cp`` world:
 
-* builds the mesh right after the default process group exists (``setup_environment``);
-* hands the CP group to every module that defines
-  ``set_context_parallel_group(group, layout)`` before DDP wraps the model
-  (``group=None`` when ``cp == 1``);
+* ``"fsdp"``: parameters, gradients and AdamW state sharded with FSDP2 (``fully_shard``
+  per block, then the root) over every rank (CP ranks hold other tokens of the same
+  samples, so they shard parameters too, as torchtitan's ``dp_shard_cp``); bf16 compute
+  with fp32 master weights and fp32 gradient reduction under ``bf16-mixed``; optional CPU
+  offload. Checkpoints are folders of shards (``torch.distributed.checkpoint``).
+* ``"ddp"``: every rank holds the whole model; gradients all-reduced (DDP). Single-file
+  checkpoints, written atomically.
+* ``"auto"`` (default): ``"fsdp"`` when the full training state (16 bytes per parameter:
+  fp32 weights, gradients, two AdamW moments) would take more than a quarter of a GPU's
+  memory, else ``"ddp"`` (faster for small models: no per-layer all-gather); always
+  ``"ddp"`` on CPU and for modules that do not apply ``longctx.parallelize`` themselves.
+
+What the strategy does, so that a LightningModule and a DataLoader work unchanged:
+
+* creates the CP groups (with the strategy's timeout, on a communicator of their own)
+  right after the default process group exists, and describes the layout as one value,
+  ``parallel_dims`` (``longctx.ParallelDims``), which the module's ``configure_model``
+  hands to ``longctx.parallelize``; a module that does not is parallelized by the
+  strategy (CP hand-over only, DDP);
 * makes the distributed sampler split data over the ``dp`` dimension only;
-* shards every batch for this rank's CP position in ``batch_to_device`` (via
-  ``longctx.sharding.shard_batch``, after the LightningModule's transfer hooks so they see
-  full sequences);
-* lets DDP average gradients over the whole ``dp x cp`` world (its default): with the loss
+* shards every token batch for this rank's CP position in ``batch_to_device`` (via
+  ``longctx.shard_batch``, after the LightningModule's transfer hooks so they see full
+  sequences) and adds global ``position_ids``, also at ``cp == 1``;
+* averages gradients over the whole world (DDP's and FSDP2's default): with the loss
   normalised by ``longctx.loss`` this gives exactly the single-device gradient.
 
-Checkpoints are written atomically by default (``AtomicCheckpointIO``: temp file in the same
-directory, fsync, rename), so a crash while saving never leaves a truncated ``last.ckpt``;
-``find_resume_checkpoint`` picks the newest complete checkpoint of a run.
-
 Process-group timeout: ``timeout`` (default 5 minutes, instead of torch's 10 min NCCL /
-30 min gloo) applies to the default group *and* to the dp/cp subgroups, so a rank that died
+30 min gloo) applies to the default group *and* to the CP subgroups, so a rank that died
 makes every other rank fail within that time instead of hanging a job for half an hour.
 """
 from __future__ import annotations
 
+import math
 import os
 import warnings
 import zipfile
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -39,25 +52,26 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.strategy import Strategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
 
 from ..layouts import check_layout
+from ..parallel import CPContext, ParallelDims, parallelize
 from ..ring_comm import new_ring_group
 from ..watchdog import RankWatchdog
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
-
-# The mesh of the strategy that set up last in this process, for code that cannot reach
-# the Trainer (e.g. a model built outside Lightning's hooks). One training job per process.
-_ACTIVE: Optional["ContextParallelStrategy"] = None
-
-
-def get_context_parallel_group() -> Optional[dist.ProcessGroup]:
-    """The CP group of the active ``ContextParallelStrategy`` (``None``: no CP or no strategy)."""
-    if _ACTIVE is None or _ACTIVE.cp_size == 1:
-        return None
-    return _ACTIVE.cp_group
+DATA_PARALLEL = ("auto", "fsdp", "ddp")
+# "auto" shards once the replicated training state would fill this share of a GPU.
+AUTO_FSDP_MEMORY_SHARE = 0.25
+BYTES_PER_PARAMETER = 16  # fp32 weights + gradients + AdamW's two moments
+DDP_BUCKET_BYTES = 4  # DDP's flat fp32 gradient buckets (a second copy of the gradients)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -149,21 +163,30 @@ def _check_divisible(world_size: int, cp_size: int) -> None:
         )
 
 
-class ContextParallelStrategy(DDPStrategy):
-    """DDP over a ``(dp, cp)`` mesh: ring attention inside each CP group, DDP across all ranks.
+def _is_parallelized(module: torch.nn.Module) -> bool:
+    return any(getattr(m, "_longctx_parallelized", False) for m in module.modules())
+
+
+class ContextParallelStrategy(ModelParallelStrategy):
+    """Ring attention inside each CP group; FSDP2 or DDP across all ranks.
 
     Args:
         context_parallel_size: ranks per context-parallel group (``>= 1``, must divide the
             world size). ``None`` puts the whole world into one CP group (``dp = 1``).
+        data_parallel: ``"fsdp"`` (shard parameters, gradients and optimizer state over
+            all ranks), ``"ddp"`` (replicate them) or ``"auto"`` (see the module doc).
         layout: sequence layout of the shards, ``"zigzag"`` (balanced causal work) or
-            ``"contiguous"``; handed to the modules together with the group.
-        timeout: process-group timeout for the default group and the mesh subgroups.
+            ``"contiguous"``.
+        cpu_offload: with FSDP, keep the sharded parameters, gradients and optimizer
+            state in host memory (FSDP2's ``CPUOffloadPolicy``).
+        timeout: process-group timeout for the default group and the CP groups.
             Default 5 minutes: a failed rank ends the job in bounded time.
         failure_timeout: seconds without a heartbeat after which a rank is declared dead
             and every rank exits, naming it (``longctx.watchdog``); a rank that raises
             tells the others at once. ``None`` disables the watchdog.
-        **kwargs: everything ``DDPStrategy`` accepts (``find_unused_parameters``,
-            ``static_graph``, ``process_group_backend``, ``start_method``, ...).
+        process_group_backend: ``"nccl"``, ``"gloo"``, ... (default: by device).
+        **ddp_kwargs: passed to ``DistributedDataParallel`` in DDP mode
+            (``find_unused_parameters``, ``static_graph``, ...).
     """
 
     strategy_name = "context_parallel"
@@ -171,37 +194,44 @@ class ContextParallelStrategy(DDPStrategy):
     def __init__(
         self,
         context_parallel_size: Optional[int] = None,
+        data_parallel: str = "auto",
         layout: str = "zigzag",
+        cpu_offload: bool = False,
         timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         failure_timeout: Optional[float] = 120.0,
-        **kwargs: Any,
+        process_group_backend: Optional[str] = None,
+        **ddp_kwargs: Any,
     ) -> None:
-        if failure_timeout is not None and failure_timeout <= 0:
-            raise ValueError(f"failure_timeout must be positive seconds or None, got {failure_timeout}")
+        if failure_timeout is not None and not (math.isfinite(failure_timeout) and failure_timeout > 0):
+            raise ValueError(f"failure_timeout must be positive, finite seconds or None, got {failure_timeout}")
         _check_cp_size(context_parallel_size)
         check_layout(layout)
-        if kwargs.get("checkpoint_io") is None:
-            kwargs["checkpoint_io"] = AtomicCheckpointIO()
-        super().__init__(timeout=timeout, **kwargs)
+        if data_parallel not in DATA_PARALLEL:
+            raise ValueError(f"data_parallel must be one of {DATA_PARALLEL}, got {data_parallel!r}")
+        if cpu_offload and data_parallel == "ddp":
+            raise ValueError("cpu_offload=True needs data_parallel='fsdp' (FSDP2 offloads the shards)")
+        super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend,
+                         timeout=timeout)
+        self.checkpoint_io = AtomicCheckpointIO()
         self._cp_size_arg = context_parallel_size
+        self._data_parallel_arg = "fsdp" if cpu_offload and data_parallel == "auto" else data_parallel
+        self._data_parallel: Optional[str] = None  # resolved once the model exists
         self.layout = layout
-        self._device_mesh: Optional[DeviceMesh] = None
+        self.cpu_offload = cpu_offload
+        self._ddp_kwargs = ddp_kwargs
         self._cp_group: Optional[dist.ProcessGroup] = None
+        self._parallel_dims: Optional[ParallelDims] = None
         self.failure_timeout = failure_timeout
         self._watchdog: Optional[RankWatchdog] = None
         self._failed = False
 
     # -- sizes and ranks ---------------------------------------------------------------
     # Derived from the global rank (cp innermost: rank = dp_rank * cp + cp_rank), so they are
-    # valid before the mesh exists, e.g. when Lightning builds the sampler.
+    # valid before any group exists, e.g. when Lightning builds the sampler.
 
     @property
     def cp_size(self) -> int:
         return self._cp_size_arg if self._cp_size_arg is not None else self.world_size
-
-    @property
-    def context_parallel_size(self) -> int:
-        return self.cp_size
 
     @property
     def dp_size(self) -> int:
@@ -216,19 +246,51 @@ class ContextParallelStrategy(DDPStrategy):
         return self.global_rank // self.cp_size
 
     @property
-    def device_mesh(self) -> DeviceMesh:
-        if self._device_mesh is None:
-            raise RuntimeError("the device mesh exists only after the Trainer set up the strategy")
-        return self._device_mesh
-
-    @property
     def cp_group(self) -> Optional[dist.ProcessGroup]:
-        """This rank's context-parallel group (exists once the mesh is built)."""
+        """This rank's context-parallel group (``None`` before setup and when ``cp == 1``)."""
         return self._cp_group
 
     @property
-    def dp_group(self) -> Optional[dist.ProcessGroup]:
-        return None if self._device_mesh is None else self._device_mesh.get_group("dp")
+    def data_parallel(self) -> str:
+        """``"fsdp"`` or ``"ddp"`` once resolved (``configure_model``), else the requested mode."""
+        return self._data_parallel or self._data_parallel_arg
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """The parallel layout for ``longctx.parallelize`` (valid from ``configure_model`` on)."""
+        if self._parallel_dims is None:
+            if self._device_mesh is None:
+                raise RuntimeError("parallel_dims exists once the Trainer has set up the processes")
+            mode = self._resolve_data_parallel()
+            self._parallel_dims = ParallelDims(
+                cp=CPContext(self._cp_group, self.layout),
+                data_parallel=mode,
+                fsdp_mesh=self._device_mesh if mode == "fsdp" else None,
+                param_dtype=self._compute_dtype() if mode == "fsdp" else None,
+                cpu_offload=self.cpu_offload,
+            )
+        return self._parallel_dims
+
+    def _resolve_data_parallel(self) -> str:
+        if self._data_parallel is None:
+            mode = self._data_parallel_arg
+            if mode == "auto":
+                mode = "ddp"
+                module = self.lightning_module
+                on_gpu = self.root_device.type == "cuda"
+                if on_gpu and module is not None and is_overridden("configure_model", module):
+                    n_params = sum(p.numel() for p in module.parameters())
+                    total = torch.cuda.get_device_properties(self.root_device).total_memory
+                    if n_params * BYTES_PER_PARAMETER > AUTO_FSDP_MEMORY_SHARE * total:
+                        mode = "fsdp"
+            self._data_parallel = mode
+        return self._data_parallel
+
+    def _compute_dtype(self) -> Optional[torch.dtype]:
+        # Under "bf16-mixed"/"16-mixed" FSDP2 gathers bf16/fp16 parameters for compute and
+        # keeps fp32 masters (autocast alone would all-gather fp32: twice the traffic).
+        precision = getattr(self.precision_plugin, "precision", None)
+        return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
 
     # -- setup -------------------------------------------------------------------------
 
@@ -240,58 +302,117 @@ class ContextParallelStrategy(DDPStrategy):
         super()._configure_launcher()
 
     def setup_environment(self) -> None:
-        super().setup_environment()  # creates the default process group
-        self._build_mesh()
+        self._setup_distributed()  # device, ranks, the default process group (our timeout)
+        self._build_groups()
+        # As ModelParallelStrategy: a user's configure_model can read the mesh.
+        self.lightning_module._device_mesh = self._device_mesh
         if self.failure_timeout is not None and self.world_size > 1:
             interval = min(1.0, self.failure_timeout / 4)
             self._watchdog = RankWatchdog(
                 self.global_rank, self.world_size, timeout=self.failure_timeout, interval=interval
             ).start()
 
-    def _build_mesh(self) -> None:
-        global _ACTIVE
+    def _build_groups(self) -> None:
         world, cp = self.world_size, self.cp_size
         if dist.get_world_size() != world:
             raise RuntimeError(
                 f"the process group has {dist.get_world_size()} ranks but the strategy expects {world}"
             )
         _check_divisible(world, cp)
-        dp = world // cp
-        ranks = torch.arange(world).view(dp, cp)
-        # The subgroups are created by hand (not init_device_mesh) so they get our timeout:
-        # new_group without one falls back to torch's 10/30-minute defaults. Every rank must
-        # create every group, in the same order.
-        cp_groups = [new_ring_group(r.tolist(), timeout=self._timeout) for r in ranks]
-        dp_groups = [dist.new_group(c.tolist(), timeout=self._timeout) for c in ranks.t()]
-        cp_group = cp_groups[self.dp_rank]
-        dp_group = dp_groups[self.cp_rank]
-        self._device_mesh = DeviceMesh.from_group(
-            [dp_group, cp_group], self.root_device.type, mesh=ranks, mesh_dim_names=("dp", "cp")
-        )
-        self._cp_group = cp_group
-        _ACTIVE = self
+        # CP groups are created by hand (not init_device_mesh) so they get our timeout and a
+        # communicator of their own: gradient reductions on the default group never queue
+        # behind (or among) the ring's transfers. Every rank creates every group, in order.
+        ranks = torch.arange(world).view(world // cp, cp)
+        groups = [new_ring_group(r.tolist(), timeout=self._timeout) for r in ranks] if cp > 1 else []
+        self._cp_group = groups[self.dp_rank] if groups else None
+        # FSDP2 shards over every rank of dp x cp: a 1-D mesh over the default group.
+        self._device_mesh = DeviceMesh.from_group(dist.group.WORLD, self.root_device.type,
+                                                  mesh_dim_names=("dp_cp",))
 
     def setup(self, trainer: Any) -> None:
-        # Before super().setup wraps the model in DDP, so modules keep a plain reference.
-        self.hand_over_group(self.lightning_module)
-        super().setup(trainer)
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        mode = self._resolve_data_parallel()
+        if not _is_parallelized(module):
+            if mode == "fsdp":
+                raise ValueError(
+                    "data_parallel='fsdp' shards the blocks a module names: define configure_model() "
+                    "calling longctx.parallelize(self.model, self.trainer.strategy.parallel_dims, plan) "
+                    "(see the README), or use data_parallel='ddp'"
+                )
+            parallelize(module, self.parallel_dims)  # CP hand-over to the attention layers
+        if mode == "ddp":
+            self._check_replica_fits(module)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if mode == "ddp" and self.world_size > 1:
+            device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
+            self.model = DistributedDataParallel(self.model, device_ids=device_ids, **self._ddp_kwargs)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
 
-    def hand_over_group(self, module: Optional[torch.nn.Module]) -> int:
-        """Call ``set_context_parallel_group(group, layout)`` on every submodule defining it.
+    def _check_replica_fits(self, module: torch.nn.Module) -> None:
+        """DDP keeps everything on every GPU: say so (and how to fix it) before the OOM."""
+        if self.root_device.type != "cuda":
+            return
+        n_params = sum(p.numel() for p in module.parameters())
+        per_param = BYTES_PER_PARAMETER + (DDP_BUCKET_BYTES if self.world_size > 1 else 0)
+        need = n_params * per_param
+        total = torch.cuda.get_device_properties(self.root_device).total_memory
+        if need > total:
+            raise MemoryError(
+                f"data_parallel='ddp' keeps the whole model on every GPU: {n_params / 1e9:.2f}B parameters x "
+                f"{per_param} bytes (fp32 weights, gradients, AdamW moments, DDP buckets) = "
+                f"{need / 2**30:.0f} GiB > {total / 2**30:.0f} GiB on {torch.cuda.get_device_name(self.root_device)}, "
+                "before any activation. Use data_parallel='fsdp' (train.py --data-parallel fsdp) to shard it "
+                "over the ranks"
+            )
 
-        Returns how many modules received the group. ``group`` is ``None`` when ``cp == 1``
-        (plain local attention).
-        """
-        if module is None:
-            return 0
-        group = self._cp_group if self.cp_size > 1 else None
-        count = 0
-        for m in module.modules():
-            setter = getattr(m, "set_context_parallel_group", None)
-            if callable(setter):
-                setter(group, self.layout)
-                count += 1
-        return count
+    # -- checkpoints: sharded folders (FSDP) or single files (DDP) -----------------------
+
+    @property
+    def _sharded(self) -> bool:
+        return self.data_parallel == "fsdp"
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return not self._sharded  # sharded optimizer state is restored in load_checkpoint
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._sharded:
+            return super().lightning_module_state_dict()
+        return self.lightning_module.state_dict()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if self._sharded:
+            return super().optimizer_state(optimizer)
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return optimizer.state_dict()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if self._sharded:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if self._sharded:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if not self._sharded:
+            Strategy.load_model_state_dict(self, checkpoint, strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if not self._sharded:
+            Strategy.load_optimizer_state_dict(self, checkpoint)
 
     # -- data ----------------------------------------------------------------------------
 
@@ -303,11 +424,11 @@ class ContextParallelStrategy(DDPStrategy):
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         # Shard after the LightningModule's transfer hooks, which may expect full sequences
         # (e.g. to shift labels). shard_batch is idempotent, so an already sharded batch passes.
-        # With cp == 1 nothing is split: any batch (not only token dicts) passes untouched.
+        # At cp == 1 a token batch still gets its position_ids; other batches pass untouched.
         from ..sharding import shard_batch
 
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        if self.cp_size == 1:
+        if self.cp_size == 1 and not (isinstance(batch, Mapping) and "input_ids" in batch):
             return batch
         return shard_batch(batch, rank=self.cp_rank, world_size=self.cp_size, layout=self.layout)
 
@@ -316,14 +437,19 @@ class ContextParallelStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         # Tell the other ranks now, instead of leaving them blocked in the next collective.
         self._failed = True
+        if isinstance(exception, torch.OutOfMemoryError):
+            hint = ("data_parallel='fsdp' (--data-parallel fsdp) shards weights, gradients and optimizer state"
+                    if self.data_parallel == "ddp" else
+                    "activation_checkpointing (--set parallel.activation_checkpointing=full), a larger "
+                    "--context-parallel, or cpu_offload=True (--set cpu_offload=true)")
+            print(f"[longctx] rank {self.global_rank}: out of GPU memory; try {hint}", flush=True)
         if self._watchdog is not None:
             self._watchdog.report_failure(exception)
         super().on_exception(exception)
 
     def teardown(self) -> None:
-        global _ACTIVE
-        if _ACTIVE is self:
-            _ACTIVE = None
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = self.lightning_module
         if self._watchdog is not None:
             if not self._failed and dist.is_initialized():
                 # No rank stops watching (and exits, maybe taking rank 0's store with it)
@@ -338,9 +464,8 @@ class ContextParallelStrategy(DDPStrategy):
         strategy_registry.register(
             cls.strategy_name,
             cls,
-            description="DDP over a (dp, cp) mesh with ring-attention context parallelism "
-            "(whole world = one CP group; pass ContextParallelStrategy(context_parallel_size=N) "
-            "for dp x cp)",
+            description="Ring-attention context parallelism over a (dp, cp) layout with FSDP2 or DDP "
+            "(whole world = one CP group; pass ContextParallelStrategy(context_parallel_size=N) for dp x cp)",
             override=True,
         )
 
