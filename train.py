@@ -70,7 +70,7 @@ DEFAULTS: dict[str, Any] = {
     "deterministic": False,
     "val_every": None,  # optimizer steps between validations; None = once, at the end; 0 = never
     "val_batches": 8,
-    "checkpoint_every": 50,  # optimizer steps
+    "checkpoint_every": 50,  # optimizer steps; 0 = no checkpoints at all (benchmark runs)
     "keep_checkpoints": 1,  # step-stamped checkpoints kept besides last.ckpt
     "log_every": 1,
     "timeout_minutes": 5.0,  # process-group timeout (backstop for the watchdog below)
@@ -370,7 +370,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         dm.prepare_data()  # tokenizer + tokenized corpus, cached: re-launched ranks hit the cache
     vocab = dm.get_tokenizer().vocab_size
     if cfg["init_from"] is None:
-        model_cfg["vocab_size"] = vocab
+        # The tokenizer may come out smaller than asked for (a small corpus); a model vocabulary
+        # set larger than the tokenizer's (e.g. a Llama-shaped preset) is kept as configured.
+        model_cfg["vocab_size"] = max(vocab, GPTConfig.from_dict(model_cfg).vocab_size)
 
     strategy = ContextParallelStrategy(
         context_parallel_size=cfg["context_parallel"], data_parallel=cfg["data_parallel"],
@@ -387,7 +389,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         enable_version_counter=False,
     )
     logger = CSVLogger(save_dir=str(out), name="logs", flush_logs_every_n_steps=10)
-    callbacks: list = [checkpoint, NonFiniteGuard(cfg["nonfinite"], max_skips=cfg["max_nonfinite_skips"])]
+    callbacks: list = [NonFiniteGuard(cfg["nonfinite"], max_skips=cfg["max_nonfinite_skips"])]
+    if cfg["checkpoint_every"]:
+        callbacks.insert(0, checkpoint)
     if cfg["progress_bar"]:
         callbacks.append(TQDMProgressBar(refresh_rate=1))
     trainer = L.Trainer(
@@ -399,6 +403,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         limit_val_batches=cfg["val_batches"] if val_every else 0, num_sanity_val_steps=0,
         log_every_n_steps=cfg["log_every"], logger=logger, callbacks=callbacks,
         enable_progress_bar=bool(cfg["progress_bar"]), enable_model_summary=False, max_epochs=-1,
+        enable_checkpointing=bool(cfg["checkpoint_every"]),
     )
     world = trainer.num_devices * trainer.num_nodes
     cp = cfg["context_parallel"]

@@ -13,7 +13,7 @@ from .layouts import position_ids, shard_sequence, unshard_sequence
 from .loss import TokenWeightedAccumulator, global_token_loss
 from .parallel import ContextParallelAttention, CPContext, ParallelDims, ParallelPlan, parallelize
 from .ring import ring_attention
-from .sharding import is_sharded, shard_batch
+from .sharding import document_position_ids, is_sharded, shard_batch
 from .ulysses import ulysses_attention
 from .watchdog import RankWatchdog
 
@@ -26,6 +26,7 @@ __all__ = [
     "unshard_sequence",
     "position_ids",
     "shard_batch",
+    "document_position_ids",
     "is_sharded",
     "CPContext",
     "ContextParallelAttention",

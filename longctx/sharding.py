@@ -171,3 +171,25 @@ def shard_batch(
     raise TypeError(
         f"shard_batch takes a mapping, a tuple/list of tensors or a token tensor, not {type(batch).__name__}"
     )
+
+
+def document_position_ids(document_ids: torch.Tensor) -> torch.Tensor:
+    """Positions that restart at 0 wherever the document id changes, on FULL sequences.
+
+    ``document_ids`` ``(B, S)`` (or ``(S,)``) of unsharded sequences -> int64 positions of
+    the same shape: the index of each token within its run of equal ids. RoPE then sees
+    every packed document as if it started the sequence (``rope_positions="document"``).
+    Shard the result like every other per-token tensor.
+    """
+    if document_ids.dtype.is_floating_point or document_ids.dtype == torch.bool:
+        raise TypeError(f"document_ids must hold integers, got dtype {document_ids.dtype}")
+    squeeze = document_ids.dim() == 1
+    ids = document_ids.unsqueeze(0) if squeeze else document_ids
+    if ids.dim() != 2:
+        raise ValueError(f"document_ids must be (S,) or (B, S), got shape {tuple(document_ids.shape)}")
+    index = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    run_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    pos = index - run_start
+    return pos[0] if squeeze else pos

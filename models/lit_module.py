@@ -30,6 +30,7 @@ import torch
 from torchmetrics import MeanMetric
 
 from longctx.loss import TokenWeightedAccumulator
+from longctx.sharding import document_position_ids
 from longctx.parallel import ParallelDims, ParallelPlan, parallelize
 
 from .config import GPTConfig
@@ -55,6 +56,10 @@ def peak_flops(device: torch.device) -> Optional[float]:
     return None
 
 
+ATTENTION = ("document", "causal")
+ROPE_POSITIONS = ("document", "global")
+
+
 def lr_lambda(warmup_steps: int, decay_steps: int, min_lr_ratio: float):
     """Multiplier of the peak lr: linear warmup to 1, then cosine to ``min_lr_ratio``."""
 
@@ -78,6 +83,12 @@ class CausalLMModule(L.LightningModule):
         parallel: the runtime plan (``longctx.ParallelPlan`` or a mapping of its fields:
             activation_checkpointing, fuse_pointwise, cp_attention, attention_backend,
             loss_chunk_size).
+        attention: ``"document"`` (default): a token attends only to earlier tokens of its own
+            document, from the batch's ``document_ids`` (a batch without them is one
+            document); ``"causal"``: to every earlier token of the packed sequence.
+        rope_positions: ``"document"`` (RoPE positions restart at every document; the
+            default with document masking) or ``"global"`` (positions in the packed
+            sequence; the default with causal attention).
         init_from: a Hugging Face directory or ``.gguf`` file to start from
             (``GPT.from_pretrained``); ``model`` then holds overrides (e.g. ``rope_theta``),
             not sizes.
@@ -94,6 +105,8 @@ class CausalLMModule(L.LightningModule):
         model: Union[GPTConfig, Mapping[str, Any], None] = None,
         *,
         parallel: Union[ParallelPlan, Mapping[str, Any], None] = None,
+        attention: str = "causal",
+        rope_positions: Optional[str] = None,
         init_from: Optional[str] = None,
         lr: float = 3e-4,
         min_lr_ratio: float = 0.1,
@@ -107,6 +120,13 @@ class CausalLMModule(L.LightningModule):
         super().__init__()
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+        if rope_positions is None:
+            rope_positions = "document" if attention == "document" else "global"
+        if rope_positions not in ROPE_POSITIONS:
+            raise ValueError(f"rope_positions must be one of {ROPE_POSITIONS}, got {rope_positions!r}")
+        self.attention, self.rope_positions = attention, rope_positions
         if isinstance(model, GPTConfig):
             model = model.to_dict()
         model = dict(model or {})
@@ -142,8 +162,17 @@ class CausalLMModule(L.LightningModule):
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.model(input_ids, position_ids)
 
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        # Still the full sequences here (the strategy shards after this hook): positions that
+        # restart per document need the whole sequence.
+        if self.rope_positions == "document" and isinstance(batch, Mapping) and "document_ids" in batch:
+            batch = {**batch, "position_ids": document_position_ids(batch["document_ids"])}
+        return batch
+
     def _loss(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model(batch["input_ids"], batch.get("position_ids"), labels=batch["labels"])
+        docs = batch.get("document_ids") if self.attention == "document" else None
+        return self.model(batch["input_ids"], batch.get("position_ids"), labels=batch["labels"],
+                          document_ids=docs)
 
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss_sum, n_tokens = self._loss(batch)

@@ -106,12 +106,16 @@ def _collective_device(group: Optional[dist.ProcessGroup], device: torch.device)
 def grad_norms(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Per-tensor 2-norms (fp32, on ``device``) in the order given, few fused kernels.
 
-    ``_foreach_norm`` needs one device and dtype per call, so tensors are grouped.
+    ``_foreach_norm`` needs one device and dtype per call, so tensors are grouped. Sharded
+    (FSDP2 ``DTensor``) gradients count by their local shard: the flags are all-reduced.
     """
     if not grads:
         return torch.zeros(0, dtype=torch.float32, device=device)
+    from torch.distributed.tensor import DTensor
+
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    dense = [g.coalesce().values() if g.is_sparse else g for g in grads]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    dense = [g.coalesce().values() if g.is_sparse else g for g in local]
     for i, g in enumerate(dense):
         groups.setdefault((g.device, g.dtype), []).append(i)
     norms: list[Optional[torch.Tensor]] = [None] * len(dense)
@@ -190,7 +194,7 @@ class NonFiniteGuard(Callback):
         params = _optimizer_params_in_module_order(named_parameters, optimizer)
         with_grad = [i for i, (_, p) in enumerate(params) if p.grad is not None]
         loss_bad, self._loss_bad = self._loss_bad, None
-        device = (params[with_grad[0]][1].grad.device if with_grad
+        device = (_local(params[with_grad[0]][1].grad).device if with_grad
                   else loss_bad.device if loss_bad is not None else torch.device("cpu"))
         norms = grad_norms([params[i][1].grad for i in with_grad], device)
         grad_bad = ~torch.isfinite(norms).all()
@@ -254,6 +258,12 @@ class NonFiniteGuard(Callback):
             msg += (" (under DDP gradients are averaged before this check, so a NaN produced on "
                     "one rank shows on every rank; the loss flags are per rank)")
         return NonFiniteError(msg, step=step, parameter=parameter, grad_ranks=grad_ranks, loss_ranks=loss_ranks)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _rank(group: Optional[dist.ProcessGroup]) -> int:

@@ -345,7 +345,8 @@ class ContextParallelStrategy(ModelParallelStrategy):
         if mode == "ddp":
             self._check_replica_fits(module)
         self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        if not self.cpu_offload:  # offloaded shards stay in host memory; FSDP2 moves them per use
+            self.model_to_device()
         if mode == "ddp" and self.world_size > 1:
             device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
             self.model = DistributedDataParallel(self.model, device_ids=device_ids, **self._ddp_kwargs)
@@ -353,7 +354,7 @@ class ContextParallelStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload:
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _check_replica_fits(self, module: torch.nn.Module) -> None:
