@@ -215,15 +215,24 @@ def parallelize(model: nn.Module, dims: Optional[ParallelDims] = None,
 
 
 def _hand_over_to_hf(model: nn.Module, cp: CPContext, plan: ParallelPlan) -> None:
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if isinstance(impl, str) and impl.startswith("longctx_"):
-        from . import hf
+    """A Hugging Face model (or a wrapper holding one) loaded with a longctx attention
+    implementation gets the CP context through ``longctx.hf``."""
+    for m in model.modules():
+        impl = getattr(getattr(m, "config", None), "_attn_implementation", None)
+        if isinstance(impl, str) and impl.startswith("longctx_"):
+            if impl != f"longctx_{plan.cp_attention}":
+                raise ValueError(
+                    f"{type(m).__name__} was loaded with attn_implementation={impl!r} but the plan asks for "
+                    f"cp_attention={plan.cp_attention!r}"
+                )
+            from . import hf
 
-        hf.set_context_parallel_group(model, cp.group, layout=cp.layout)
-    elif cp.size > 1:
+            hf.set_context_parallel_group(m, cp.group, layout=cp.layout, backend=plan.attention_backend)
+            return
+    if cp.size > 1:
         raise ValueError(
-            f"{type(model).__name__} has no ContextParallelAttention module and is not a Hugging Face "
-            "model loaded with attn_implementation='longctx_ring': nothing in it would run context-parallel"
+            f"{type(model).__name__} has no ContextParallelAttention module and no Hugging Face model "
+            "loaded with attn_implementation='longctx_ring': nothing in it would run context-parallel"
         )
 
 

@@ -92,6 +92,9 @@ class CausalLMModule(L.LightningModule):
         init_from: a Hugging Face directory or ``.gguf`` file to start from
             (``GPT.from_pretrained``); ``model`` then holds overrides (e.g. ``rope_theta``),
             not sizes.
+        hf_model: a local Hugging Face causal-LM directory (Llama, Qwen2, Mistral, ...) to
+            train instead of a ``GPT``, through ``longctx.hf``'s ring attention; a directory
+            with only ``config.json`` gives a random init of that shape.
         lr, min_lr_ratio, weight_decay, betas, eps: AdamW and the schedule's floor
             (``min_lr = lr * min_lr_ratio``).
         warmup_steps: linear warmup length in optimizer steps.
@@ -108,6 +111,7 @@ class CausalLMModule(L.LightningModule):
         attention: str = "causal",
         rope_positions: Optional[str] = None,
         init_from: Optional[str] = None,
+        hf_model: Optional[str] = None,
         lr: float = 3e-4,
         min_lr_ratio: float = 0.1,
         weight_decay: float = 0.1,
@@ -130,13 +134,19 @@ class CausalLMModule(L.LightningModule):
         if isinstance(model, GPTConfig):
             model = model.to_dict()
         model = dict(model or {})
-        if init_from is not None:
+        self.plan = ParallelPlan.from_dict(parallel)
+        if hf_model is not None:
+            if model or init_from is not None:
+                raise ValueError("hf_model takes the model from its directory: give no `model` sizes or init_from")
+            from .hf_lm import HFCausalLM
+
+            self.model = HFCausalLM.from_pretrained(hf_model, cp_attention=self.plan.cp_attention)
+        elif init_from is not None:
             self.model = GPT.from_pretrained(init_from, **model)
         else:
             self.model = GPT(GPTConfig.from_dict(model))
         # Saved with the checkpoint: the resolved config, so the checkpoint alone rebuilds
-        # the model (load_from_checkpoint needs no gguf/HF files).
-        self.plan = ParallelPlan.from_dict(parallel)
+        # the model (load_from_checkpoint needs no gguf/HF files; an HF model needs its directory).
         self.save_hyperparameters(ignore=["model", "init_from", "parallel"])
         self.hparams["model"] = self.model.config.to_dict()
         self.hparams["parallel"] = self.plan.to_dict()
