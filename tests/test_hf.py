@@ -1,0 +1,301 @@
+"""Hugging Face models on longctx attention (longctx.hf) and the GPT -> HF Llama export.
+
+The sharded runs (one spawned group of 4 gloo processes, many cases): tiny random Llama,
+Qwen2 (attention biases) and Mistral models with attn_implementation="longctx_ring" /
+"longctx_ulysses", P = 1, 2, 4, both layouts, against the same weights under "sdpa" on
+one process: logits (gathered) and every parameter gradient (summed over the group).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+transformers = pytest.importorskip("transformers")
+
+import longctx.hf  # noqa: E402  (registers the attention implementations)
+from dist_harness import run_distributed  # noqa: E402
+from longctx import (position_ids, ring_attention, shard_sequence, ulysses_attention,  # noqa: E402
+                     unshard_sequence)
+from longctx.hf import RING, ULYSSES, set_context_parallel_group  # noqa: E402
+from longctx.models import GPT, GPTConfig, save_hf_checkpoint  # noqa: E402
+from transformers import (AutoModelForCausalLM, Gemma2Config, LlamaConfig,  # noqa: E402
+                          LlamaForCausalLM, MistralConfig, Qwen2Config)
+
+CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+VOCAB, BATCH, SEQ = 97, 2, 32
+LOGITS_TOL, GRAD_TOL = 1e-4, 1e-3
+DOCUMENT_IDS = {RING: "document_ids" in inspect.signature(ring_attention).parameters,
+                ULYSSES: "document_ids" in inspect.signature(ulysses_attention).parameters}
+
+
+def tiny_config(arch: str, **overrides):
+    sizes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=4, initializer_range=0.1, use_cache=False)
+    return CONFIGS[arch](**{**sizes, **overrides})
+
+
+def model_pair(arch: str, implementation: str, seed: int = 0, **overrides):
+    """(reference under sdpa, model under ``implementation``) with equal random weights."""
+    torch.manual_seed(seed)
+    # One config object each: from_config records the implementation on the config.
+    reference = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), attn_implementation="sdpa")
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if name.endswith("bias"):  # transformers zero-initialises biases: make Qwen2's count
+                p.normal_(0.0, 0.1)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), attn_implementation=implementation)
+    assert reference.config._attn_implementation == "sdpa"
+    model.load_state_dict(reference.state_dict())
+    return reference, model
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("nan")
+    return ((a - b).norm() / b.norm()).item()
+
+
+def document_mask(docs: torch.Tensor) -> torch.Tensor:
+    """(B, 1, S, S) bool: causal and same document, the 4-D mask sdpa takes as is."""
+    s = docs.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    return (causal & (docs[:, :, None] == docs[:, None, :]))[:, None]
+
+
+def reference_run(model, ids, weight, **kwargs):
+    model.zero_grad()
+    logits = model(input_ids=ids, **kwargs).logits
+    (logits * weight).sum().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def sharded_run(model, ids, weight, group, layout, docs=None):
+    """Each rank: its shard of ids/weights, global positions; logits gathered, grads summed."""
+    world = dist.get_world_size(group)
+    where = dict(rank=dist.get_rank(group), world_size=world, layout=layout)
+    extra = {} if docs is None else {"document_ids": shard_sequence(docs, 1, **where)}
+    set_context_parallel_group(model, group, layout=layout)
+    model.zero_grad()
+    logits = model(input_ids=shard_sequence(ids, 1, **where),
+                   position_ids=position_ids(SEQ, **where).unsqueeze(0), **extra).logits
+    (logits * shard_sequence(weight, 1, **where)).sum().backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        dist.all_reduce(p.grad, group=group)
+        grads[name] = p.grad
+    return unshard_sequence(logits.detach(), 1, group=group, layout=layout), grads
+
+
+def compare(case, logits, grads, ref_logits, ref_grads) -> list:
+    errors = [(case, "logits", rel_err(logits, ref_logits), LOGITS_TOL)]
+    errors += [(case, name, rel_err(grads[name], g), GRAD_TOL) for name, g in ref_grads.items()]
+    return [(case, what, err, tol) for case, what, err, tol in errors if not err < tol]
+
+
+def _groups(rank: int, world: int):
+    """For P = 1, 2, 4: the group of size P this rank belongs to (every rank creates all)."""
+    out = {}
+    for size in (1, 2, 4):
+        for start in range(0, world, size):
+            group = dist.new_group(list(range(start, start + size)))
+            if start <= rank < start + size:
+                out[size] = group
+    return out
+
+
+def _sharded_equals_sdpa(rank, world, seed):
+    groups = _groups(rank, world)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    weight = torch.randn(BATCH, SEQ, VOCAB, generator=g)
+    # Three documents per row, boundaries differing between rows.
+    docs = torch.stack([torch.bucketize(torch.arange(SEQ), torch.tensor(b))
+                        for b in ([5, 20], [13, 14])])
+    bad = []
+    for arch in CONFIGS:
+        for implementation in (RING, ULYSSES):
+            reference, model = model_pair(arch, implementation, seed)
+            ref = reference_run(reference, ids, weight)
+            ref_docs = reference_run(reference, ids, weight, attention_mask=document_mask(docs))
+            for size, group in groups.items():
+                for layout in ("zigzag", "contiguous"):
+                    case = (arch, implementation, size, layout)
+                    bad += compare(case, *sharded_run(model, ids, weight, group, layout), *ref)
+                    if DOCUMENT_IDS[implementation]:
+                        out = sharded_run(model, ids, weight, group, layout, docs=docs)
+                        bad += compare(case + ("document_ids",), *out, *ref_docs)
+    # NaN in one token's embedding reaches exactly the logits it reaches under sdpa.
+    reference, model = model_pair("llama", RING, seed)
+    with torch.no_grad():
+        for m in (reference, model):
+            m.get_input_embeddings().weight[ids[0, 9]] = float("nan")
+    ref_nan = reference(input_ids=ids).logits.isnan()
+    logits, _ = sharded_run(model, ids, weight, groups[4], "zigzag")
+    nan_ok = bool(ref_nan[0, 9:].all()) and torch.equal(logits.isnan(), ref_nan)
+    # A window shorter than the global sequence (32) but not the local shard (16) is refused.
+    _, mistral = model_pair("mistral", RING, seed, sliding_window=24)
+    try:
+        sharded_run(mistral, ids, weight, groups[2], "zigzag")
+        window_error = None
+    except ValueError as e:
+        window_error = str(e)
+    return bad, nan_ok, window_error
+
+
+def test_sharded_hf_models_equal_sdpa():
+    seed = random.randrange(1 << 30)  # fresh weights and inputs every run; printed on failure
+    for rank, (bad, nan_ok, window_error) in enumerate(run_distributed(_sharded_equals_sdpa, 4, seed)):
+        assert not bad, f"seed {seed}, rank {rank}: " + "\n".join(
+            f"{case} {what}: {err:.2e} (tol {tol})" for case, what, err, tol in bad)
+        assert nan_ok, f"seed {seed}, rank {rank}: NaN did not propagate as under sdpa"
+        assert window_error and "MistralForCausalLM" in window_error and "24" in window_error \
+            and "32 tokens" in window_error, window_error
+
+
+# ---- plain attention (group None) and the clear errors --------------------------------------
+
+
+def test_plain_attention_equals_sdpa_and_accepts_all_ones_mask():
+    reference, model = model_pair("qwen2", RING)
+    set_context_parallel_group(model, None)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    expected = reference(input_ids=ids).logits
+    assert rel_err(model(input_ids=ids).logits, expected) < LOGITS_TOL
+    ones = torch.ones(BATCH, SEQ, dtype=torch.long)
+    assert rel_err(model(input_ids=ids, attention_mask=ones).logits, expected) < LOGITS_TOL
+    # A window covering the whole sequence is full attention: accepted, and exact.
+    reference, model = model_pair("mistral", RING, sliding_window=SEQ)
+    assert rel_err(model(input_ids=ids).logits, reference(input_ids=ids).logits) < LOGITS_TOL
+
+
+def _raises(match: str, fn, *args, **kwargs) -> str:
+    with pytest.raises((ValueError, NotImplementedError), match=match) as info:
+        fn(*args, **kwargs)
+    return str(info.value)
+
+
+IDS = torch.arange(SEQ).remainder(VOCAB).expand(BATCH, SEQ)
+
+
+@pytest.mark.parametrize("name, overrides, call, match", [
+    ("padding mask", {}, dict(attention_mask=torch.ones(BATCH, SEQ).index_fill(1, torch.tensor([0]), 0)),
+     "padding attention_mask"),
+    ("4-D mask", {}, dict(attention_mask=torch.ones(BATCH, 1, SEQ, SEQ, dtype=torch.bool).tril()),
+     "custom 4-D attention_mask"),
+    ("output_attentions", {}, dict(output_attentions=True), "output_attentions=True"),
+    ("packed positions", {}, dict(position_ids=torch.arange(SEQ).remainder(8)[None]), "restart"),
+    ("cu_seq_lens", {}, dict(cu_seq_lens_q=torch.tensor([0, 16, 32]), cu_seq_lens_k=torch.tensor([0, 16, 32])),
+     "cu_seq_lens_q"),
+    ("mistral window", dict(sliding_window=16), {}, "sliding window of 16 tokens"),
+    ("qwen2 window", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0), {},
+     "sliding window of 8 tokens"),
+])
+def test_forward_refuses(name, overrides, call, match):
+    arch = "qwen2" if name.startswith("qwen2") else "mistral" if name.startswith("mistral") else "llama"
+    _, model = model_pair(arch, RING, **overrides)
+    set_context_parallel_group(model, None)
+    message = _raises(match, model, input_ids=IDS, **call)
+    assert type(model).__name__ in message and "longctx_ring" in message
+
+
+def test_refuses_dropout_in_training_only():
+    _, model = model_pair("llama", RING, attention_dropout=0.1)
+    set_context_parallel_group(model, None)
+    model.eval()
+    model(input_ids=IDS)
+    model.train()
+    _raises(r"LlamaForCausalLM.*attention dropout \(0.1\) in training mode", model, input_ids=IDS)
+
+
+def test_refuses_kv_cache():
+    _, model = model_pair("llama", ULYSSES)
+    set_context_parallel_group(model, None)
+    past = model(input_ids=IDS[:, :16], use_cache=True).past_key_values
+    _raises("KV cache", model, input_ids=IDS[:, 16:], past_key_values=past, use_cache=True)
+
+
+def test_refuses_non_causal():
+    _, model = model_pair("llama", RING)
+    model.model.layers[1].self_attn.is_causal = False
+    _raises("LlamaAttention in LlamaForCausalLM is not causal", set_context_parallel_group, model, None)
+    _raises("non-causal", model, input_ids=IDS)  # never set up: the first forward says it
+    _, model = model_pair("llama", RING)
+    model.config.is_causal = False
+    _raises("LlamaForCausalLM: config.is_causal=False", set_context_parallel_group, model, None)
+    _raises("non-causal", model, input_ids=IDS)
+
+
+def test_refuses_softcapping():
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=RING)
+    _raises("Gemma2ForCausalLM: attention logit soft-capping", set_context_parallel_group, model, None)
+    _raises("soft-capping", model, input_ids=IDS)
+
+
+def test_refuses_attention_sinks():
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+        num_experts_per_tok=1, layer_types=["full_attention"])
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=RING)
+    _raises("GptOssForCausalLM has attention sinks", set_context_parallel_group, model, None)
+    _raises("attention sinks", model, input_ids=IDS)
+
+
+def test_refuses_other_implementations_and_layouts():
+    reference, model = model_pair("llama", RING)
+    _raises("LlamaForCausalLM runs attn_implementation='sdpa'", set_context_parallel_group, reference, None)
+    _raises("unknown layout 'zig'", set_context_parallel_group, model, None, layout="zig")
+
+
+@pytest.mark.skipif(DOCUMENT_IDS[RING], reason="ring_attention takes document_ids: tested sharded")
+def test_document_ids_before_the_ring_supports_them():
+    _, model = model_pair("llama", RING)
+    _raises("ring_attention in this longctx has no document_ids", model, input_ids=IDS,
+            document_ids=torch.zeros(BATCH, SEQ, dtype=torch.long))
+
+
+def test_import_longctx_does_not_import_hf():
+    code = ("import sys, longctx, longctx.models, longctx.kernels; "
+            "print('longctx.hf' in sys.modules, 'transformers' in sys.modules, 'lightning' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    hf, transformers_loaded, lightning_loaded = out.stdout.split()
+    assert hf == "False"
+    # Lightning's torchmetrics imports transformers when installed; without Lightning
+    # loaded (DESIGN: the Lightning wing is lazy) nothing of longctx may.
+    assert transformers_loaded == "False" or lightning_loaded == "True"
+
+
+# ---- export: GPT -> Hugging Face Llama directory ---------------------------------------------
+
+
+@pytest.mark.parametrize("tie, scaling", [(True, None), (False, {"type": "linear", "factor": 2.0}),
+                                          (True, {"type": "ntk", "factor": 4.0})])
+def test_export_loads_in_transformers_and_back(tmp_path, tie, scaling):
+    torch.manual_seed(random.randrange(1 << 30))
+    config = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=96,
+                       rope_theta=5e4, rope_scaling=scaling, tie_embeddings=tie, init_std=0.1)
+    model = GPT(config).eval()
+    save_hf_checkpoint(model, tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model_type"] == "llama" and saved["tie_word_embeddings"] is tie
+    hf, info = LlamaForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    back = GPT.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, VOCAB, (BATCH, 64))
+    with torch.no_grad():
+        expected = model(ids)
+        assert rel_err(hf.eval()(input_ids=ids).logits, expected) < 1e-5
+        assert rel_err(back(ids), expected) < 1e-6
+    assert back.config.tie_embeddings is tie and back.config.n_kv_head == 2
