@@ -40,6 +40,7 @@ except ImportError as e:
                       f"AttentionMaskInterface): pip install 'longctx[hf]' ({e})") from None
 
 from .layouts import check_layout
+from .layouts import position_ids as global_positions
 from .ring import ring_attention
 from .ulysses import ulysses_attention
 
@@ -60,8 +61,7 @@ class ContextParallelContext:
         self.group, self.layout, self.backend = group, layout, backend
         self.model_name = model_name  # for error messages
         self.world_size = 1 if group is None else dist.get_world_size(group)
-        # position_ids tensor last found strictly increasing: every layer of one forward
-        # gets the same tensor, so the check (a host sync) runs once per forward.
+        # The position_ids tensor last checked (see _check_data).
         self.checked_positions: Callable[[], Optional[torch.Tensor]] = lambda: None
 
     def __deepcopy__(self, memo: dict) -> "ContextParallelContext":
@@ -123,17 +123,54 @@ def _refuse(module: torch.nn.Module, implementation: str, feature: str) -> None:
     raise ValueError(f"{where}: {feature} is not supported by attn_implementation={implementation!r}")
 
 
-def _check_positions(module: torch.nn.Module, context: ContextParallelContext, implementation: str,
-                     position_ids: Optional[torch.Tensor]) -> None:
-    """Without document_ids, position ids must increase along each row: a restart is how
-    transformers describes packed documents, which would need a mask we are not given."""
-    if position_ids is None or position_ids.shape[-1] < 2 or context.checked_positions() is position_ids:
+def _data_problem(context: ContextParallelContext, attention_mask: Optional[torch.Tensor],
+                  position_ids: Optional[torch.Tensor], has_documents: bool) -> Optional[str]:
+    """What this rank's inputs ask for that the kernels cannot do, or None."""
+    if attention_mask is not None:
+        kind = "a padding" if attention_mask.dim() == 2 else f"a custom {attention_mask.dim()}-D"
+        return (f"{kind} attention_mask (an all-ones mask or none is fine; packed documents "
+                "take document_ids)")
+    if has_documents or position_ids is None:
+        return None  # with documents, positions may restart per document: RoPE only
+    # transformers reads any jump in the position ids as a packed-document boundary, and
+    # the ring orders tokens by the layout: positions must be exactly that order.
+    if context.world_size == 1:
+        if bool((position_ids.diff(dim=-1) != 1).any()):
+            return ("position_ids that are not consecutive (transformers reads a jump as a "
+                    "packed-document boundary); packed documents take document_ids")
+        return None
+    rank = dist.get_rank(context.group)
+    expected = global_positions(position_ids.shape[-1] * context.world_size, rank=rank,
+                                world_size=context.world_size, layout=context.layout,
+                                device=position_ids.device)
+    if not bool((position_ids == expected).all()):
+        return (f"position_ids that are not this rank's global positions (rank {rank} of "
+                f"{context.world_size}, layout {context.layout!r}: longctx.position_ids(seq_len, "
+                "rank=, world_size=, layout=)); per-document positions need document_ids")
+    return None
+
+
+def _check_data(module: torch.nn.Module, context: ContextParallelContext, implementation: str,
+                attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
+                has_documents: bool) -> None:
+    """Checks that depend on this rank's data, agreed on by the whole group: a rank raising
+    alone would leave the others waiting in the ring. Once per forward (every layer gets
+    the same position_ids tensor), so it costs one host sync and one tiny all-reduce."""
+    if attention_mask is None and position_ids is not None and context.checked_positions() is position_ids:
         return
-    if bool((position_ids[..., 1:] <= position_ids[..., :-1]).any()):
-        _refuse(module, implementation,
-                "position_ids that restart within a sequence (packed documents) without "
-                "document_ids; pass document_ids=(B, S_local) ints, sharded like input_ids")
-    context.checked_positions = weakref.ref(position_ids)
+    problem = _data_problem(context, attention_mask, position_ids, has_documents)
+    if context.world_size > 1:
+        on_gpu = dist.get_backend(context.group) == "nccl"
+        device = (position_ids if position_ids is not None else torch.empty(0)).device if on_gpu else "cpu"
+        failed = torch.tensor([problem is not None], dtype=torch.int32, device=device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=context.group)
+        if failed.item() and problem is None:
+            problem = ("inputs another rank of the context-parallel group rejected (its error "
+                       "says why); every rank stops here")
+    if problem is not None:
+        _refuse(module, implementation, problem)
+    if position_ids is not None:
+        context.checked_positions = weakref.ref(position_ids)
 
 
 def _attention_forward(implementation: str, module: torch.nn.Module, query: torch.Tensor,
@@ -146,10 +183,7 @@ def _attention_forward(implementation: str, module: torch.nn.Module, query: torc
     """transformers' attention-function signature: q (B, Hq, S, D), k/v (B, Hkv, S, D) ->
     (out (B, S, Hq, D), no weights)."""
     context: ContextParallelContext = getattr(module, _CONTEXT_ATTR, _PLAIN)
-    if attention_mask is not None:
-        kind = "a padding attention_mask" if attention_mask.dim() == 2 else \
-            f"a custom {attention_mask.dim()}-D attention_mask"
-        _refuse(module, implementation, kind + " (pass an all-ones mask or none; document_ids for packing)")
+    # Features of the model and call (the same on every rank) first, then the data.
     if softcap is not None:
         _refuse(module, implementation, f"attention logit soft-capping (softcap={softcap})")
     if s_aux is not None:
@@ -172,8 +206,7 @@ def _attention_forward(implementation: str, module: torch.nn.Module, query: torc
         _refuse(module, implementation,
                 f"a sliding window of {sliding_window} tokens shorter than the sequence "
                 f"({global_len} tokens); windows >= the sequence length are exact full attention")
-    if document_ids is None:
-        _check_positions(module, context, implementation, position_ids)
+    _check_data(module, context, implementation, attention_mask, position_ids, document_ids is not None)
     attention = _ATTENTION[implementation]
     extra = {}
     if document_ids is not None:

@@ -140,24 +140,53 @@ def _sharded_equals_sdpa(rank, world, seed):
     ref_nan = reference(input_ids=ids).logits.isnan()
     logits, _ = sharded_run(model, ids, weight, groups[4], "zigzag")
     nan_ok = bool(ref_nan[0, 9:].all()) and torch.equal(logits.isnan(), ref_nan)
-    # A window shorter than the global sequence (32) but not the local shard (16) is refused.
-    _, mistral = model_pair("mistral", RING, seed, sliding_window=24)
+    return bad, nan_ok, _refusals(ids, weight, groups[2], seed)
+
+
+def _error(fn, *args, **kwargs):
     try:
-        sharded_run(mistral, ids, weight, groups[2], "zigzag")
-        window_error = None
+        fn(*args, **kwargs)
     except ValueError as e:
-        window_error = str(e)
-    return bad, nan_ok, window_error
+        return str(e)
+    return None
+
+
+def _refusals(ids, weight, group, seed) -> dict:
+    """Errors at P = 2, where the shard alone would look fine, or only one rank's data is bad:
+    every rank must raise (none left waiting in the ring)."""
+    errors = {}
+    # A window shorter than the global sequence (32) but not than the local shard (16).
+    _, mistral = model_pair("mistral", RING, seed, sliding_window=24)
+    errors["window"] = _error(sharded_run, mistral, ids, weight, group, "zigzag")
+    _, model = model_pair("llama", RING, seed)
+    set_context_parallel_group(model, group, layout="contiguous")
+    rank = dist.get_rank(group)
+    local = shard_sequence(ids, 1, rank=rank, world_size=2, layout="contiguous")
+    # Forgotten position_ids: transformers' default arange is right on rank 0 only.
+    errors["positions"] = _error(model, input_ids=local)
+    # Padding in rank 1's shard only.
+    mask = torch.ones_like(local)
+    mask[0, 3] = 1 - rank
+    positions = position_ids(SEQ, rank=rank, world_size=2, layout="contiguous")[None]
+    errors["padding"] = _error(model, input_ids=local, position_ids=positions, attention_mask=mask)
+    return errors
 
 
 def test_sharded_hf_models_equal_sdpa():
     seed = random.randrange(1 << 30)  # fresh weights and inputs every run; printed on failure
-    for rank, (bad, nan_ok, window_error) in enumerate(run_distributed(_sharded_equals_sdpa, 4, seed)):
+    for rank, (bad, nan_ok, errors) in enumerate(run_distributed(_sharded_equals_sdpa, 4, seed)):
         assert not bad, f"seed {seed}, rank {rank}: " + "\n".join(
             f"{case} {what}: {err:.2e} (tol {tol})" for case, what, err, tol in bad)
         assert nan_ok, f"seed {seed}, rank {rank}: NaN did not propagate as under sdpa"
-        assert window_error and "MistralForCausalLM" in window_error and "24" in window_error \
-            and "32 tokens" in window_error, window_error
+        assert "MistralAttention in MistralForCausalLM: a sliding window of 24 tokens shorter than " \
+            "the sequence (32 tokens)" in (errors["window"] or ""), errors
+        group_rank = rank % 2
+        own = {"positions": "not this rank's global positions (rank 1 of 2, layout 'contiguous'",
+               "padding": "a padding attention_mask"}
+        for what, message in own.items():
+            expected = message if group_rank == 1 else "another rank of the context-parallel group"
+            assert expected in (errors[what] or ""), (rank, what, errors[what])
+            assert "LlamaForCausalLM" in errors[what]
 
 
 # ---- plain attention (group None) and the clear errors --------------------------------------
@@ -191,7 +220,9 @@ IDS = torch.arange(SEQ).remainder(VOCAB).expand(BATCH, SEQ)
     ("4-D mask", {}, dict(attention_mask=torch.ones(BATCH, 1, SEQ, SEQ, dtype=torch.bool).tril()),
      "custom 4-D attention_mask"),
     ("output_attentions", {}, dict(output_attentions=True), "output_attentions=True"),
-    ("packed positions", {}, dict(position_ids=torch.arange(SEQ).remainder(8)[None]), "restart"),
+    ("packed positions", {}, dict(position_ids=torch.arange(SEQ).remainder(8)[None]), "not consecutive"),
+    ("position gap", {}, dict(position_ids=torch.arange(SEQ).add(torch.arange(SEQ) >= 9)[None]),
+     "not consecutive"),
     ("cu_seq_lens", {}, dict(cu_seq_lens_q=torch.tensor([0, 16, 32]), cu_seq_lens_k=torch.tensor([0, 16, 32])),
      "cu_seq_lens_q"),
     ("mistral window", dict(sliding_window=16), {}, "sliding window of 16 tokens"),
