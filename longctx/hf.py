@@ -15,9 +15,11 @@ which never builds a 4-D mask): the kernels mask causally by themselves, and an 
 mask could not be sharded anyway. Whatever the kernels cannot honour is refused with an
 error naming the model class and the feature, never dropped: sliding windows shorter than
 the (global) sequence, logit soft-capping, attention sinks, non-causal modules, padding or
-custom masks, packed sequences described by restarting position ids or ``cu_seq_lens_*``
-(pass ``document_ids`` instead), attention dropout while training, ``output_attentions``,
-and a KV cache longer than the query (generation).
+custom masks, packed sequences described by position ids (any that are not the layout's
+global positions; ``longctx.position_ids`` gives them) or by ``cu_seq_lens_*`` (pass
+``document_ids`` instead), attention dropout while training, ``output_attentions``, and a
+KV cache longer than the query (generation). Errors that depend on one rank's data are
+agreed on across the group, so every rank raises and none waits in the ring.
 
 ``document_ids`` (int, ``(B, S_local)``, sharded like ``input_ids``): passed as
 ``model(..., document_ids=...)``, transformers forwards unknown keyword arguments from the
@@ -160,8 +162,9 @@ def _check_data(module: torch.nn.Module, context: ContextParallelContext, implem
         return
     problem = _data_problem(context, attention_mask, position_ids, has_documents)
     if context.world_size > 1:
-        on_gpu = dist.get_backend(context.group) == "nccl"
-        device = (position_ids if position_ids is not None else torch.empty(0)).device if on_gpu else "cpu"
+        device = torch.device("cpu")
+        if dist.get_backend(context.group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
         failed = torch.tensor([problem is not None], dtype=torch.int32, device=device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=context.group)
         if failed.item() and problem is None:
