@@ -7,6 +7,7 @@ one process: logits (gathered) and every parameter gradient (summed over the gro
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import random
@@ -24,6 +25,7 @@ from dist_harness import run_distributed  # noqa: E402
 from longctx import (position_ids, ring_attention, shard_sequence, ulysses_attention,  # noqa: E402
                      unshard_sequence)
 from longctx.hf import RING, ULYSSES, set_context_parallel_group  # noqa: E402
+from longctx.kernels import BACKENDS, backend_available  # noqa: E402
 from longctx.models import GPT, GPTConfig, save_hf_checkpoint  # noqa: E402
 from transformers import (AutoModelForCausalLM, Gemma2Config, LlamaConfig,  # noqa: E402
                           LlamaForCausalLM, MistralConfig, Qwen2Config)
@@ -306,6 +308,31 @@ def test_import_longctx_does_not_import_hf():
     # Lightning's torchmetrics imports transformers when installed; without Lightning
     # loaded (DESIGN: the Lightning wing is lazy) nothing of longctx may.
     assert transformers_loaded == "False" or lightning_loaded == "True"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["auto", *BACKENDS])
+def test_gpu_bf16_as_close_as_sdpa(backend):
+    """bf16 on one GPU through each kernel backend: logits and gradients as close to the fp32
+    sdpa model as sdpa's own bf16 run (within 2x, or 1e-2)."""
+    if backend != "auto" and not backend_available(backend, torch.device("cuda")):
+        pytest.skip(f"backend {backend!r} not available here")
+    reference, model = model_pair("llama", RING, hidden_size=512, intermediate_size=1024,
+                                  num_attention_heads=8, num_key_value_heads=2, initializer_range=0.02)
+    reference_bf16 = copy.deepcopy(reference).to("cuda", torch.bfloat16)
+    reference, model = reference.to("cuda"), model.to("cuda", torch.bfloat16)
+    set_context_parallel_group(model, None, backend=backend)
+    g = torch.Generator(device="cuda").manual_seed(random.randrange(1 << 30))
+    ids = torch.randint(0, VOCAB, (2, 1024), device="cuda", generator=g)
+    weight = torch.randn(2, 1024, VOCAB, device="cuda", generator=g)
+    exact_logits, exact_grads = reference_run(reference, ids, weight)
+    logits, grads = reference_run(model, ids, weight)
+    sdpa_logits, sdpa_grads = reference_run(reference_bf16, ids, weight)
+    pairs = [("logits", logits, sdpa_logits, exact_logits)]
+    pairs += [(name, grads[name], sdpa_grads[name], g) for name, g in exact_grads.items()]
+    for name, ours, sdpa, exact in pairs:
+        assert rel_err(ours, exact) <= max(2 * rel_err(sdpa, exact), 1e-2), name
 
 
 # ---- export: GPT -> Hugging Face Llama directory ---------------------------------------------
