@@ -22,8 +22,8 @@ transformers = pytest.importorskip("transformers")
 
 import longctx.hf  # noqa: E402  (registers the attention implementations)
 from dist_harness import run_distributed  # noqa: E402
-from longctx import (position_ids, ring_attention, shard_sequence, ulysses_attention,  # noqa: E402
-                     unshard_sequence)
+from longctx import (document_position_ids, position_ids, ring_attention,  # noqa: E402
+                     shard_sequence, ulysses_attention, unshard_sequence)
 from longctx.hf import RING, ULYSSES, set_context_parallel_group  # noqa: E402
 from longctx.kernels import BACKENDS, backend_available  # noqa: E402
 from longctx.models import GPT, GPTConfig, save_hf_checkpoint  # noqa: E402
@@ -80,14 +80,18 @@ def reference_run(model, ids, weight, **kwargs):
 
 
 def sharded_run(model, ids, weight, group, layout, docs=None):
-    """Each rank: its shard of ids/weights, global positions; logits gathered, grads summed."""
+    """Each rank: its shard of ids/weights and positions (global ones; with documents, each
+    document's own, as packed training uses them); logits gathered, grads summed."""
     world = dist.get_world_size(group)
     where = dict(rank=dist.get_rank(group), world_size=world, layout=layout)
-    extra = {} if docs is None else {"document_ids": shard_sequence(docs, 1, **where)}
+    if docs is None:
+        extra = {"position_ids": position_ids(SEQ, **where).unsqueeze(0)}
+    else:
+        extra = {"document_ids": shard_sequence(docs, 1, **where),
+                 "position_ids": shard_sequence(document_position_ids(docs), 1, **where)}
     set_context_parallel_group(model, group, layout=layout)
     model.zero_grad()
-    logits = model(input_ids=shard_sequence(ids, 1, **where),
-                   position_ids=position_ids(SEQ, **where).unsqueeze(0), **extra).logits
+    logits = model(input_ids=shard_sequence(ids, 1, **where), **extra).logits
     (logits * shard_sequence(weight, 1, **where)).sum().backward()
     grads = {}
     for name, p in model.named_parameters():
@@ -126,7 +130,8 @@ def _sharded_equals_sdpa(rank, world, seed):
         for implementation in (RING, ULYSSES):
             reference, model = model_pair(arch, implementation, seed)
             ref = reference_run(reference, ids, weight)
-            ref_docs = reference_run(reference, ids, weight, attention_mask=document_mask(docs))
+            ref_docs = reference_run(reference, ids, weight, attention_mask=document_mask(docs),
+                                     position_ids=document_position_ids(docs))
             for size, group in groups.items():
                 for layout in ("zigzag", "contiguous"):
                     case = (arch, implementation, size, layout)
