@@ -14,12 +14,13 @@ The mask entry returns ``None`` for "no padding" (transformers' flash-attention 
 which never builds a 4-D mask): the kernels mask causally by themselves, and an O(S^2)
 mask could not be sharded anyway. Whatever the kernels cannot honour is refused with an
 error naming the model class and the feature, never dropped: sliding windows shorter than
-the (global) sequence, logit soft-capping, attention sinks, non-causal modules, padding or
-custom masks, packed sequences described by position ids (any that are not the layout's
-global positions; ``longctx.position_ids`` gives them) or by ``cu_seq_lens_*`` (pass
-``document_ids`` instead), attention dropout while training, ``output_attentions``, and a
-KV cache longer than the query (generation). Errors that depend on one rank's data are
-agreed on across the group, so every rank raises and none waits in the ring.
+the (global) sequence, logit soft-capping, attention sinks, additive attention biases,
+non-causal modules, padding or custom masks, packed sequences described by position ids
+(any that are not the layout's global positions; ``longctx.position_ids`` gives them) or
+by ``cu_seq_lens_*`` (pass ``document_ids`` instead), attention dropout while training,
+``output_attentions``, and a KV cache longer than the query (generation). Errors that
+depend on one rank's data are agreed on across the group, so every rank raises and none
+waits in the ring.
 
 ``document_ids`` (int, ``(B, S_local)``, sharded like ``input_ids``): passed as
 ``model(..., document_ids=...)``, transformers forwards unknown keyword arguments from the
@@ -191,6 +192,8 @@ def _attention_forward(implementation: str, module: torch.nn.Module, query: torc
         _refuse(module, implementation, f"attention logit soft-capping (softcap={softcap})")
     if s_aux is not None:
         _refuse(module, implementation, "attention sinks (s_aux)")
+    if kwargs.get("position_bias") is not None:
+        _refuse(module, implementation, "an additive attention bias (position_bias)")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if not causal or getattr(getattr(module, "config", None), "is_causal", True) is False:
         _refuse(module, implementation, "non-causal attention (is_causal=False)")

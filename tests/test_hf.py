@@ -227,6 +227,7 @@ IDS = torch.arange(SEQ).remainder(VOCAB).expand(BATCH, SEQ)
     ("4-D mask", {}, dict(attention_mask=torch.ones(BATCH, 1, SEQ, SEQ, dtype=torch.bool).tril()),
      "custom 4-D attention_mask"),
     ("output_attentions", {}, dict(output_attentions=True), "output_attentions=True"),
+    ("position_bias", {}, dict(position_bias=torch.zeros(1, 8, SEQ, SEQ)), "additive attention bias"),
     ("packed positions", {}, dict(position_ids=torch.arange(SEQ).remainder(8)[None]), "not consecutive"),
     ("position gap", {}, dict(position_ids=torch.arange(SEQ).add(torch.arange(SEQ) >= 9)[None]),
      "not consecutive"),
