@@ -1,4 +1,4 @@
-"""longctx.models: a Llama-style GPT with ring attention, checkpoint import, GGUF tokenizer.
+"""longctx.models: a Llama-style GPT with ring attention, checkpoint import/export, GGUF tokenizer.
 
 The training module (``lit_module``) lives here too but is imported on its own so that
 using the model does not require Lightning.
@@ -16,6 +16,7 @@ from .gpt import (
 )
 from .checkpoint_import import find_smollm2_gguf, load_checkpoint, load_pretrained, resolve_checkpoint_path
 from .gguf_tokenizer import GGUFTokenizer
+from .hf_export import save_hf_checkpoint
 
 __all__ = [
     "GPT",
@@ -33,4 +34,5 @@ __all__ = [
     "load_pretrained",
     "resolve_checkpoint_path",
     "GGUFTokenizer",
+    "save_hf_checkpoint",
 ]

@@ -144,6 +144,19 @@ _HF_LAYER = {
 }
 _HF_TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
            "lm_head.weight": "lm_head.weight"}
+_GPT_LAYER = {ours: hf for hf, ours in _HF_LAYER.items()}
+_GPT_TOP = {ours: hf for hf, ours in _HF_TOP.items()}
+
+
+def hf_tensor_name(name: str) -> str:
+    """The Hugging Face Llama name of ``GPT``'s tensor ``name``: the import's table, inverted
+    (the export uses it, so both directions share one table)."""
+    if name in _GPT_TOP:
+        return _GPT_TOP[name]
+    m = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
+    if m and m.group(2) in _GPT_LAYER:
+        return f"model.layers.{m.group(1)}.{_GPT_LAYER[m.group(2)]}"
+    raise ValueError(f"GPT tensor {name!r} has no Hugging Face Llama counterpart")
 
 
 def _hf_rope(hf: dict) -> tuple[float, Any]:
