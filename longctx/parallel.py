@@ -17,8 +17,8 @@ and ``parallelize``, which applies them to an architecture-only model from outsi
 Blocks are the modules named in the model's ``_no_split_modules`` (Hugging Face's
 convention, which ``longctx.models.GPT`` follows too). Activation checkpointing, fusion
 and the loss chunk go through the model's own setters (``set_activation_checkpointing``,
-``set_pointwise_fusion``, ``loss_chunk_size``); Hugging Face models get full
-checkpointing through ``gradient_checkpointing_enable``.
+``set_pointwise_fusion``, ``loss_chunk_size``; ``longctx.models.HFCausalLM`` maps them to
+transformers' checkpointing for Hugging Face models).
 """
 from __future__ import annotations
 
@@ -240,8 +240,6 @@ def _apply_runtime_policy(model: nn.Module, plan: ParallelPlan) -> None:
     ac = plan.activation_checkpointing
     if hasattr(model, "set_activation_checkpointing"):
         model.set_activation_checkpointing(ac)
-    elif ac == "full" and hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif ac != "none":
         raise ValueError(f"{type(model).__name__} does not support activation_checkpointing={ac!r}")
     if hasattr(model, "set_pointwise_fusion"):

@@ -44,6 +44,15 @@ def sizes_config(hf_config) -> GPTConfig:
     )
 
 
+def _enable_checkpointing(model: nn.Module) -> None:
+    # Non-reentrant (autocast, kwargs); transformers 5 renamed gradient_checkpointing_enable.
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 class HFCausalLM(nn.Module):
     def __init__(self, hf_model: nn.Module):
         super().__init__()
@@ -77,9 +86,9 @@ class HFCausalLM(nn.Module):
 
     def set_activation_checkpointing(self, mode: str) -> None:
         if mode == "full":
-            self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            _enable_checkpointing(self.hf)
         elif mode == "none":
-            self.hf.gradient_checkpointing_disable()
+            (getattr(self.hf, "activation_checkpointing_disable", None) or self.hf.gradient_checkpointing_disable)()
         else:
             raise ValueError(
                 f"activation_checkpointing={mode!r} is not available for Hugging Face models "
