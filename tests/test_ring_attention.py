@@ -7,28 +7,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from attention_reference import reference
 from dist_harness import run_distributed
 from longctx import ring_attention, shard_sequence, unshard_sequence
 
 
-def reference_attention(q, k, v, causal, scale=None):
-    """Plain float64 softmax attention; GQA by repeating K/V (fine for a reference)."""
-    q, k, v = (t.double() for t in (q, k, v))
-    group = q.shape[2] // k.shape[2]
-    k = k.repeat_interleave(group, dim=2)
-    v = v.repeat_interleave(group, dim=2)
-    scale = scale if scale is not None else q.shape[-1] ** -0.5
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if causal:
-        s = q.shape[1]
-        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
-
-
 def rel_err(a, b):
+    """Norm-relative error; absolute where the reference is exactly zero (e.g. dq when
+    every token is its own document)."""
     a, b = a.double(), b.double()
     assert torch.isfinite(a).all(), "non-finite values"
-    return ((a - b).norm() / b.norm()).item()
+    scale = b.norm()
+    return ((a - b).norm() / (scale if scale > 0 else 1.0)).item()
 
 
 # (layout, causal, Hq, Hkv, dtype, chunk, scale). chunk = tokens per layout chunk, so the
@@ -45,12 +35,30 @@ CASES = [
 ]
 
 
+def run_case(attention, group, rank, world, layout, causal, q, k, v, dout, scale=None, documents=None):
+    """Shard full-sequence inputs (and ``documents``, (B, S) ids) over ``group``, run
+    ``attention`` forward and backward, and return the norm-relative errors of the
+    gathered out, dq, dk, dv against the float64 reference, as [(name, error)]."""
+    shard = lambda t: shard_sequence(t, 1, rank=rank, world_size=world, layout=layout)  # noqa: E731
+    ql, kl, vl = (shard(t).detach().requires_grad_() for t in (q, k, v))
+    extra = {} if documents is None else {"document_ids": shard(documents)}
+    out = attention(ql, kl, vl, group=group, causal=causal, layout=layout, softmax_scale=scale, **extra)
+    out.backward(shard(dout))
+    gather = lambda t: unshard_sequence(t.detach(), 1, group=group, layout=layout)  # noqa: E731
+    got = [gather(out), gather(ql.grad), gather(kl.grad), gather(vl.grad)]
+    ref_out, _, *ref_grads = reference(q, k, v, dout, causal, scale or q.shape[-1] ** -0.5, documents)
+    errors = []
+    for name, a, w in zip(("out", "dq", "dk", "dv"), got, [ref_out, *ref_grads]):
+        assert a.dtype == q.dtype, (name, a.dtype)
+        errors.append((name, rel_err(a, w)))
+    return errors
+
+
 def attention_vs_reference(rank, world, seed, impl="ring", cases=CASES):
     """Per case: norm-relative error of out, dq, dk, dv (gathered) against float64."""
     from longctx import ulysses_attention
 
     attention = {"ring": ring_attention, "ulysses": ulysses_attention}[impl]
-    group = dist.group.WORLD
     errors = []
     for i, (layout, causal, hq, hkv, dtype, chunk, scale) in enumerate(cases):
         g = torch.Generator().manual_seed(seed + i)  # same full tensors on every rank
@@ -60,21 +68,8 @@ def attention_vs_reference(rank, world, seed, impl="ring", cases=CASES):
         k = torch.randn(b, seq, hkv, d, generator=g).to(dtype)
         v = torch.randn(b, seq, hkv, d, generator=g).to(dtype)
         dout = torch.randn(b, seq, hq, d, generator=g).to(dtype)
-
-        shard = lambda t: shard_sequence(t, 1, rank=rank, world_size=world, layout=layout)  # noqa: E731
-        ql, kl, vl = (shard(t).detach().requires_grad_() for t in (q, k, v))
-        out = attention(ql, kl, vl, group=group, causal=causal, layout=layout, softmax_scale=scale)
-        out.backward(shard(dout))
-        gather = lambda t: unshard_sequence(t.detach(), 1, group=group, layout=layout)  # noqa: E731
-        got = [gather(out), gather(ql.grad), gather(kl.grad), gather(vl.grad)]
-
-        qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-        ref = reference_attention(qr, kr, vr, causal, scale)
-        ref.backward(dout.double())
-        want = [ref, qr.grad, kr.grad, vr.grad]
-        for name, a, w in zip(("out", "dq", "dk", "dv"), got, want):
-            assert a.dtype == dtype, (name, a.dtype)
-            errors.append(((layout, causal, hq, hkv, str(dtype), scale), name, rel_err(a, w)))
+        for name, err in run_case(attention, dist.group.WORLD, rank, world, layout, causal, q, k, v, dout, scale):
+            errors.append(((layout, causal, hq, hkv, str(dtype), scale), name, err))
     return errors
 
 
