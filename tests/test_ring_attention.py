@@ -88,42 +88,51 @@ def test_ring_matches_float64_reference(world):
 
 
 def _ring_uses_only_point_to_point(rank, world):
-    """After the one-time shape check, a forward+backward issues no collective at all."""
+    """A forward+backward issues one collective, the forward's small input check (every
+    call, so no rank can skip it while another waits in it), and otherwise only
+    point-to-point shifts."""
     group = dist.group.WORLD
     q, k, v = (torch.randn(1, 8, 2, 4, requires_grad=True) for _ in range(3))
-    ring_attention(q, k, v, group=group).sum().backward()  # warm-up: caches the shape check
+    ring_attention(q, k, v, group=group).sum().backward()  # warm-up
 
     def forbidden(*args, **kwargs):
         raise AssertionError("ring attention issued a collective")
 
-    names = ["all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "all_to_all", "reduce_scatter"]
-    saved = {n: getattr(dist, n) for n in names}
-    sends = []
-    real_p2p = dist.batch_isend_irecv
+    names = ["all_gather_into_tensor", "all_reduce", "broadcast", "all_to_all", "reduce_scatter"]
+    saved = {n: getattr(dist, n) for n in names + ["all_gather"]}
+    sends, checks = [], []
+    real_p2p, real_all_gather = dist.batch_isend_irecv, dist.all_gather
 
     def counting_p2p(ops):
         sends.extend(op.tensor.numel() for op in ops if op.op is dist.isend)
         return real_p2p(ops)
 
+    def counting_all_gather(outputs, tensor, **kwargs):
+        checks.append(tensor.numel())
+        return real_all_gather(outputs, tensor, **kwargs)
+
     try:
         for n in names:
             setattr(dist, n, forbidden)
-        dist.batch_isend_irecv = counting_p2p
-        ring_attention(q, k, v, group=group).sum().backward()
+        dist.batch_isend_irecv, dist.all_gather = counting_p2p, counting_all_gather
+        out = ring_attention(q, k, v, group=group)
+        forward_checks = len(checks)
+        out.sum().backward()
     finally:
         for n, f in saved.items():
             setattr(dist, n, f)
         dist.batch_isend_irecv = real_p2p
-    return sends
+    return sends, checks, forward_checks
 
 
 def test_ring_is_point_to_point_and_sends_one_shard_per_hop():
     world = 3
-    sends = run_distributed(_ring_uses_only_point_to_point, world)[0]
+    sends, checks, forward_checks = run_distributed(_ring_uses_only_point_to_point, world)[0]
     kv_shard = 2 * 1 * 8 * 2 * 4  # k and v of one local shard
     # forward: P-1 K/V hops. Backward: its first block is the shard kept from the forward,
     # so P-2 K/V hops, plus P-1 dK/dV hops (same element count, fp32).
     assert sends == [kv_shard] * ((world - 1) + (world - 2) + (world - 1))
+    assert forward_checks == 1 and len(checks) == 1 and checks[0] <= 32  # a few int64s
 
 
 def _second_backward_matches_first(rank, world):
