@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from datetime import timedelta
 
 import pytest
 import torch
@@ -157,31 +158,50 @@ def test_second_backward_with_retained_graph_is_identical():
 def _bad_inputs(rank, world):
     group = dist.group.WORLD
     caught = []
+
+    def attempt(kind, q, k=None, **kwargs):
+        k = q if k is None else k
+        try:
+            ring_attention(q, k, k, group=kwargs.pop("group", group), **kwargs)
+        except ValueError as e:
+            caught.append((kind, str(e)))
+
     # Ranks disagree on the local length: every rank must get an error, none may hang.
-    s = 8 if rank == 0 else 12
-    q = torch.randn(1, s, 2, 4)
-    try:
-        ring_attention(q, q, q, group=group)
-    except ValueError as e:
-        caught.append(("mismatch", str(e)))
+    attempt("mismatch", torch.randn(1, 8 if rank == 0 else 12, 2, 4))
     # Odd local length cannot be a zigzag shard.
-    q = torch.randn(1, 5, 2, 4)
-    try:
-        ring_attention(q, q, q, group=group)
-    except ValueError as e:
-        caught.append(("zigzag", str(e)))
+    attempt("zigzag", torch.randn(1, 5, 2, 4))
     # Only rank 0's shard is unsplittable: rank 1 alone would pass its own checks and wait
     # for transfers forever; it must be told instead.
-    q = torch.randn(1, 7 if rank == 0 else 8, 2, 4)
+    attempt("one_rank", torch.randn(1, 7 if rank == 0 else 8, 2, 4))
+    q = torch.randn(1, 8, 2, 4)
+    attempt("layout", q, layout="zigzag" if rank == 0 else "contiguous")
+    attempt("dtype", q if rank == 0 else q.bfloat16())
+    attempt("causal", q, causal=rank == 0)
+    attempt("ids", q, document_ids=torch.zeros(1, 8, dtype=torch.long) if rank == 0 else None)
+    attempt("bad_ids", q, document_ids=torch.zeros(1, 8 if rank == 0 else 6, dtype=torch.long))
+    # A shape seen before on one rank, new on the other (a per-rank cache of verified
+    # shapes sent rank 0 into the transfers and left rank 1 in the check): both must
+    # raise at once. A short group timeout bounds the hang this used to be.
+    short = dist.new_group([0, 1], timeout=timedelta(seconds=20))
+    attempt("warm-up", q, group=short)
+    attempt("changed", torch.randn(1, 8 if rank == 0 else 12, 2, 4), group=short)
+    # ... and through the model, whose attention layers call the ring.
+    from longctx.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, n_layer=1, n_head=2, n_kv_head=2, n_embd=16,
+                          intermediate_size=24, attention_backend="torch"))
+    model.set_context_parallel_group(short)
+    model(torch.zeros(1, 8, dtype=torch.long))
     try:
-        ring_attention(q, q, q, group=group)
+        model(torch.zeros(1, 8 if rank == 0 else 12, dtype=torch.long))
     except ValueError as e:
-        caught.append(("one_rank", str(e)))
+        caught.append(("model", str(e)))
     return caught
 
 
 def test_bad_inputs_fail_on_every_rank():
-    results = run_distributed(_bad_inputs, 2)
+    results = run_distributed(_bad_inputs, 2, timeout=120)
     for rank, caught in enumerate(results):
         kinds = dict(caught)
         assert "different shard shapes" in kinds["mismatch"]
@@ -190,6 +210,63 @@ def test_bad_inputs_fail_on_every_rank():
             assert "multiple of 4" in kinds["one_rank"], kinds["one_rank"]
         else:
             assert "rank(s) [0]" in kinds["one_rank"] and "rejected" in kinds["one_rank"]
+        assert "different layouts (per rank: {0: 'zigzag', 1: 'contiguous'})" in kinds["layout"]
+        assert "torch.float32" in kinds["dtype"] and "torch.bfloat16" in kinds["dtype"], kinds["dtype"]
+        assert "{0: True, 1: False}" in kinds["causal"]
+        assert "document_ids (dtype per rank: {0: 'torch.int64', 1: 'None'})" in kinds["ids"], kinds["ids"]
+        if rank == 1:
+            assert "document_ids must be (batch, seq) = (1, 8)" in kinds["bad_ids"], kinds["bad_ids"]
+        else:
+            assert "rank(s) [1]" in kinds["bad_ids"]
+        assert "warm-up" not in kinds
+        for kind in ("changed", "model"):
+            assert "different shard shapes" in kinds[kind], (kind, kinds.get(kind))
+
+
+def _non_finite_vs_reference(rank, world):
+    """NaN / +inf in q or k: out is NaN exactly where float64 softmax attention's is, through
+    the ring (both layouts) and Ulysses; gradients carry NaN too."""
+    from longctx import ulysses_attention
+
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(7)
+    seq, hq, hkv = 8 * world, 4, 2
+    results = []
+    for where in ("q nan", "k nan", "k inf", "q inf"):
+        q, k, v, dout = (torch.randn(1, seq, h, 4, generator=g) for h in (hq, hkv, hkv, hq))
+        t = q if where[0] == "q" else k
+        token = 3 if where[0] == "q" else 1  # a token on another rank than most of its readers
+        t[0, token, 0, 0] = float("nan") if "nan" in where else float("inf")
+        if where == "q inf":
+            k[0, :, 0, 0] = k[0, :, 0, 0].abs()  # every score of that row is +inf
+        ref = reference(q, k, v, dout, True, 0.5)[0]
+        for attention in (ring_attention, ulysses_attention):
+            for layout in ("zigzag", "contiguous"):
+                shard = lambda x: shard_sequence(x, 1, rank=rank, world_size=world, layout=layout)  # noqa: E731
+                ql, kl, vl = (shard(x).requires_grad_() for x in (q, k, v))
+                out = attention(ql, kl, vl, group=group, layout=layout, softmax_scale=0.5)
+                out.backward(shard(dout))
+                full = unshard_sequence(out.detach(), 1, group=group, layout=layout)
+                grads_nan = torch.tensor([float(any(bool(x.grad.isnan().any()) for x in (ql, kl, vl)))])
+                dist.all_reduce(grads_nan, op=dist.ReduceOp.MAX, group=group)
+                results.append((where, attention.__name__, layout, torch.equal(full.isnan(), ref.isnan()),
+                                int(ref.isnan().any(-1).sum()), bool(torch.allclose(full[~ref.isnan()], ref[~ref.isnan()].float(), atol=1e-5)),
+                                bool(grads_nan)))
+    return results
+
+
+def test_nan_and_inf_in_q_or_k_show_in_the_output():
+    for where, impl, layout, same_nans, nan_rows, rest_close, grads_nan in run_distributed(_non_finite_vs_reference, 2)[0]:
+        case = (where, impl, layout)
+        assert nan_rows > 0 and same_nans and rest_close and grads_nan, (case, same_nans, nan_rows, rest_close, grads_nan)
+
+
+def test_nan_in_local_attention_shows_in_the_output():
+    """group=None runs _LocalAttention: NaN in q must not be read as 'no visible key'."""
+    q, k, v = (torch.randn(1, 6, 2, 4) for _ in range(3))
+    q[0, 2, 1, 0] = float("nan")
+    out = ring_attention(q, k, v, backend="torch")
+    assert out[0, 2, 1].isnan().all() and torch.isfinite(out[0, :, 0]).all() and not out[0, 3:, 1].isnan().any()
 
 
 @pytest.mark.parametrize(
