@@ -157,3 +157,24 @@ def test_document_ids_validation():
         ring_attention(q, q, q, document_ids=torch.zeros(1, 8, dtype=torch.long, device="meta"))
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
         ring_attention(q, q, q, document_ids=[0] * 8)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_document_work_per_rank_counts_visible_pairs(layout, causal):
+    from longctx import shard_sequence
+    from longctx.layouts import document_work_per_rank
+
+    from attention_reference import visibility_mask
+
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    world, seq = 3, 36
+    ids = torch.stack([document_ids("repeated", 1, seq, g)[0], document_ids("short", 1, seq, g)[0]])
+    per_query = visibility_mask(seq, seq, causal, ids).sum(-1)  # (B, S) visible keys per query
+    want = torch.stack([shard_sequence(per_query, 1, rank=r, world_size=world, layout=layout).sum()
+                        for r in range(world)])
+    assert torch.equal(document_work_per_rank(ids, world, layout=layout, causal=causal), want)
+    # One document, causal zigzag: the layout's purpose, equal work on every rank.
+    if causal and layout == "zigzag":
+        work = document_work_per_rank(torch.zeros(seq, dtype=torch.long), world)
+        assert (work == work[0]).all() and int(work.sum()) == seq * (seq + 1) // 2
