@@ -19,6 +19,11 @@ Zigzag layout (rank r holds chunks r and 2P-1-r of 2P), causal, step s, K/V from
   0 < s <= r  all local queries vs the first half of the K/V shard, no mask;
   s > r     the second half of the local queries vs the whole K/V shard, no mask.
 Every off-diagonal step therefore computes exactly half a block on every rank.
+
+Document ids (packed documents) travel with their K/V shard in both directions and are
+applied inside these blocks by the kernels. A step whose query rows and K/V rows share no
+document is skipped (its K/V still travel on); that is decided on the host, once per
+call, from every rank's per-half id ranges, which ride in the input check's all-gather.
 """
 from __future__ import annotations
 
