@@ -7,7 +7,8 @@ other keys, the attention over the union is
     out' = exp(lse - lse') * out + exp(lse_b - lse') * out_b
 
 A row that has seen no key on either side (both lse = -inf) stays (0-weighted, -inf)
-instead of becoming NaN.
+instead of becoming NaN. Only that case is guarded: a NaN (or +inf) lse from NaN/Inf in
+q or k must make the merged row NaN, as in single-device attention, not drop the block.
 
 On CUDA this is one Triton pass (read out, out_b, both lse; write out, lse); the
 unfused PyTorch version makes about seven passes over the fp32 accumulator, which at
@@ -26,9 +27,12 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 
 
 def _merge_torch_(out, lse, out_b, lse_b) -> None:
-    weight = torch.sigmoid(lse_b.to(lse.dtype) - lse).nan_to_num_(0.0)  # (B, H, S)
+    lse_b = lse_b.to(lse.dtype)
+    # -inf - -inf is the one NaN that means "no keys on either side": weight 0 there.
+    # sigmoid(-inf - x) is 0 already for any other x, so this touches no other row.
+    weight = torch.sigmoid(lse_b - lse).masked_fill_(lse_b == float("-inf"), 0.0)  # (B, H, S)
     out.sub_(weight.transpose(1, 2).unsqueeze(-1) * (out - out_b.to(out.dtype)))
-    lse.copy_(torch.logaddexp(lse, lse_b.to(lse.dtype)))
+    lse.copy_(torch.logaddexp(lse, lse_b))
 
 
 if triton is not None:
@@ -56,14 +60,15 @@ if triton is not None:
         l_run = tl.load(lse_ptr, mask=row_ok, other=float("-inf")).to(tl.float32)
         l_blk = tl.load(lse_b + b * slb_b + h * slb_h + rows * slb_s, mask=row_ok,
                         other=float("-inf")).to(tl.float32)
-        top = tl.maximum(l_run, l_blk)
-        top = tl.where(top == float("-inf"), 0.0, top)
+        # Only rows with no key on either side are special-cased; a NaN lse (NaN in q
+        # or k) makes its weight NaN (whatever tl.maximum picks for top) and so the row.
+        empty = (l_run == float("-inf")) & (l_blk == float("-inf"))
+        top = tl.where(empty, 0.0, tl.maximum(l_run, l_blk))
         w_run = tl.exp(l_run - top)
         w_blk = tl.exp(l_blk - top)
-        total = w_run + w_blk
-        seen = total > 0
-        inv = tl.where(seen, 1.0 / tl.where(seen, total, 1.0), 0.0)
-        new_lse = tl.where(seen, top + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+        total = tl.where(empty, 1.0, w_run + w_blk)
+        inv = tl.where(empty, 0.0, 1.0 / total)
+        new_lse = tl.where(empty, float("-inf"), top + tl.log(total))
 
         out_ptr = out + b * so_b + h * so_h + rows[:, None] * so_s + cols[None, :]
         blk_ptr = out_b + b * sob_b + h * sob_h + rows[:, None] * sob_s + cols[None, :]

@@ -44,10 +44,11 @@ def _probabilities(q, k, causal: bool, softmax_scale: float, lse: Optional[torch
     else:
         b, hq, sq = lse.shape
         lse = lse.to(ct).reshape(b, k.shape[2], hq // k.shape[2], sq)
-    # A row with no visible key has lse = -inf; its probabilities are 0, not NaN.
-    finite = torch.isfinite(lse)
-    probs = torch.exp(scores - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
-    probs = probs.masked_fill(~finite.unsqueeze(-1), 0.0)
+    # A row with no visible key has lse = -inf; its probabilities are 0, not NaN. Only
+    # that row: a NaN/+inf lse (NaN/Inf in q or k) must give NaN, as plain softmax does.
+    empty = lse == float("-inf")
+    probs = torch.exp(scores - lse.masked_fill(empty, 0.0).unsqueeze(-1))
+    probs = probs.masked_fill(empty.unsqueeze(-1), 0.0)
     return probs, lse
 
 

@@ -114,3 +114,39 @@ def position_ids(
     return shard_sequence(
         torch.arange(seq_len, device=device), 0, rank=rank, world_size=world_size, layout=layout
     )
+
+
+def document_work_per_rank(
+    document_ids: torch.Tensor, world_size: int, *, layout: str = "zigzag", causal: bool = True
+) -> torch.Tensor:
+    """Attention work of each rank for a document-masked sequence: the number of visible
+    (query, key) pairs of the queries the rank holds under ``layout``, as int64 ``(P,)``.
+
+    ``document_ids``: the full sequence's ids, ``(S,)`` or ``(B, S)`` (summed over the
+    batch); query i sees key j iff their ids are equal (and j <= i when ``causal``), as in
+    ``ring_attention(document_ids=...)``. Each rank computes attention for its own queries
+    over every key, so this is what a kernel that skips fully masked tiles approaches;
+    ``work.max() / work.mean()`` is the load imbalance (1.0: balanced).
+    """
+    ids = document_ids.reshape(-1, document_ids.shape[-1]).cpu()
+    check_seq_len(ids.shape[1], world_size, layout)
+    visible = torch.empty(ids.shape, dtype=torch.int64)
+    for row, row_ids in zip(visible, ids):
+        # Sorting by id (stable: positions ascending within a document) puts each
+        # document's tokens together; a token's causal count is its place in its group.
+        order = torch.argsort(row_ids, stable=True)
+        sorted_ids = row_ids[order]
+        first = torch.ones_like(sorted_ids, dtype=torch.bool)
+        first[1:] = sorted_ids[1:] != sorted_ids[:-1]
+        group = torch.cumsum(first, 0) - 1
+        starts = first.nonzero().squeeze(1)
+        if causal:
+            count = torch.arange(len(row_ids)) - starts[group] + 1
+        else:
+            sizes = torch.diff(starts, append=torch.tensor([len(row_ids)]))
+            count = sizes[group]
+        row[order] = count
+    return torch.stack([
+        shard_sequence(visible, 1, rank=r, world_size=world_size, layout=layout).sum()
+        for r in range(world_size)
+    ])

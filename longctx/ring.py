@@ -19,6 +19,11 @@ Zigzag layout (rank r holds chunks r and 2P-1-r of 2P), causal, step s, K/V from
   0 < s <= r  all local queries vs the first half of the K/V shard, no mask;
   s > r     the second half of the local queries vs the whole K/V shard, no mask.
 Every off-diagonal step therefore computes exactly half a block on every rank.
+
+Document ids (packed documents) travel with their K/V shard in both directions and are
+applied inside these blocks by the kernels. A step whose query rows and K/V rows share no
+document is skipped (its K/V still travel on); that is decided on the host, once per
+call, from every rank's per-half id ranges, which ride in the input check's all-gather.
 """
 from __future__ import annotations
 
@@ -28,10 +33,10 @@ import torch
 import torch.distributed as dist
 
 from longctx.kernels import (attention_backward, attention_delta, attention_forward,
-                             check_attention_inputs, resolve_backend)
+                             check_attention_inputs, check_document_ids, resolve_backend)
 from longctx.kernels.merge import merge_partials_
 
-from .layouts import check_layout, check_seq_len, chunks_per_rank
+from .layouts import LAYOUTS, check_layout, check_seq_len, chunks_per_rank
 from .ring_comm import RingExchange
 
 ALL = slice(None)
@@ -51,6 +56,39 @@ def _block_for_step(rank: int, step: int, world_size: int, layout: str, causal: 
     if step <= rank:
         return ALL, slice(0, half), False
     return slice(half, None), ALL, False
+
+
+def _halves(index: slice) -> tuple[int, ...]:
+    """Which halves of a shard (0: first, 1: second) a block's row selection covers."""
+    if index == ALL:
+        return (0, 1)
+    return (0,) if index.start == 0 else (1,)
+
+
+def _ring_blocks(rank: int, world_size: int, layout: str, causal: bool, s_local: int,
+                 document_ranges: Optional[torch.Tensor]) -> list:
+    """``_block_for_step`` for every step, with None also where the block's query rows and
+    K/V rows hold no common document id. Decided on the host from the per-half id ranges
+    every rank exchanged: exact for ids that never decrease along the sequence (packed
+    documents), conservative otherwise (the kernels then mask what remains)."""
+    blocks = []
+    for step in range(world_size):
+        block = _block_for_step(rank, step, world_size, layout, causal, s_local)
+        if block is not None and step > 0 and document_ranges is not None:
+            rows, cols, _ = block
+            mine, theirs = document_ranges[rank].tolist(), document_ranges[(rank - step) % world_size].tolist()
+            if not any(max(mine[2 * a], theirs[2 * b]) <= min(mine[2 * a + 1], theirs[2 * b + 1])
+                       for a in _halves(rows) for b in _halves(cols)):
+                block = None
+        blocks.append(block)
+    return blocks
+
+
+def _documents(q_ids: Optional[torch.Tensor], k_ids: Optional[torch.Tensor], rows: slice, cols: slice) -> dict:
+    """Document-id keywords of a block's kernel call (none without ids)."""
+    if q_ids is None:
+        return {}
+    return {"q_document_ids": q_ids[:, rows], "k_document_ids": k_ids[:, cols]}
 
 
 def _add_into(buf: torch.Tensor, index: slice, x: torch.Tensor, fresh: bool) -> None:
@@ -93,19 +131,28 @@ def _partial_dtype(backend: str, acc_dtype: torch.dtype):
     return None if backend in ("cudnn", "flash") else acc_dtype
 
 
-_verified_shapes: set = set()
-_DTYPE_CODES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# dtype <-> small integer for the cross-rank check (one table for activations and ids).
+_DTYPE_CODES = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+_NO_IDS = -1
+_INT64 = torch.iinfo(torch.int64)
 
 
-def check_cp_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, layout: str,
-                    *, name: str, extra=None) -> int:
-    """Validate a context-parallel attention call; returns the group size (1: run locally).
+def check_cp_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, layout: str, *,
+                    name: str, causal: bool = True, document_ids: Optional[torch.Tensor] = None,
+                    extra=None) -> tuple[int, Optional[torch.Tensor]]:
+    """Validate a context-parallel attention call. Returns the group size (1: run locally)
+    and, with ``document_ids`` on a real group, every rank's document id ranges: an int64
+    ``(P, 4)`` CPU table, row r = (min, max) of the ids in the first and in the second
+    half of rank r's shard (an empty half: (int64 max, int64 min)).
 
-    With a real group every rank reaches the same verdict: a problem found on one rank
-    only (a length its layout cannot split, a shard shaped unlike the others', or what
-    ``extra(world)`` rejects) is exchanged in the one-time cross-rank check, and every
-    rank raises. A rank raising alone would leave the others waiting in a transfer that
-    never comes.
+    With a real group every rank reaches the same verdict on every call: a problem found
+    on one rank only (a length its layout cannot split, a shard shaped, typed or laid out
+    unlike the others', ids on some ranks only, or what ``extra(world)`` rejects) is
+    exchanged in one small all-gather, and every rank raises. A rank raising alone would
+    leave the others waiting in a transfer that never comes. The exchange runs on every
+    call, not once per shape: a per-rank cache lets a rank that has seen a shape before
+    skip it while another rank, given a new shape, waits in it forever.
     """
     world = 1 if group is None else dist.get_world_size(group)
     error = None
@@ -116,6 +163,11 @@ def check_cp_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, la
             raise ValueError(
                 f"q and k/v must hold the same tokens: local lengths {q.shape[1]} and {k.shape[1]}"
             )
+        if document_ids is not None:
+            try:
+                check_document_ids(q, k, document_ids, document_ids)
+            except (ValueError, TypeError) as e:  # the kernels' check, in the caller's words
+                raise type(e)(str(e).replace("q_document_ids", "document_ids")) from None
         if world > 1:
             if q.shape[1] % chunks_per_rank(layout) != 0:
                 check_seq_len(q.shape[1] * world, world, layout)  # raises, naming the multiple
@@ -125,96 +177,157 @@ def check_cp_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, la
         if world == 1:
             raise
         error = e
-    if world > 1:
-        _check_group_agrees(group, q, k, layout, name, failed=error is not None)
+    if world == 1:
+        return world, None
+    table = _exchange_call_summary(group, q, k, layout, causal, document_ids, failed=error is not None)
     if error is not None:
         raise error
-    return world
+    _check_group_agrees(table, name)
+    return world, (table[:, _RANGES] if document_ids is not None else None)
 
 
 def _shape_row(t: torch.Tensor) -> list:
     return list(t.shape[:4]) + [-1] * (4 - min(4, t.dim()))  # fixed width, whatever arrives
 
 
-def _check_group_agrees(group, q: torch.Tensor, k: torch.Tensor, layout: str, name: str,
-                        failed: bool) -> None:
-    """One small all-gather per new (group, shapes, dtype, layout), cached afterwards so the
-    ring loop never pays it again (on CUDA it costs one host sync the first time)."""
-    key = (id(group), tuple(q.shape), tuple(k.shape), q.dtype, layout)
-    if key in _verified_shapes and not failed:
-        return
+def _code(dtype: torch.dtype) -> int:
+    return _DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else len(_DTYPE_CODES)
+
+
+def _dtype_name(code: int) -> str:
+    if code == _NO_IDS:
+        return "None"
+    return str(_DTYPE_CODES[code]) if code < len(_DTYPE_CODES) else "another dtype"
+
+
+# Columns of the exchanged table.
+_Q_SHAPE, _K_SHAPE, _DTYPE, _LAYOUT, _CAUSAL, _IDS, _FAILED = (
+    slice(0, 4), slice(4, 8), 8, 9, 10, 11, 12)
+_RANGES = slice(13, 17)
+_AGREED = 12  # columns 0..11 must be equal on every rank
+
+
+def _document_ranges(ids: torch.Tensor) -> torch.Tensor:
+    """(min, max) of the ids in each half of the shard, int64 on ids' device."""
+    half = ids.shape[1] // 2
+    ranges = []
+    for part in (ids[:, :half], ids[:, half:]):
+        if part.numel() == 0:  # never overlaps anything
+            ranges.append(torch.tensor([_INT64.max, _INT64.min], device=ids.device))
+        else:
+            low, high = torch.aminmax(part)
+            ranges.append(torch.stack([low, high]).long())
+    return torch.cat(ranges)
+
+
+def _exchange_call_summary(group, q, k, layout, causal, document_ids, failed: bool) -> torch.Tensor:
+    """All-gather one small int64 row per rank describing this call; returns the (P, 17)
+    table on the CPU. Over NCCL it travels on the GPU, so reading it is one host sync."""
     device = q.device if dist.get_backend(group) == "nccl" and q.is_cuda else torch.device("cpu")
-    code = _DTYPE_CODES.index(q.dtype) if q.dtype in _DTYPE_CODES else -1
-    mine = torch.tensor([*_shape_row(q), *_shape_row(k), code, int(failed)], device=device)
-    world = dist.get_world_size(group)
-    everyone = [torch.empty_like(mine) for _ in range(world)]
+    ids_code = (_NO_IDS if document_ids is None else _code(document_ids.dtype)
+                if isinstance(document_ids, torch.Tensor) else len(_DTYPE_CODES))
+    header = torch.tensor(
+        [*_shape_row(q), *_shape_row(k), _code(q.dtype), LAYOUTS.index(layout) if layout in LAYOUTS else -1,
+         int(bool(causal)), ids_code, int(failed)], dtype=torch.int64, device=device)
+    if document_ids is None or failed:
+        ranges = torch.zeros(4, dtype=torch.int64, device=device)
+    else:
+        ranges = _document_ranges(document_ids).to(device)
+    mine = torch.cat([header, ranges])
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
-    table = torch.stack(everyone).cpu()
-    bad = [r for r in range(world) if table[r, -1]]
+    return torch.stack(everyone).cpu()
+
+
+def _check_group_agrees(table: torch.Tensor, name: str) -> None:
+    world = table.shape[0]
+    bad = [r for r in range(world) if table[r, _FAILED]]
     if bad:
-        if failed:
-            return  # the caller raises this rank's own error
         raise ValueError(
             f"{name}: rank(s) {bad} of the context-parallel group rejected their inputs (their "
             "error says why); every rank stops here"
         )
-    if not bool((table[:, :-1] == table[0, :-1]).all()):
-        rows = {r: tuple(table[r, :4].tolist()) for r in range(world)}
-        raise ValueError(
-            f"{name}: ranks of the context-parallel group hold different shard shapes or "
-            f"dtypes (q shape per rank: {rows}); every rank must hold an equal slice of the same sequence"
-        )
-    _verified_shapes.add(key)
+    if bool((table[:, :_AGREED] == table[0, :_AGREED]).all()):
+        return
+    per_rank = lambda column, show: {r: show(table[r, column]) for r in range(world)}  # noqa: E731
+    differs = lambda column: not bool((table[:, column] == table[0, column]).all())  # noqa: E731
+    problems = []
+    if differs(_Q_SHAPE) or differs(_K_SHAPE):
+        problems.append(
+            f"different shard shapes (q shape per rank: {per_rank(_Q_SHAPE, lambda t: tuple(t.tolist()))}, "
+            f"k/v shape per rank: {per_rank(_K_SHAPE, lambda t: tuple(t.tolist()))})")
+    if differs(_DTYPE):
+        problems.append(f"different dtypes (per rank: {per_rank(_DTYPE, lambda t: _dtype_name(int(t)))})")
+    if differs(_LAYOUT):
+        problems.append(f"different layouts (per rank: {per_rank(_LAYOUT, lambda t: LAYOUTS[int(t)])})")
+    if differs(_CAUSAL):
+        problems.append(f"different causal flags (per rank: {per_rank(_CAUSAL, lambda t: bool(t))})")
+    if differs(_IDS):
+        problems.append(f"different document_ids (dtype per rank: {per_rank(_IDS, lambda t: _dtype_name(int(t)))})")
+    raise ValueError(
+        f"{name}: ranks of the context-parallel group hold " + "; ".join(problems)
+        + "; every rank must hold an equal slice of the same sequence and pass the same arguments"
+    )
 
 
 class _LocalAttention(torch.autograd.Function):
     """group=None or size 1: plain attention through the same block kernels."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, backend):
-        out, lse = attention_forward(q, k, v, causal=causal, softmax_scale=scale, backend=backend)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, document_ids, causal, scale, backend):
+        docs = _documents(document_ids, document_ids, ALL, ALL)
+        out, lse = attention_forward(q, k, v, causal=causal, softmax_scale=scale, backend=backend, **docs)
+        ctx.save_for_backward(q, k, v, out, lse, document_ids)
         ctx.args = (causal, scale, backend)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, document_ids = ctx.saved_tensors
         causal, scale, backend = ctx.args
         dq, dk, dv = attention_backward(
-            dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, backend=backend
+            dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, backend=backend,
+            **_documents(document_ids, document_ids, ALL, ALL),
         )
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, layout, scale, backend):
+    def forward(ctx, q, k, v, document_ids, group, causal, scale, backend, blocks):
         comm = RingExchange(group)
-        world, rank = comm.world_size, comm.rank
-        s_local = q.shape[1]
+        world = comm.world_size
         acc_dtype = _accumulator_dtype(q.dtype)
         backend = resolve_backend(backend, q, k, causal)
         partial_dtype = _partial_dtype(backend, acc_dtype)
 
         # Double buffer, allocated once per call as two tensors, so that keeping the last
         # slot for the backward does not keep the other alive. Slot = [k, v]: one message
-        # per hop.
+        # per hop (plus the shard's document ids, posted in the same batch).
         slots = [torch.empty((2, *k.shape), dtype=k.dtype, device=k.device) for _ in range(2)]
         slots[0][0].copy_(k)
         slots[0][1].copy_(v)
+        id_slots = [None, None]
+        if document_ids is not None:
+            id_slots = [document_ids.clone(memory_format=torch.contiguous_format),
+                        torch.empty_like(document_ids, memory_format=torch.contiguous_format)]
         out: Optional[torch.Tensor] = None
         lse: Optional[torch.Tensor] = None
         for step in range(world):
-            current = slots[step % 2]
-            # Post the next hop before computing, so the transfer overlaps this block.
-            pending = comm.shift(current, slots[(step + 1) % 2]) if step + 1 < world else None
-            block = _block_for_step(rank, step, world, layout, causal, s_local)
-            if block is not None:
-                rows, cols, masked = block
+            current, current_ids = slots[step % 2], id_slots[step % 2]
+            # Post the next hop before computing, so the transfer overlaps this block. A
+            # skipped block's K/V travel on all the same: the next rank may need them.
+            pending = None
+            if step + 1 < world:
+                nxt = (step + 1) % 2
+                pending = (comm.shift(current, slots[nxt]) if document_ids is None
+                           else comm.shift((current, current_ids), (slots[nxt], id_slots[nxt])))
+            if blocks[step] is not None:
+                rows, cols, masked = blocks[step]
                 out_b, lse_b = attention_forward(
                     q[:, rows], current[0][:, cols], current[1][:, cols],
                     causal=masked, softmax_scale=scale, backend=backend, out_dtype=partial_dtype,
+                    **_documents(document_ids, current_ids, rows, cols),
                 )
                 if out is None:
                     # Step 0 always covers every local query row (diagonal or full block).
@@ -230,18 +343,17 @@ class _RingAttention(torch.autograd.Function):
 
         result = out.to(q.dtype)
         # rank+1's K/V shard (step P-1): the backward's first block, already here.
-        last_kv = slots[(world - 1) % 2]
-        ctx.save_for_backward(q, k, v, result, lse, last_kv)
-        ctx.args = (group, causal, layout, scale, backend)
+        last = (world - 1) % 2
+        ctx.save_for_backward(q, k, v, result, lse, slots[last], document_ids, id_slots[last])
+        ctx.args = (group, causal, scale, backend, blocks)
         return result
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, last_kv = ctx.saved_tensors
-        group, causal, layout, scale, backend = ctx.args
+        q, k, v, out, lse, last_kv, document_ids, last_ids = ctx.saved_tensors
+        group, causal, scale, backend, blocks = ctx.args
         comm = RingExchange(group)
-        world, rank = comm.world_size, comm.rank
-        s_local = q.shape[1]
+        world = comm.world_size
         acc_dtype = _accumulator_dtype(q.dtype)
         partial_dtype = _partial_dtype(backend, acc_dtype)  # backend was resolved in forward
 
@@ -251,19 +363,19 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.empty(q.shape, dtype=acc_dtype, device=q.device)
         dq_fresh = True  # no block has written dq yet
 
-        def block_grads(step, block_k, block_v):
+        def block_grads(step, block_k, block_v, block_ids):
             """Adds this step's dQ; returns (kv rows, dK, dV) of the block, or None. The
             last block (step 0) returns dQ finished in q's dtype as a fourth item."""
             nonlocal dq_fresh
-            block = _block_for_step(rank, step, world, layout, causal, s_local)
-            if block is None:
+            if blocks[step] is None:
                 return None
-            rows, cols, masked = block
+            rows, cols, masked = blocks[step]
             dq_b, dk_b, dv_b = attention_backward(
                 dout[:, rows], q[:, rows], block_k[:, cols], block_v[:, cols],
                 out[:, rows], lse[:, :, rows],
                 causal=masked, softmax_scale=scale, backend=backend,
                 delta=None if delta is None else delta[:, :, rows], grad_dtype=partial_dtype,
+                **_documents(document_ids, block_ids, rows, cols),
             )
             if step == 0:
                 return cols, dk_b, dv_b, _finish(dq, rows, dq_b, dq_fresh, q.dtype)
@@ -272,18 +384,26 @@ class _RingAttention(torch.autograd.Function):
             return cols, dk_b, dv_b
 
         # Steps P-1, ..., 1 (K/V of ranks r+1, r+2, ..., r-1), then the diagonal (step 0).
-        # K/V arrive from rank+1 into two receive buffers (the kept shard is never
-        # overwritten: a second backward with retain_graph=True must find it intact).
-        # dK/dV accumulators go to rank-1, double-buffered.
+        # K/V (and their document ids) arrive from rank+1 into two receive buffers (the
+        # kept shard is never overwritten: a second backward with retain_graph=True must
+        # find it intact). dK/dV accumulators go to rank-1, double-buffered.
         recv_kv = [torch.empty_like(last_kv) if world > 2 else None,
                    torch.empty_like(last_kv) if world > 3 else None]
+        recv_ids = [None, None]
+        if document_ids is not None:
+            recv_ids = [torch.empty_like(last_ids) if world > 2 else None,
+                        torch.empty_like(last_ids) if world > 3 else None]
         dkv = [torch.empty((2, *k.shape), dtype=acc_dtype, device=k.device) for _ in range(2)]
         dkv_pending = None
         for i, step in enumerate(range(world - 1, 0, -1)):
             current = last_kv if i == 0 else recv_kv[(i - 1) % 2]
+            current_ids = last_ids if i == 0 else recv_ids[(i - 1) % 2]
             # Post the next block's K/V before computing this one.
-            kv_pending = comm.shift_back(current, recv_kv[i % 2]) if step > 1 else None
-            grads = block_grads(step, current[0], current[1])
+            kv_pending = None
+            if step > 1:
+                kv_pending = (comm.shift_back(current, recv_kv[i % 2]) if document_ids is None
+                              else comm.shift_back((current, current_ids), (recv_kv[i % 2], recv_ids[i % 2])))
+            grads = block_grads(step, current[0], current[1], current_ids)
             acc = dkv[i % 2]
             fresh = dkv_pending is None  # this rank is the block's first contributor
             if not fresh:
@@ -300,12 +420,12 @@ class _RingAttention(torch.autograd.Function):
                 kv_pending.wait()
         # The diagonal block (which every rank has: step 0 is never skipped) runs while
         # this shard's accumulated dK/dV travel home.
-        cols, dk_b, dv_b, dq_out = block_grads(0, k, v)
+        cols, dk_b, dv_b, dq_out = block_grads(0, k, v, document_ids)
         dkv_pending.wait()
         home = dkv[(world - 1) % 2]
         dk_out = _finish(home[0], cols, dk_b, False, k.dtype)
         dv_out = _finish(home[1], cols, dv_b, False, v.dtype)
-        return dq_out, dk_out, dv_out, None, None, None, None, None
+        return dq_out, dk_out, dv_out, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -318,14 +438,23 @@ def ring_attention(
     layout: str = "zigzag",
     softmax_scale: Optional[float] = None,
     backend: str = "auto",
+    document_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's query shard over the whole sharded sequence.
 
     q: ``(B, S_local, Hq, D)``; k, v: ``(B, S_local, Hkv, D)`` with ``Hq % Hkv == 0`` (only
     the Hkv heads travel). Shards must follow ``layout`` (see ``shard_sequence``).
     ``group=None`` or a group of size 1 is plain local attention. Differentiable.
+
+    ``document_ids``: None, or an integer ``(B, S_local)`` tensor sharded like q: query i
+    attends key j only where both carry the same id (and j <= i when causal, positions
+    global). Ids travel around the ring with their K/V shard; a ring step whose query and
+    key rows share no document computes nothing (decided from per-half id ranges
+    exchanged in the per-call input check, so no extra host sync).
     """
-    world = check_cp_inputs(q, k, v, group, layout, name="ring_attention")
+    world, document_ranges = check_cp_inputs(q, k, v, group, layout, name="ring_attention",
+                                             causal=causal, document_ids=document_ids)
     if world == 1:
-        return _LocalAttention.apply(q, k, v, causal, softmax_scale, backend)
-    return _RingAttention.apply(q, k, v, group, causal, layout, softmax_scale, backend)
+        return _LocalAttention.apply(q, k, v, document_ids, causal, softmax_scale, backend)
+    blocks = _ring_blocks(dist.get_rank(group), world, layout, causal, q.shape[1], document_ranges)
+    return _RingAttention.apply(q, k, v, document_ids, group, causal, softmax_scale, backend, blocks)

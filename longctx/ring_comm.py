@@ -12,10 +12,12 @@ concurrently with the transfer. On gloo (CPU) ``wait()`` blocks, which is fine t
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+
+Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
 def new_ring_group(ranks: Sequence[int], *, timeout: Optional[timedelta] = None,
@@ -46,20 +48,24 @@ class RingExchange:
         self.next_rank = dist.get_global_rank(group, (self.rank + 1) % self.world_size)
         self.prev_rank = dist.get_global_rank(group, (self.rank - 1) % self.world_size)
 
-    def shift(self, send: torch.Tensor, recv: torch.Tensor) -> "PendingShift":
-        """Start sending ``send`` to the next rank and receiving ``recv`` from the previous one."""
-        ops = [
-            dist.P2POp(dist.isend, send, self.next_rank, self.group),
-            dist.P2POp(dist.irecv, recv, self.prev_rank, self.group),
-        ]
-        return PendingShift(dist.batch_isend_irecv(ops))
+    def shift(self, send: Tensors, recv: Tensors) -> "PendingShift":
+        """Start sending ``send`` to the next rank and receiving ``recv`` from the previous one.
 
-    def shift_back(self, send: torch.Tensor, recv: torch.Tensor) -> "PendingShift":
+        ``send``/``recv``: a tensor or matching sequences of tensors (e.g. a K/V shard and its
+        document ids), all posted in one batch."""
+        return self._post(send, recv, to=self.next_rank, source=self.prev_rank)
+
+    def shift_back(self, send: Tensors, recv: Tensors) -> "PendingShift":
         """The reverse direction: send ``send`` to the previous rank, receive ``recv`` from the next."""
-        ops = [
-            dist.P2POp(dist.isend, send, self.prev_rank, self.group),
-            dist.P2POp(dist.irecv, recv, self.next_rank, self.group),
-        ]
+        return self._post(send, recv, to=self.prev_rank, source=self.next_rank)
+
+    def _post(self, send: Tensors, recv: Tensors, *, to: int, source: int) -> "PendingShift":
+        sends = [send] if isinstance(send, torch.Tensor) else list(send)
+        recvs = [recv] if isinstance(recv, torch.Tensor) else list(recv)
+        if len(sends) != len(recvs):
+            raise ValueError(f"shift: {len(sends)} tensors to send but {len(recvs)} to receive")
+        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, source, self.group) for t in recvs]
         return PendingShift(dist.batch_isend_irecv(ops))
 
 

@@ -101,8 +101,9 @@ def _to_shard(dst: torch.Tensor, parts: torch.Tensor, world: int, chunks: int, g
 
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, layout, scale, backend):
+    def forward(ctx, q, k, v, full_ids, group, causal, layout, scale, backend):
         world = dist.get_world_size(group)
+        docs = {} if full_ids is None else {"q_document_ids": full_ids, "k_document_ids": full_ids}
         hkv = k.shape[2] // world
         chunks = PIPELINE_CHUNKS if hkv % PIPELINE_CHUNKS == 0 else 1
         widths = [t.shape[2] // (world * chunks) for t in (q, k, v)]
@@ -115,20 +116,21 @@ class _UlyssesAttention(torch.autograd.Function):
         for g, (recv, work) in enumerate(inbound):
             work.wait()
             qf, kf, vf = _ranks_to_sequence(recv, layout).split(widths, dim=2)
-            out_f, lse = attention_forward(qf, kf, vf, causal=causal, softmax_scale=scale, backend=backend)
+            out_f, lse = attention_forward(qf, kf, vf, causal=causal, softmax_scale=scale, backend=backend, **docs)
             outbound.append(_start_all_to_all(_sequence_to_ranks(out_f, world, layout), group))
             saved += [qf, kf, vf, out_f, lse]
         for g, (recv, work) in enumerate(outbound):
             work.wait()
             _to_shard(out, recv, world, chunks, g)
-        ctx.save_for_backward(*saved)
+        ctx.save_for_backward(full_ids, *saved)
         ctx.args = (group, causal, layout, scale, backend, chunks, widths)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         group, causal, layout, scale, backend, chunks, widths = ctx.args
-        saved = ctx.saved_tensors
+        full_ids, *saved = ctx.saved_tensors
+        docs = {} if full_ids is None else {"q_document_ids": full_ids, "k_document_ids": full_ids}
         world = dist.get_world_size(group)
         dout = dout.contiguous()
         inbound = [_start_all_to_all(_heads_for_everyone(dout, world, chunks, g), group) for g in range(chunks)]
@@ -137,7 +139,7 @@ class _UlyssesAttention(torch.autograd.Function):
             work.wait()
             qf, kf, vf, out_f, lse = saved[5 * g:5 * g + 5]
             grads = attention_backward(_ranks_to_sequence(recv, layout), qf, kf, vf, out_f, lse,
-                                       causal=causal, softmax_scale=scale, backend=backend)
+                                       causal=causal, softmax_scale=scale, backend=backend, **docs)
             outbound.append(_start_all_to_all(_sequence_to_ranks(torch.cat(grads, dim=2), world, layout), group))
         b, s_local, _, d = dout.shape
         dq, dk, dv = (torch.empty(b, s_local, w * world * chunks, d, dtype=dout.dtype, device=dout.device)
@@ -146,7 +148,16 @@ class _UlyssesAttention(torch.autograd.Function):
             work.wait()
             for dst, part in zip((dq, dk, dv), recv.split(widths, dim=3)):
                 _to_shard(dst, part, world, chunks, g)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _full_document_ids(document_ids: torch.Tensor, group, layout: str) -> torch.Tensor:
+    """Every rank's ids in sequence order, (B, S): one all-gather per call, reused by the
+    backward (every rank attends over the full sequence for its heads)."""
+    parts = [torch.empty_like(document_ids, memory_format=torch.contiguous_format)
+             for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, document_ids.contiguous(), group=group)
+    return _ranks_to_sequence(torch.stack(parts)[..., None, None], layout)[..., 0, 0]
 
 
 def ulysses_attention(
@@ -159,11 +170,13 @@ def ulysses_attention(
     layout: str = "zigzag",
     softmax_scale: Optional[float] = None,
     backend: str = "auto",
+    document_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's shard over the whole sharded sequence, head-parallel.
 
     Arguments as ``ring_attention``; additionally ``Hkv`` (and so ``Hq``) must be a
     multiple of the group size. ``group=None`` or size 1 is plain local attention.
+    ``document_ids`` as in ``ring_attention``: gathered to full length once per call.
     """
     def heads_split(world: int) -> None:
         if k.shape[2] % world != 0:
@@ -172,8 +185,10 @@ def ulysses_attention(
                 f"heads are not a multiple of the group size {world}; use ring_attention"
             )
 
-    world = check_cp_inputs(q, k, v, group, layout, name="ulysses_attention", extra=heads_split)
+    world, _ = check_cp_inputs(q, k, v, group, layout, name="ulysses_attention", causal=causal,
+                               document_ids=document_ids, extra=heads_split)
     if world == 1:  # the ring's local path: plain attention through the same kernels
         return ring_attention(q, k, v, group=None, causal=causal, softmax_scale=softmax_scale,
-                              backend=backend)
-    return _UlyssesAttention.apply(q, k, v, group, causal, layout, softmax_scale, backend)
+                              backend=backend, document_ids=document_ids)
+    full_ids = None if document_ids is None else _full_document_ids(document_ids, group, layout)
+    return _UlyssesAttention.apply(q, k, v, full_ids, group, causal, layout, softmax_scale, backend)

@@ -2,33 +2,24 @@
 from __future__ import annotations
 
 import random
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from attention_reference import reference
 from dist_harness import run_distributed
 from longctx import ring_attention, shard_sequence, unshard_sequence
 
 
-def reference_attention(q, k, v, causal, scale=None):
-    """Plain float64 softmax attention; GQA by repeating K/V (fine for a reference)."""
-    q, k, v = (t.double() for t in (q, k, v))
-    group = q.shape[2] // k.shape[2]
-    k = k.repeat_interleave(group, dim=2)
-    v = v.repeat_interleave(group, dim=2)
-    scale = scale if scale is not None else q.shape[-1] ** -0.5
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if causal:
-        s = q.shape[1]
-        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
-
-
 def rel_err(a, b):
+    """Norm-relative error; absolute where the reference is exactly zero (e.g. dq when
+    every token is its own document)."""
     a, b = a.double(), b.double()
     assert torch.isfinite(a).all(), "non-finite values"
-    return ((a - b).norm() / b.norm()).item()
+    scale = b.norm()
+    return ((a - b).norm() / (scale if scale > 0 else 1.0)).item()
 
 
 # (layout, causal, Hq, Hkv, dtype, chunk, scale). chunk = tokens per layout chunk, so the
@@ -45,12 +36,30 @@ CASES = [
 ]
 
 
+def run_case(attention, group, rank, world, layout, causal, q, k, v, dout, scale=None, documents=None):
+    """Shard full-sequence inputs (and ``documents``, (B, S) ids) over ``group``, run
+    ``attention`` forward and backward, and return the norm-relative errors of the
+    gathered out, dq, dk, dv against the float64 reference, as [(name, error)]."""
+    shard = lambda t: shard_sequence(t, 1, rank=rank, world_size=world, layout=layout)  # noqa: E731
+    ql, kl, vl = (shard(t).detach().requires_grad_() for t in (q, k, v))
+    extra = {} if documents is None else {"document_ids": shard(documents)}
+    out = attention(ql, kl, vl, group=group, causal=causal, layout=layout, softmax_scale=scale, **extra)
+    out.backward(shard(dout))
+    gather = lambda t: unshard_sequence(t.detach(), 1, group=group, layout=layout)  # noqa: E731
+    got = [gather(out), gather(ql.grad), gather(kl.grad), gather(vl.grad)]
+    ref_out, _, *ref_grads = reference(q, k, v, dout, causal, scale or q.shape[-1] ** -0.5, documents)
+    errors = []
+    for name, a, w in zip(("out", "dq", "dk", "dv"), got, [ref_out, *ref_grads]):
+        assert a.dtype == q.dtype, (name, a.dtype)
+        errors.append((name, rel_err(a, w)))
+    return errors
+
+
 def attention_vs_reference(rank, world, seed, impl="ring", cases=CASES):
     """Per case: norm-relative error of out, dq, dk, dv (gathered) against float64."""
     from longctx import ulysses_attention
 
     attention = {"ring": ring_attention, "ulysses": ulysses_attention}[impl]
-    group = dist.group.WORLD
     errors = []
     for i, (layout, causal, hq, hkv, dtype, chunk, scale) in enumerate(cases):
         g = torch.Generator().manual_seed(seed + i)  # same full tensors on every rank
@@ -60,21 +69,8 @@ def attention_vs_reference(rank, world, seed, impl="ring", cases=CASES):
         k = torch.randn(b, seq, hkv, d, generator=g).to(dtype)
         v = torch.randn(b, seq, hkv, d, generator=g).to(dtype)
         dout = torch.randn(b, seq, hq, d, generator=g).to(dtype)
-
-        shard = lambda t: shard_sequence(t, 1, rank=rank, world_size=world, layout=layout)  # noqa: E731
-        ql, kl, vl = (shard(t).detach().requires_grad_() for t in (q, k, v))
-        out = attention(ql, kl, vl, group=group, causal=causal, layout=layout, softmax_scale=scale)
-        out.backward(shard(dout))
-        gather = lambda t: unshard_sequence(t.detach(), 1, group=group, layout=layout)  # noqa: E731
-        got = [gather(out), gather(ql.grad), gather(kl.grad), gather(vl.grad)]
-
-        qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-        ref = reference_attention(qr, kr, vr, causal, scale)
-        ref.backward(dout.double())
-        want = [ref, qr.grad, kr.grad, vr.grad]
-        for name, a, w in zip(("out", "dq", "dk", "dv"), got, want):
-            assert a.dtype == dtype, (name, a.dtype)
-            errors.append(((layout, causal, hq, hkv, str(dtype), scale), name, rel_err(a, w)))
+        for name, err in run_case(attention, dist.group.WORLD, rank, world, layout, causal, q, k, v, dout, scale):
+            errors.append(((layout, causal, hq, hkv, str(dtype), scale), name, err))
     return errors
 
 
@@ -93,42 +89,51 @@ def test_ring_matches_float64_reference(world):
 
 
 def _ring_uses_only_point_to_point(rank, world):
-    """After the one-time shape check, a forward+backward issues no collective at all."""
+    """A forward+backward issues one collective, the forward's small input check (every
+    call, so no rank can skip it while another waits in it), and otherwise only
+    point-to-point shifts."""
     group = dist.group.WORLD
     q, k, v = (torch.randn(1, 8, 2, 4, requires_grad=True) for _ in range(3))
-    ring_attention(q, k, v, group=group).sum().backward()  # warm-up: caches the shape check
+    ring_attention(q, k, v, group=group).sum().backward()  # warm-up
 
     def forbidden(*args, **kwargs):
         raise AssertionError("ring attention issued a collective")
 
-    names = ["all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "all_to_all", "reduce_scatter"]
-    saved = {n: getattr(dist, n) for n in names}
-    sends = []
-    real_p2p = dist.batch_isend_irecv
+    names = ["all_gather_into_tensor", "all_reduce", "broadcast", "all_to_all", "reduce_scatter"]
+    saved = {n: getattr(dist, n) for n in names + ["all_gather"]}
+    sends, checks = [], []
+    real_p2p, real_all_gather = dist.batch_isend_irecv, dist.all_gather
 
     def counting_p2p(ops):
         sends.extend(op.tensor.numel() for op in ops if op.op is dist.isend)
         return real_p2p(ops)
 
+    def counting_all_gather(outputs, tensor, **kwargs):
+        checks.append(tensor.numel())
+        return real_all_gather(outputs, tensor, **kwargs)
+
     try:
         for n in names:
             setattr(dist, n, forbidden)
-        dist.batch_isend_irecv = counting_p2p
-        ring_attention(q, k, v, group=group).sum().backward()
+        dist.batch_isend_irecv, dist.all_gather = counting_p2p, counting_all_gather
+        out = ring_attention(q, k, v, group=group)
+        forward_checks = len(checks)
+        out.sum().backward()
     finally:
         for n, f in saved.items():
             setattr(dist, n, f)
         dist.batch_isend_irecv = real_p2p
-    return sends
+    return sends, checks, forward_checks
 
 
 def test_ring_is_point_to_point_and_sends_one_shard_per_hop():
     world = 3
-    sends = run_distributed(_ring_uses_only_point_to_point, world)[0]
+    sends, checks, forward_checks = run_distributed(_ring_uses_only_point_to_point, world)[0]
     kv_shard = 2 * 1 * 8 * 2 * 4  # k and v of one local shard
     # forward: P-1 K/V hops. Backward: its first block is the shard kept from the forward,
     # so P-2 K/V hops, plus P-1 dK/dV hops (same element count, fp32).
     assert sends == [kv_shard] * ((world - 1) + (world - 2) + (world - 1))
+    assert forward_checks == 1 and len(checks) == 1 and checks[0] <= 32  # a few int64s
 
 
 def _second_backward_matches_first(rank, world):
@@ -153,31 +158,50 @@ def test_second_backward_with_retained_graph_is_identical():
 def _bad_inputs(rank, world):
     group = dist.group.WORLD
     caught = []
+
+    def attempt(kind, q, k=None, **kwargs):
+        k = q if k is None else k
+        try:
+            ring_attention(q, k, k, group=kwargs.pop("group", group), **kwargs)
+        except ValueError as e:
+            caught.append((kind, str(e)))
+
     # Ranks disagree on the local length: every rank must get an error, none may hang.
-    s = 8 if rank == 0 else 12
-    q = torch.randn(1, s, 2, 4)
-    try:
-        ring_attention(q, q, q, group=group)
-    except ValueError as e:
-        caught.append(("mismatch", str(e)))
+    attempt("mismatch", torch.randn(1, 8 if rank == 0 else 12, 2, 4))
     # Odd local length cannot be a zigzag shard.
-    q = torch.randn(1, 5, 2, 4)
-    try:
-        ring_attention(q, q, q, group=group)
-    except ValueError as e:
-        caught.append(("zigzag", str(e)))
+    attempt("zigzag", torch.randn(1, 5, 2, 4))
     # Only rank 0's shard is unsplittable: rank 1 alone would pass its own checks and wait
     # for transfers forever; it must be told instead.
-    q = torch.randn(1, 7 if rank == 0 else 8, 2, 4)
+    attempt("one_rank", torch.randn(1, 7 if rank == 0 else 8, 2, 4))
+    q = torch.randn(1, 8, 2, 4)
+    attempt("layout", q, layout="zigzag" if rank == 0 else "contiguous")
+    attempt("dtype", q if rank == 0 else q.bfloat16())
+    attempt("causal", q, causal=rank == 0)
+    attempt("ids", q, document_ids=torch.zeros(1, 8, dtype=torch.long) if rank == 0 else None)
+    attempt("bad_ids", q, document_ids=torch.zeros(1, 8 if rank == 0 else 6, dtype=torch.long))
+    # A shape seen before on one rank, new on the other (a per-rank cache of verified
+    # shapes sent rank 0 into the transfers and left rank 1 in the check): both must
+    # raise at once. A short group timeout bounds the hang this used to be.
+    short = dist.new_group([0, 1], timeout=timedelta(seconds=20))
+    attempt("warm-up", q, group=short)
+    attempt("changed", torch.randn(1, 8 if rank == 0 else 12, 2, 4), group=short)
+    # ... and through the model, whose attention layers call the ring.
+    from longctx.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, n_layer=1, n_head=2, n_kv_head=2, n_embd=16,
+                          intermediate_size=24, attention_backend="torch"))
+    model.set_context_parallel_group(short)
+    model(torch.zeros(1, 8, dtype=torch.long))
     try:
-        ring_attention(q, q, q, group=group)
+        model(torch.zeros(1, 8 if rank == 0 else 12, dtype=torch.long))
     except ValueError as e:
-        caught.append(("one_rank", str(e)))
+        caught.append(("model", str(e)))
     return caught
 
 
 def test_bad_inputs_fail_on_every_rank():
-    results = run_distributed(_bad_inputs, 2)
+    results = run_distributed(_bad_inputs, 2, timeout=120)
     for rank, caught in enumerate(results):
         kinds = dict(caught)
         assert "different shard shapes" in kinds["mismatch"]
@@ -186,6 +210,63 @@ def test_bad_inputs_fail_on_every_rank():
             assert "multiple of 4" in kinds["one_rank"], kinds["one_rank"]
         else:
             assert "rank(s) [0]" in kinds["one_rank"] and "rejected" in kinds["one_rank"]
+        assert "different layouts (per rank: {0: 'zigzag', 1: 'contiguous'})" in kinds["layout"]
+        assert "torch.float32" in kinds["dtype"] and "torch.bfloat16" in kinds["dtype"], kinds["dtype"]
+        assert "{0: True, 1: False}" in kinds["causal"]
+        assert "document_ids (dtype per rank: {0: 'torch.int64', 1: 'None'})" in kinds["ids"], kinds["ids"]
+        if rank == 1:
+            assert "document_ids must be (batch, seq) = (1, 8)" in kinds["bad_ids"], kinds["bad_ids"]
+        else:
+            assert "rank(s) [1]" in kinds["bad_ids"]
+        assert "warm-up" not in kinds
+        for kind in ("changed", "model"):
+            assert "different shard shapes" in kinds[kind], (kind, kinds.get(kind))
+
+
+def _non_finite_vs_reference(rank, world):
+    """NaN / +inf in q or k: out is NaN exactly where float64 softmax attention's is, through
+    the ring (both layouts) and Ulysses; gradients carry NaN too."""
+    from longctx import ulysses_attention
+
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(7)
+    seq, hq, hkv = 8 * world, 4, 2
+    results = []
+    for where in ("q nan", "k nan", "k inf", "q inf"):
+        q, k, v, dout = (torch.randn(1, seq, h, 4, generator=g) for h in (hq, hkv, hkv, hq))
+        t = q if where[0] == "q" else k
+        token = 3 if where[0] == "q" else 1  # a token on another rank than most of its readers
+        t[0, token, 0, 0] = float("nan") if "nan" in where else float("inf")
+        if where == "q inf":
+            k[0, :, 0, 0] = k[0, :, 0, 0].abs()  # every score of that row is +inf
+        ref = reference(q, k, v, dout, True, 0.5)[0]
+        for attention in (ring_attention, ulysses_attention):
+            for layout in ("zigzag", "contiguous"):
+                shard = lambda x: shard_sequence(x, 1, rank=rank, world_size=world, layout=layout)  # noqa: E731
+                ql, kl, vl = (shard(x).requires_grad_() for x in (q, k, v))
+                out = attention(ql, kl, vl, group=group, layout=layout, softmax_scale=0.5)
+                out.backward(shard(dout))
+                full = unshard_sequence(out.detach(), 1, group=group, layout=layout)
+                grads_nan = torch.tensor([float(any(bool(x.grad.isnan().any()) for x in (ql, kl, vl)))])
+                dist.all_reduce(grads_nan, op=dist.ReduceOp.MAX, group=group)
+                results.append((where, attention.__name__, layout, torch.equal(full.isnan(), ref.isnan()),
+                                int(ref.isnan().any(-1).sum()), bool(torch.allclose(full[~ref.isnan()], ref[~ref.isnan()].float(), atol=1e-5)),
+                                bool(grads_nan)))
+    return results
+
+
+def test_nan_and_inf_in_q_or_k_show_in_the_output():
+    for where, impl, layout, same_nans, nan_rows, rest_close, grads_nan in run_distributed(_non_finite_vs_reference, 2)[0]:
+        case = (where, impl, layout)
+        assert nan_rows > 0 and same_nans and rest_close and grads_nan, (case, same_nans, nan_rows, rest_close, grads_nan)
+
+
+def test_nan_in_local_attention_shows_in_the_output():
+    """group=None runs _LocalAttention: NaN in q must not be read as 'no visible key'."""
+    q, k, v = (torch.randn(1, 6, 2, 4) for _ in range(3))
+    q[0, 2, 1, 0] = float("nan")
+    out = ring_attention(q, k, v, backend="torch")
+    assert out[0, 2, 1].isnan().all() and torch.isfinite(out[0, :, 0]).all() and not out[0, 3:, 1].isnan().any()
 
 
 @pytest.mark.parametrize(

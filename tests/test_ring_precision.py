@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from dist_harness import run_distributed
 from longctx import ring_attention, shard_sequence, unshard_sequence
-from test_ring_attention import reference_attention, rel_err
+from attention_reference import reference
+from test_ring_attention import rel_err
 
 SEQ, HEADS, DIM = 256, 2, 16
 
@@ -27,10 +28,8 @@ def _errors(rank, world, seed):
         out = ring_attention(ql, kl, vl, group=group)
         out.backward(shard(dout))
         got = [unshard_sequence(t.detach(), 1, group=group) for t in (out, ql.grad, kl.grad, vl.grad)]
-        qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-        ref = reference_attention(qr, kr, vr, causal=True)
-        ref.backward(dout.double())
-        rows[str(dtype).split(".")[1]] = [rel_err(a, w) for a, w in zip(got, (ref, qr.grad, kr.grad, vr.grad))]
+        ref_out, _, *ref_grads = reference(q, k, v, dout, True, DIM ** -0.5)
+        rows[str(dtype).split(".")[1]] = [rel_err(a, w) for a, w in zip(got, (ref_out, *ref_grads))]
     return rows
 
 
