@@ -9,12 +9,15 @@ D=128 (and GQA 32/8 with --gqa), forward+backward through the library's seam
 (attention_forward/backward with q/k document ids, the full sequence as one causal block,
 block maps built inside every call) for the split and the atomic backward, next to
   cudnn-causal  plain causal cuDNN without the mask (what skipping is measured against),
+  triton-causal the same through our dense Triton kernels,
   flex          torch.nn.attention.flex_attention with a document BlockMask
                 (create_block_mask of a document mask_mod; torch.compile'd; the mask is
                 built once, outside the timing).
 Reported per mix: ms, TFLOP/s on the visible pairs (4*D*H per pair forward, 3.5x for
 fwd+bwd), speed-up vs flex, the ideal speed-up over dense causal (causal pairs / visible
-pairs) and the fraction of it achieved (cudnn-causal ms / ours ms / ideal). A correctness
+pairs) and the fraction of it achieved (dense ms / ours ms / ideal; against cudnn-causal
+and against triton-causal, our own dense kernels: the latter isolates what skipping
+achieves from how fast the tile kernels are). A correctness
 check comes first: bf16 out and grads of ours and flex vs float64 (the library's reference
 backend) at 6K tokens with ~6 documents (one id reused by two runs), as max abs errors.
 
@@ -115,10 +118,12 @@ def ours_step(q, k, v, dout, ids, bwd_mode):
     return step
 
 
-def cudnn_causal_step(q, k, v, dout):
+def dense_causal_step(q, k, v, dout, backend):
+    """Plain causal attention, no document mask: the work the mask lets us skip."""
     def step():
-        out, lse = attention_forward(q, k, v, causal=True, backend="cudnn")
-        return (out,) + tuple(attention_backward(dout, q, k, v, out, lse, causal=True, backend="cudnn"))
+        ta.BWD_MODE = "split"
+        out, lse = attention_forward(q, k, v, causal=True, backend=backend)
+        return (out,) + tuple(attention_backward(dout, q, k, v, out, lse, causal=True, backend=backend))
     return step
 
 
@@ -209,14 +214,17 @@ def section_kernels(report, args):
     for Hq, Hkv in heads:
         q, k, v, dout = inputs(S, Hq, Hkv, D, seed=S)
         dense = {}
-        row = dict(provider="cudnn-causal", S=S, Hq=Hq, Hkv=Hkv, D=D)
-        try:
-            row["ms"] = dense["cudnn-causal"] = time_provider(lambda: cudnn_causal_step(q, k, v, dout))
-            row["tflops"] = pair_tflops(S * (S + 1) // 2, Hq, D, row["ms"])
-            print(f"[kernels] H={Hq}/{Hkv} cudnn-causal: {row['ms']:.2f} ms", flush=True)
-        except Exception as e:  # noqa: BLE001
-            record_error(row, e)
-        rows.append(row)
+        plain = {"cudnn-causal": lambda: dense_causal_step(q, k, v, dout, "cudnn"),
+                 "triton-causal": lambda: dense_causal_step(q, k, v, dout, "triton")}
+        for provider, make in plain.items():
+            row = dict(provider=provider, S=S, Hq=Hq, Hkv=Hkv, D=D)
+            try:
+                row["ms"] = dense[provider] = time_provider(make)
+                row["tflops"] = pair_tflops(S * (S + 1) // 2, Hq, D, row["ms"])
+                print(f"[kernels] H={Hq}/{Hkv} {provider}: {row['ms']:.2f} ms", flush=True)
+            except Exception as e:  # noqa: BLE001
+                record_error(row, e)
+            rows.append(row)
         for mix in args.mixes:
             lengths = document_lengths(mix, S, seed=args.seed)
             summary = mix_summary(lengths, S)
@@ -238,14 +246,15 @@ def section_kernels(report, args):
                     continue
                 if "flex" in timed:
                     row["speedup_vs_flex"] = timed["flex"] / row["ms"]
-                if "cudnn-causal" in dense:
-                    row["speedup_vs_cudnn_causal"] = dense["cudnn-causal"] / row["ms"]
-                    row["fraction_of_ideal"] = row["speedup_vs_cudnn_causal"] / summary["ideal_speedup"]
+                for peer, ms in dense.items():
+                    row[f"speedup_vs_{peer}"] = ms / row["ms"]
+                    row[f"fraction_of_ideal_vs_{peer}"] = ms / row["ms"] / summary["ideal_speedup"]
                 print(f"[kernels] H={Hq}/{Hkv} {mix} ({summary['documents']} docs, ideal "
                       f"{summary['ideal_speedup']:.1f}x) {row['provider']}: {row['ms']:.2f} ms, "
                       f"{row['tflops_visible']:.0f} TFLOP/s visible, vs flex "
-                      f"{row.get('speedup_vs_flex', float('nan')):.2f}x, of ideal "
-                      f"{row.get('fraction_of_ideal', float('nan')):.2f}", flush=True)
+                      f"{row.get('speedup_vs_flex', float('nan')):.2f}x, of ideal (vs cudnn / "
+                      f"triton causal) {row.get('fraction_of_ideal_vs_cudnn-causal', float('nan')):.2f}"
+                      f" / {row.get('fraction_of_ideal_vs_triton-causal', float('nan')):.2f}", flush=True)
             torch.cuda.empty_cache()
         del q, k, v, dout
 
@@ -315,22 +324,25 @@ def part_ring(args):
     mk = lambda: torch.randn(1, S // world, H, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
     q, k, v, dout = (mk().requires_grad_(i < 3) for i in range(4))
 
-    def timed(document_ids):
+    def timed(document_ids, backend="auto"):
         def run():
             q.grad = k.grad = v.grad = None
             out = ring_attention(q, k, v, group=dist.group.WORLD, causal=True, layout="zigzag",
-                                 document_ids=document_ids)
+                                 backend=backend, document_ids=document_ids)
             out.backward(dout)
         t = torch.tensor([time_in_group(run, dist.group.WORLD, iters=5)], device="cuda")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item()
 
     rows = report.setdefault("ring", [])
-    for mix in ["none"] + list(args.mixes):
+    # Plain causal ring: "auto" (cuDNN blocks) and our dense Triton blocks; documents: auto
+    # (= Triton, the only backend with the mask).
+    for mix in ["none", "none-triton"] + list(args.mixes):
         row = dict(mix=mix)
         try:
-            if mix == "none":
-                row["ms"] = timed(None)
+            if mix.startswith("none"):
+                row["backend"] = "triton" if mix == "none-triton" else "auto"
+                row["ms"] = timed(None, row["backend"])
                 row["visible_pairs"] = S * (S + 1) // 2
             else:
                 lengths = document_lengths(mix, S, seed=args.seed)
@@ -351,11 +363,12 @@ def part_ring(args):
             os.makedirs(args.out, exist_ok=True)
             with open(path, "w") as f:
                 json.dump(report, f, indent=1, default=str)
-    plain = rows[0].get("ms")
-    for row in rows[1:]:
-        if plain and row.get("ms"):
-            row["speedup_vs_plain_ring"] = plain / row["ms"]
-            row["fraction_of_ideal"] = row["speedup_vs_plain_ring"] / row["ideal_speedup"]
+    for plain in rows[:2]:
+        for row in rows[2:]:
+            if plain.get("ms") and row.get("ms"):
+                row[f"speedup_vs_ring_{plain['mix']}"] = plain["ms"] / row["ms"]
+                row[f"fraction_of_ideal_vs_ring_{plain['mix']}"] = (plain["ms"] / row["ms"]
+                                                                   / row["ideal_speedup"])
     if rank == 0:
         with open(path, "w") as f:
             json.dump(report, f, indent=1, default=str)

@@ -133,10 +133,12 @@ def _fwd_tile(acc, l_i, m_i, q, q_doc, k_base, v_base, kdoc_base, k_tile, v_tile
               qk_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
               EVEN_N: tl.constexpr, PAD_D: tl.constexpr):
     cols = start_n + offs_n
-    start64 = start_n.to(tl.int64)
-    # Full tiles are never the ragged key tail (see tile_classes): unmasked loads.
-    even: tl.constexpr = EVEN_N or not MASKED
-    k = _load_tile(k_base + start64 * stride_ks + k_tile, cols, seqlen_k, offs_d, HEAD_DIM, even, PAD_D)
+    k_ptrs = k_base + start_n.to(tl.int64) * stride_ks + k_tile
+    v_ptrs = v_base + start_n.to(tl.int64) * stride_vs + v_tile
+    if MASKED:
+        k = _load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+    else:  # full tiles are never the ragged key tail (see tile_classes): unmasked loads
+        k = _load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, True, PAD_D)
     s = tl.dot(q, tl.trans(k), input_precision="ieee")
     if MASKED:
         if EVEN_N:
@@ -160,7 +162,10 @@ def _fwd_tile(acc, l_i, m_i, q, q_doc, k_base, v_base, kdoc_base, k_tile, v_tile
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    v = _load_tile(v_base + start64 * stride_vs + v_tile, cols, seqlen_k, offs_d, HEAD_DIM, even, PAD_D)
+    if MASKED:
+        v = _load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+    else:
+        v = _load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, True, PAD_D)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
     return acc, l_i, m_new
 
@@ -182,7 +187,8 @@ def _fwd_kernel(Q, K, V, Out, LSE, QDOC, KDOC, NUM_FULL, NUM_VISIT, INDICES,
                 MAP_M: tl.constexpr, MAP_N: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
-    tl.static_assert(BLOCK_M == MAP_M and BLOCK_N == MAP_N)
+    tl.static_assert(BLOCK_M == MAP_M)  # the block map was built for these tiles
+    tl.static_assert(BLOCK_N == MAP_N)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     pid_m = tl.program_id(0)
     if CAUSAL:
@@ -251,8 +257,8 @@ def _fwd_kernel(Q, K, V, Out, LSE, QDOC, KDOC, NUM_FULL, NUM_VISIT, INDICES,
 
 @_triton.jit
 def _dkdv_tile(dk, dv, k, v, k_doc, q_base, do_base, lse_base, delta_base, dq_base, qdoc_base,
-               dq_desc, dq_row, q_tile, do_tile, dq_tile,
-               stride_qs, stride_ds, stride_ls, stride_ts, stride_dqs, stride_qds,
+               dq_desc, dq_row, stride_qs, stride_qd, stride_ds, stride_dd, stride_ls, stride_ts,
+               stride_dqs, stride_dqd, stride_qds,
                start_m, offs_n, offs_mb, offs_d, seqlen_q, seqlen_k, sm_scale, qk_scale,
                HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PAD_D: tl.constexpr,
@@ -261,6 +267,8 @@ def _dkdv_tile(dk, dv, k, v, k_doc, q_base, do_base, lse_base, delta_base, dq_ba
     # past seqlen_q load q = dO = 0, lse = delta = 0 and contribute exact zeros.
     rows = start_m + offs_mb
     start64 = start_m.to(tl.int64)
+    q_tile = offs_mb[:, None] * stride_qs + offs_d[None, :] * stride_qd
+    do_tile = offs_mb[:, None] * stride_ds + offs_d[None, :] * stride_dd
     q = _load_tile(q_base + start64 * stride_qs + q_tile, rows, seqlen_q, offs_d, HEAD_DIM,
                    EVEN_M, PAD_D)
     lse = _load_row(lse_base + (start64 + offs_mb) * stride_ls, rows, seqlen_q, EVEN_M)
@@ -288,7 +296,8 @@ def _dkdv_tile(dk, dv, k, v, k_doc, q_base, do_base, lse_base, delta_base, dq_ba
         if DQ_TMA:
             dq_desc.atomic_add([dq_row + start_m, 0], dq)
         else:
-            dq_ptrs = dq_base + start64 * stride_dqs + dq_tile
+            dq_ptrs = (dq_base + start64 * stride_dqs + offs_mb[:, None] * stride_dqs
+                       + offs_d[None, :] * stride_dqd)
             if EVEN_M and not PAD_D:
                 tl.atomic_add(dq_ptrs, dq, sem="relaxed")
             else:
@@ -318,7 +327,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, Delta, DK, DV, DQ, DQ_DESC, QDOC, KDOC,
                  MAP_M: tl.constexpr, MAP_N: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
-    tl.static_assert(BLOCK_M == MAP_M and BLOCK_N == MAP_N)
+    tl.static_assert(BLOCK_M == MAP_M)  # the block map was built for these tiles
+    tl.static_assert(BLOCK_N == MAP_N)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -342,40 +352,37 @@ def _dkdv_kernel(Q, K, V, DO, LSE, Delta, DK, DV, DQ, DQ_DESC, QDOC, KDOC,
               + tl.arange(0, BLOCK_N)[:, None] * stride_vs + offs_d[None, :] * stride_vd)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    if n_visit > 0:  # key tiles nobody sees (e.g. a row of a later document) store zeros
-        k = _load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
-        v = _load_tile(v_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
-        k_doc = tl.load(KDOC + off_b.to(tl.int64) * stride_kdb + offs_n * stride_kds,
-                        mask=offs_n < seqlen_k, other=0)
-        q_tile = offs_mb[:, None] * stride_qs + offs_d[None, :] * stride_qd
-        do_tile = offs_mb[:, None] * stride_ds + offs_d[None, :] * stride_dd
-        dq_tile = offs_mb[:, None] * stride_dqs + offs_d[None, :] * stride_dqd
-        qdoc_base = QDOC + off_b.to(tl.int64) * stride_qdb
-        # GQA: this program owns kv head off_hk and reduces dK/dV over its query-head group.
-        for g in range(0, group):
-            off_h = off_hk * group + g
-            q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-            do_base = DO + off_b.to(tl.int64) * stride_db + off_h.to(tl.int64) * stride_dh
-            dq_base = DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
-            lse_base = LSE + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
-            delta_base = Delta + off_b.to(tl.int64) * stride_tb + off_h.to(tl.int64) * stride_th
-            dq_row = (off_b * n_heads_kv * group + off_h) * seqlen_q  # TMA dQ buffer row
-            for i in range(0, n_full):
-                start_m = tl.load(idx_ptr + i * stride_ic) * BLOCK_M
-                dk, dv = _dkdv_tile(dk, dv, k, v, k_doc, q_base, do_base, lse_base, delta_base,
-                                    dq_base, qdoc_base, DQ_DESC, dq_row, q_tile, do_tile, dq_tile,
-                                    stride_qs, stride_ds, stride_ls, stride_ts, stride_dqs,
-                                    stride_qds, start_m, offs_n, offs_mb, offs_d, seqlen_q,
-                                    seqlen_k, sm_scale, qk_scale, HEAD_DIM, CAUSAL, False,
-                                    EVEN_M, EVEN_N, PAD_D, DQ_ATOMIC, DQ_TMA)
-            for i in range(n_full, n_visit):
-                start_m = tl.load(idx_ptr + i * stride_ic) * BLOCK_M
-                dk, dv = _dkdv_tile(dk, dv, k, v, k_doc, q_base, do_base, lse_base, delta_base,
-                                    dq_base, qdoc_base, DQ_DESC, dq_row, q_tile, do_tile, dq_tile,
-                                    stride_qs, stride_ds, stride_ls, stride_ts, stride_dqs,
-                                    stride_qds, start_m, offs_n, offs_mb, offs_d, seqlen_q,
-                                    seqlen_k, sm_scale, qk_scale, HEAD_DIM, CAUSAL, True,
-                                    EVEN_M, EVEN_N, PAD_D, DQ_ATOMIC, DQ_TMA)
+    # Key tiles nobody sees (e.g. of a later document) loop zero times and store zeros.
+    k = _load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+    v = _load_tile(v_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+    k_doc = tl.load(KDOC + off_b.to(tl.int64) * stride_kdb + offs_n * stride_kds,
+                    mask=offs_n < seqlen_k, other=0)
+    qdoc_base = QDOC + off_b.to(tl.int64) * stride_qdb
+    # GQA: this program owns kv head off_hk and reduces dK/dV over its query-head group.
+    for g in range(0, group):
+        off_h = off_hk * group + g
+        q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+        do_base = DO + off_b.to(tl.int64) * stride_db + off_h.to(tl.int64) * stride_dh
+        dq_base = DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
+        lse_base = LSE + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
+        delta_base = Delta + off_b.to(tl.int64) * stride_tb + off_h.to(tl.int64) * stride_th
+        dq_row = (off_b * n_heads_kv * group + off_h) * seqlen_q  # TMA dQ buffer row
+        for i in range(0, n_full):
+            start_m = tl.load(idx_ptr + i * stride_ic) * BLOCK_M
+            dk, dv = _dkdv_tile(dk, dv, k, v, k_doc, q_base, do_base, lse_base, delta_base,
+                                dq_base, qdoc_base, DQ_DESC, dq_row, stride_qs, stride_qd,
+                                stride_ds, stride_dd, stride_ls, stride_ts, stride_dqs,
+                                stride_dqd, stride_qds, start_m, offs_n, offs_mb, offs_d, seqlen_q,
+                                seqlen_k, sm_scale, qk_scale, HEAD_DIM, CAUSAL, False,
+                                EVEN_M, EVEN_N, PAD_D, DQ_ATOMIC, DQ_TMA)
+        for i in range(n_full, n_visit):
+            start_m = tl.load(idx_ptr + i * stride_ic) * BLOCK_M
+            dk, dv = _dkdv_tile(dk, dv, k, v, k_doc, q_base, do_base, lse_base, delta_base,
+                                dq_base, qdoc_base, DQ_DESC, dq_row, stride_qs, stride_qd,
+                                stride_ds, stride_dd, stride_ls, stride_ts, stride_dqs,
+                                stride_dqd, stride_qds, start_m, offs_n, offs_mb, offs_d, seqlen_q,
+                                seqlen_k, sm_scale, qk_scale, HEAD_DIM, CAUSAL, True,
+                                EVEN_M, EVEN_N, PAD_D, DQ_ATOMIC, DQ_TMA)
 
     dk = dk * sm_scale
     dk_ptrs = (DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
@@ -396,10 +403,14 @@ def _dq_tile(dq, q, do, lse2, delta, q_doc, k_base, v_base, kdoc_base, k_tile, v
              qk_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
              EVEN_N: tl.constexpr, PAD_D: tl.constexpr):
     cols = start_n + offs_n
-    start64 = start_n.to(tl.int64)
-    even: tl.constexpr = EVEN_N or not MASKED
-    k = _load_tile(k_base + start64 * stride_ks + k_tile, cols, seqlen_k, offs_d, HEAD_DIM, even, PAD_D)
-    v = _load_tile(v_base + start64 * stride_vs + v_tile, cols, seqlen_k, offs_d, HEAD_DIM, even, PAD_D)
+    k_ptrs = k_base + start_n.to(tl.int64) * stride_ks + k_tile
+    v_ptrs = v_base + start_n.to(tl.int64) * stride_vs + v_tile
+    if MASKED:
+        k = _load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+        v = _load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+    else:
+        k = _load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, True, PAD_D)
+        v = _load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, True, PAD_D)
     s = tl.dot(q, tl.trans(k), input_precision="ieee")
     p = tl.math.exp2(s * qk_scale - lse2[:, None])
     if MASKED:
@@ -437,7 +448,8 @@ def _dq_kernel(Q, K, V, DO, LSE, Delta, DQ, QDOC, KDOC, NUM_FULL, NUM_VISIT, IND
                MAP_M: tl.constexpr, MAP_N: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
-    tl.static_assert(BLOCK_M == MAP_M and BLOCK_N == MAP_N)
+    tl.static_assert(BLOCK_M == MAP_M)  # the block map was built for these tiles
+    tl.static_assert(BLOCK_N == MAP_N)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     pid_m = tl.program_id(0)
     if CAUSAL:
