@@ -11,7 +11,11 @@ kernels; CUDA/ROCm, or the CPU under ``TRITON_INTERPRET=1``), ``"cudnn"`` and
 Document masking: ``q_document_ids`` / ``k_document_ids`` (int tensors ``(B, Sq)`` /
 ``(B, Sk)``, both or neither) restrict query i to keys j with the same id (and j <= i
 when ``causal``). A query row that sees no key in a block gets ``out = 0`` and
-``lse = -inf`` (the ring's merge treats that as "no contribution").
+``lse = -inf`` (the ring's merge treats that as "no contribution"). Backends with ids:
+"triton" (triton_document.py: tiles of no shared document are skipped, tiles inside one
+document run unmasked) and "torch"; "auto" picks triton on GPUs, and "cudnn"/"flash" fall
+back to it with a warning (see resolve_backend). Callers that resolve the backend once
+for several blocks (the ring) pass ``documents=True`` to ``resolve_backend``.
 """
 from __future__ import annotations
 
@@ -118,7 +122,9 @@ def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, causal: bool
         if q.device.type == "cpu":
             return "torch"
         if documents:
-            return "triton" if backend_available("triton", q.device) else "torch"
+            # Triton covers D <= 256 in fp16/bf16/fp32; anything else takes the reference.
+            fits = q.shape[-1] <= 256 and q.dtype != torch.float64
+            return "triton" if fits and backend_available("triton", q.device) else "torch"
         from .selection import choose_backend
 
         backend = choose_backend(q.device, q.dtype, q.shape[-1], q.shape[1], k.shape[1], causal)

@@ -18,6 +18,10 @@ never repeated), causal = aligned diagonal block (Sq == Sk, q_i sees k_j for j <
             variable LONGCTX_TRITON_BWD=split|atomic or by setting `BWD_MODE`; the
             benchmark measures both.
 
+Document masking (q/k document ids): the same tile helpers and configs, kernels that
+visit only the tiles a block map lists, in triton_document.py (forward()/backward() below
+hand over to it).
+
 One file on purpose (~800 lines): the kernels and the wrappers that launch them share
 argument order, constexpr names and tile conventions; splitting them hides that contract.
 

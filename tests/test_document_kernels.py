@@ -294,17 +294,27 @@ def test_block_map_compression():
 
 
 def test_backend_resolution_with_document_ids(monkeypatch):
-    """auto with ids picks triton on a GPU; explicit cudnn/flash fall back to triton with a
-    warning naming the reason; CPU auto stays on the reference."""
+    """auto with ids picks triton on a GPU (the reference where triton cannot take the
+    shape); explicit cudnn/flash fall back to triton with a warning naming the reason;
+    CPU auto stays on the reference."""
+    import types
+
     import longctx.kernels as kernels
 
     q = torch.empty(1, 8, 2, 16)
     assert kernels.resolve_backend("auto", q, q, True, documents=True) == "torch"
     monkeypatch.setattr(kernels, "backend_available", lambda name, device: True)
-    cuda_q = torch.empty(1, 8, 2, 16, device="meta")
-    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
-    assert kernels.resolve_backend("auto", cuda_q, cuda_q, True, documents=True) == "triton"
+
+    def on_gpu(head_dim, dtype=torch.bfloat16):  # what resolve_backend reads of a tensor
+        return types.SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype,
+                                     shape=(1, 8, 2, head_dim))
+
+    g = on_gpu(128)
+    assert kernels.resolve_backend("auto", g, g, True, documents=True) == "triton"
+    assert kernels.resolve_backend("auto", on_gpu(512), on_gpu(512), True, documents=True) == "torch"
+    f64 = on_gpu(64, torch.float64)
+    assert kernels.resolve_backend("auto", f64, f64, False, documents=True) == "torch"
     for vendor in ("cudnn", "flash"):
         with pytest.warns(UserWarning, match="no document mask"):
-            assert kernels.resolve_backend(vendor, cuda_q, cuda_q, True, documents=True) == "triton"
-        assert kernels.resolve_backend(vendor, cuda_q, cuda_q, True) == vendor
+            assert kernels.resolve_backend(vendor, g, g, True, documents=True) == "triton"
+        assert kernels.resolve_backend(vendor, g, g, True) == vendor
