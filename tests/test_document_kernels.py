@@ -18,7 +18,10 @@ import torch
 
 # name: (B, Sq, Sk, Hq, Hkv, D, causal, dtype, ids, options)
 # ids: how q/k document ids are drawn (see _document_ids); options: atomic (dQ by atomics),
-# slice (q/k/v/dout and the ids are strided views), nan (a NaN in one q row).
+# slice (q/k/v/dout and the ids are strided views), nan (a NaN in one q row), poison
+# (K/V of document 0 are NaN: document 1's results stay exact only if the tiles pairing
+# the two, all skipped (below the diagonal too), are never touched: a masked visit would
+# give 0 * NaN = NaN).
 CASES = {
     "causal_one_doc_equals_plain": (1, 45, 45, 2, 1, 16, True, "float32", "one", ()),
     "causal_short_docs_gqa": (2, 50, 50, 4, 2, 16, True, "float32", "short", ()),
@@ -33,6 +36,9 @@ CASES = {
                                       ("atomic",)),
     "causal_nan_in_q": (1, 40, 40, 2, 1, 16, True, "float32", "short", ("nan",)),
     "causal_fp16_short_docs": (1, 64, 64, 2, 1, 64, True, "float16", "short", ()),
+    "causal_skipped_tiles_untouched": (1, 64, 64, 2, 1, 16, True, "float32", "halves", ("poison",)),
+    "full_skipped_tiles_untouched": (1, 64, 64, 2, 2, 16, False, "float32", "halves",
+                                     ("poison", "atomic")),
 }
 TILE_SETS = ("32x16,16x32,32x16", "16x32,32x16,16x32")
 TOL = {"float32": 1e-5, "float16": 2e-2}
@@ -64,6 +70,8 @@ def _document_ids(kind, B, Sq, Sk, gen):
         return torch.tensor([ids[:Sq]] * B), torch.tensor([ids[:Sk]] * B)
     if kind == "repeat":  # 3 ids reused by non-adjacent runs: one document each
         return batch(lambda: runs(Sq, 9, n_ids=3)), batch(lambda: runs(Sk, 9, n_ids=3))
+    if kind == "halves":  # two documents split at 32: a multiple of every test tile size
+        return (torch.arange(Sq).expand(B, Sq) // 32, torch.arange(Sk).expand(B, Sk) // 32)
     if kind == "disjoint":  # q rows of documents 5 and 6 have no key at all
         q = batch(lambda: runs(Sq, 8, n_ids=4))
         q[:, 10:17] = 5
@@ -109,6 +117,11 @@ def run_case(name):
                                     want_lse, **ref)
 
     q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
+    if "poison" in opts:
+        # Compare document 1 only (its results do not depend on document 0's K/V).
+        k[:, :32] = v[:, :32] = float("nan")
+        want_out, want_lse = want_out[:, 32:], want_lse[..., 32:]
+        want_grads = tuple(g[:, 32:] for g in want_grads)
     if "slice" in opts:
         q, k, v, dout, q_ids, k_ids = (_strided(t) for t in (q, k, v, dout, q_ids, k_ids))
     triton_attention.BWD_MODE = "atomic" if "atomic" in opts else "split"
@@ -123,6 +136,8 @@ def run_case(name):
         nan_rows = torch.isnan(out).any(-1).any(-1)[0]
         result["nan_ok"] = bool(nan_rows[21] and nan_rows.sum() == 1)
         return result
+    if "poison" in opts:
+        out, lse, grads = out[:, 32:], lse[..., 32:], tuple(g[:, 32:] for g in grads)
     finite = torch.isfinite(want_lse)
     result["errs"] = {
         "out": _rel(out, want_out),
