@@ -11,12 +11,17 @@ kernels; CUDA/ROCm, or the CPU under ``TRITON_INTERPRET=1``), ``"cudnn"`` and
 Document masking: ``q_document_ids`` / ``k_document_ids`` (int tensors ``(B, Sq)`` /
 ``(B, Sk)``, both or neither) restrict query i to keys j with the same id (and j <= i
 when ``causal``). A query row that sees no key in a block gets ``out = 0`` and
-``lse = -inf`` (the ring's merge treats that as "no contribution").
+``lse = -inf`` (the ring's merge treats that as "no contribution"). Backends with ids:
+"triton" (triton_document.py: tiles of no shared document are skipped, tiles inside one
+document run unmasked) and "torch"; "auto" picks triton on GPUs, and "cudnn"/"flash" fall
+back to it with a warning (see resolve_backend). Callers that resolve the backend once
+for several blocks (the ring) pass ``documents=True`` to ``resolve_backend``.
 """
 from __future__ import annotations
 
 import importlib
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -103,11 +108,23 @@ def backend_available(backend: str, device: torch.device) -> bool:
     return mod.is_available(device)
 
 
-def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, causal: bool) -> str:
-    """The concrete backend for these inputs; ``"auto"`` picks from recorded measurements."""
+def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, causal: bool, *,
+                    documents: bool = False) -> str:
+    """The concrete backend for these inputs; ``"auto"`` picks from recorded measurements.
+
+    ``documents=True`` (the call carries document ids): "auto" picks "triton" on GPUs, and
+    an explicit "cudnn"/"flash" falls back to "triton" (or "torch" where triton is not
+    available) with a warning: PyTorch's vendor ops take no per-token mask, and a varlen
+    path would need host-side sequence boundaries (a sync) and could not express repeated
+    ids or the ring's off-diagonal blocks.
+    """
     if backend == "auto":
         if q.device.type == "cpu":
             return "torch"
+        if documents:
+            # Triton covers D <= 256 in fp16/bf16/fp32; anything else takes the reference.
+            fits = q.shape[-1] <= 256 and q.dtype != torch.float64
+            return "triton" if fits and backend_available("triton", q.device) else "torch"
         from .selection import choose_backend
 
         backend = choose_backend(q.device, q.dtype, q.shape[-1], q.shape[1], k.shape[1], causal)
@@ -116,6 +133,11 @@ def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, causal: bool
         raise ValueError(f"unknown attention backend {backend!r}; expected 'auto' or one of {BACKENDS}")
     if not backend_available(backend, q.device):
         raise ValueError(f"attention backend {backend!r} is not available on device {q.device}")
+    if documents and backend in ("cudnn", "flash"):
+        fallback = "triton" if backend_available("triton", q.device) else "torch"
+        warnings.warn(f"attention backend {backend!r} takes no document mask; document-masked "
+                      f"blocks run on {fallback!r}", stacklevel=3)
+        return fallback
     return backend
 
 
@@ -142,12 +164,10 @@ def attention_forward(
     """
     check_attention_inputs(q, k, v, causal=causal)
     docs = check_document_ids(q, k, q_document_ids, k_document_ids)
-    name = resolve_backend(backend, q, k, causal)
+    name = resolve_backend(backend, q, k, causal, documents=docs[0] is not None)
     scale = _scale(softmax_scale, q.shape[-1])
     mod = _module(name)
     if docs[0] is not None:
-        if name in ("cudnn", "flash"):
-            raise NotImplementedError(f"backend {name!r} does not take document ids")
         return mod.forward(q, k, v, causal, scale, out_dtype, *docs)
     if name in ("cudnn", "flash"):
         return mod.forward(q, k, v, causal, scale, out_dtype, which=name)
@@ -182,12 +202,10 @@ def attention_backward(
     if out is None and delta is None:
         raise ValueError("attention_backward needs `out` or a precomputed `delta`")
     docs = check_document_ids(q, k, q_document_ids, k_document_ids)
-    name = resolve_backend(backend, q, k, causal)
+    name = resolve_backend(backend, q, k, causal, documents=docs[0] is not None)
     scale = _scale(softmax_scale, q.shape[-1])
     mod = _module(name)
     if docs[0] is not None:
-        if name in ("cudnn", "flash"):
-            raise NotImplementedError(f"backend {name!r} does not take document ids")
         return mod.backward(dout, q, k, v, out, lse, causal, scale, delta, grad_dtype, *docs)
     if name in ("cudnn", "flash"):
         return mod.backward(dout, q, k, v, out, lse, causal, scale, delta, grad_dtype, which=name)

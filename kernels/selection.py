@@ -14,6 +14,8 @@ torch 2.11 / triton 3.6, bf16, B=1, H=16, fwd+bwd TFLOP/s):
 Other head dims / fp32 were not measured: flash covers D <= 256 in bf16/fp16, triton the
 rest. Note for the ring: vendor kernels return bf16/fp16 partials (out_dtype=fp32 is a
 cast), triton computes fp32 partials exactly.
+Calls with document ids do not use this table: only triton (and the reference) take the
+mask, see resolve_backend in __init__.py.
 """
 from __future__ import annotations
 

@@ -18,6 +18,10 @@ never repeated), causal = aligned diagonal block (Sq == Sk, q_i sees k_j for j <
             variable LONGCTX_TRITON_BWD=split|atomic or by setting `BWD_MODE`; the
             benchmark measures both.
 
+Document masking (q/k document ids): the same tile helpers and configs, kernels that
+visit only the tiles a block map lists, in triton_document.py (forward()/backward() below
+hand over to it).
+
 One file on purpose (~800 lines): the kernels and the wrappers that launch them share
 argument order, constexpr names and tile conventions; splitting them hides that contract.
 
@@ -743,8 +747,9 @@ def _check_qkv(q, k, v, causal):
                            + (" (set TRITON_INTERPRET=1 before import for CPU)" if q.device.type == "cpu" else ""))
 
 
-def forward(q, k, v, causal, softmax_scale, out_dtype=None):
-    """(out (B, Sq, Hq, D) in out_dtype or q.dtype, lse fp32 (B, Hq, Sq), natural log)."""
+def forward(q, k, v, causal, softmax_scale, out_dtype=None, q_doc=None, k_doc=None):
+    """(out (B, Sq, Hq, D) in out_dtype or q.dtype, lse fp32 (B, Hq, Sq), natural log).
+    q_doc / k_doc: document ids (B, Sq) / (B, Sk) (validated by the seam) or None."""
     _check_qkv(q, k, v, causal)
     if out_dtype is None:
         out_dtype = q.dtype
@@ -761,6 +766,13 @@ def forward(q, k, v, causal, softmax_scale, out_dtype=None):
         lse.fill_(float("-inf"))
         return out, lse
     q, k, v = _last_dim_unit(q), _last_dim_unit(k), _last_dim_unit(v)
+    if q_doc is not None:
+        from . import triton_document
+
+        with _device_guard(q):
+            triton_document.launch_forward(q, k, v, out, lse, q_doc, k_doc, causal,
+                                           float(softmax_scale) * LOG2E)
+        return out, lse
 
     def grid(meta):
         return (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)
@@ -797,8 +809,10 @@ def _compute_delta(out, dout, lse_shape):
     return delta
 
 
-def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dtype=None):
-    """(dq, dk, dv) in grad_dtype (None -> q.dtype). dK/dV are reduced over GQA groups."""
+def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dtype=None,
+             q_doc=None, k_doc=None):
+    """(dq, dk, dv) in grad_dtype (None -> q.dtype). dK/dV are reduced over GQA groups.
+    q_doc / k_doc: document ids as in forward()."""
     _check_qkv(q, k, v, causal)
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -838,6 +852,10 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dt
         def grid_kv(meta):
             return (triton.cdiv(Sk, meta["BLOCK_N"]), B * Hkv)
 
+        doc = None
+        if q_doc is not None:
+            from . import triton_document as doc
+
         if BWD_MODE == "atomic":
             if _tma_available(q.device) and D % 4 == 0:
                 # (B, Hq, Sq, D) so that each head's rows are one contiguous 2D block.
@@ -845,20 +863,33 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dt
                 desc = TensorDescriptor(dq_acc.view(B * Hq * Sq, D), [B * Hq * Sq, D], [D, 1],
                                         [16, 16])  # box set per config by _set_dq_block
                 dq_view = dq_acc.transpose(1, 2)
-                kernel, tma = _dkdv_atomic_tma, True
+                kernel, tma = (doc._dkdv_atomic_tma if doc else _dkdv_atomic_tma), True
             else:
                 dq_acc = torch.zeros((B, Sq, Hq, D), dtype=torch.float32, device=q.device)
-                desc, dq_view, kernel, tma = dq_acc, dq_acc, _dkdv_atomic, False
-            kernel[grid_kv](
-                q, k, v, dout, lse, delta, dk, dv, dq_view, desc,
-                *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
-                *delta.stride(), *dk.stride(), *dv.stride(), *dq_view.stride(),
-                Hkv, Hq // Hkv, Sq, Sk, float(softmax_scale), qk_scale, *buckets,
-                DQ_ATOMIC=True, DQ_TMA=tma, **common)
+                desc, dq_view, tma = dq_acc, dq_acc, False
+                kernel = doc._dkdv_atomic if doc else _dkdv_atomic
+            if doc:
+                doc.launch_dkdv(kernel, q, k, v, dout, lse, delta, dk, dv, dq_view, desc, q_doc,
+                                k_doc, causal, float(softmax_scale), qk_scale, dq_atomic=True,
+                                dq_tma=tma)
+            else:
+                kernel[grid_kv](
+                    q, k, v, dout, lse, delta, dk, dv, dq_view, desc,
+                    *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
+                    *delta.stride(), *dk.stride(), *dv.stride(), *dq_view.stride(),
+                    Hkv, Hq // Hkv, Sq, Sk, float(softmax_scale), qk_scale, *buckets,
+                    DQ_ATOMIC=True, DQ_TMA=tma, **common)
             dq = dq_view.to(grad_dtype, memory_format=torch.contiguous_format)
             return dq, dk, dv
 
         dq = torch.empty((B, Sq, Hq, D), dtype=grad_dtype, device=q.device)
+        if doc:
+            doc.launch_dkdv(doc._dkdv_split, q, k, v, dout, lse, delta, dk, dv, dq, dq, q_doc,
+                            k_doc, causal, float(softmax_scale), qk_scale, dq_atomic=False,
+                            dq_tma=False)
+            doc.launch_dq(q, k, v, dout, lse, delta, dq, q_doc, k_doc, causal,
+                          float(softmax_scale), qk_scale)
+            return dq, dk, dv
         # dq is passed as the unused DQ / DQ_DESC arguments of the split dK/dV kernel.
         _dkdv_split[grid_kv](
             q, k, v, dout, lse, delta, dk, dv, dq, dq,

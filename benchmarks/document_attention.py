@@ -1,0 +1,404 @@
+"""Document-masked attention (packed sequences) on GPUs: our Triton kernels vs flex_attention.
+
+    python benchmarks/document_attention.py                           # part A, 1 GPU, ~3 min
+    torchrun --nproc-per-node=2 benchmarks/document_attention.py      # part B, the ring
+
+Part A (kernel level, one GPU): S = 128K tokens packed with documents drawn from seeded
+mixes (MIXES: mean length 4K, mean 16K, a long-tailed lognormal mix), bf16 B=1, H=16,
+D=128 (and GQA 32/8 with --gqa), forward+backward through the library's seam
+(attention_forward/backward with q/k document ids, the full sequence as one causal block,
+block maps built inside every call) for the split and the atomic backward, next to
+  cudnn-causal  plain causal cuDNN without the mask (what skipping is measured against),
+  triton-causal the same through our dense Triton kernels,
+  flex          torch.nn.attention.flex_attention with a document BlockMask
+                (create_block_mask of a document mask_mod; torch.compile'd; the mask is
+                built once, outside the timing).
+Reported per mix: ms, TFLOP/s on the visible pairs (4*D*H per pair forward, 3.5x for
+fwd+bwd), speed-up vs flex, the ideal speed-up over dense causal (causal pairs / visible
+pairs) and the fraction of it achieved (dense ms / ours ms / ideal; against cudnn-causal
+and against triton-causal, our own dense kernels: the latter isolates what skipping
+achieves from how fast the tile kernels are). A correctness
+check comes first: bf16 out and grads of ours and flex vs float64 (the library's reference
+backend) at 6K tokens with ~6 documents (one id reused by two runs): max abs and
+norm-relative errors (ok: relative < 2e-2, as in benchmarks/attention.py).
+
+Part B (torchrun, N GPUs): longctx.ring_attention(causal=True, layout="zigzag",
+document_ids=...) at S_total = 128K with the same mixes vs the plain causal ring, and the
+per-rank visible-pair imbalance (max / mean over ranks) of the zigzag layout.
+
+One JSON per part under --out (default $OUT or benchmarks/results/):
+document_attention_<gpu>.json / document_attention_ring_ws<N>.json, rewritten after each
+section so that a time-out keeps what finished. Failures (e.g. flex_attention not
+compiling) are recorded and the run goes on.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]  # the checkout, and the sibling benchmark scripts
+
+from attention import bench_ms, gpu_tag, poison_allocator, rel_err  # noqa: E402
+from longctx.kernels import attention_backward, attention_forward  # noqa: E402
+from longctx.kernels import triton_attention as ta  # noqa: E402
+
+K = 1024
+MIXES = ("mean4k", "mean16k", "longtail")
+
+
+def document_lengths(mix: str, total: int, seed: int = 0) -> list:
+    """Seeded document lengths summing to `total` (the last one cut to fit)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < total:
+        if mix == "mean4k":
+            n = int(torch.randint(2 * K, 6 * K + 1, (1,), generator=g))
+        elif mix == "mean16k":
+            n = int(torch.randint(8 * K, 24 * K + 1, (1,), generator=g))
+        elif mix == "longtail":  # lognormal, sigma 1.5, mean ~4K: many short, a few very long
+            sigma = 1.5
+            n = int(math.exp(math.log(4 * K) - sigma ** 2 / 2 + sigma * float(torch.randn(1, generator=g))))
+        else:
+            raise ValueError(f"unknown document mix {mix!r}; expected one of {MIXES}")
+        lengths.append(max(1, min(n, total - sum(lengths))))
+    return lengths
+
+
+def ids_from_lengths(lengths, device="cuda"):
+    return torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                   torch.tensor(lengths, device=device))[None]
+
+
+def visible_pairs_per_query(ids: torch.Tensor) -> torch.Tensor:
+    """Causal: for each query, how many keys j <= i share its id (any id layout)."""
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    sorted_ids = flat[order]
+    first = torch.searchsorted(sorted_ids, sorted_ids, right=False)
+    count = torch.empty_like(flat)
+    count[order] = torch.arange(flat.numel(), device=flat.device) - first + 1
+    return count.view(ids.shape)
+
+
+def mix_summary(lengths, S):
+    visible = sum(n * (n + 1) // 2 for n in lengths)
+    causal = S * (S + 1) // 2
+    return dict(documents=len(lengths), mean_len=round(S / len(lengths)), min_len=min(lengths),
+                max_len=max(lengths), visible_pairs=visible, causal_pairs=causal,
+                ideal_speedup=causal / visible)
+
+
+def pair_tflops(pairs, H, D, ms):
+    return 4.0 * pairs * D * H * 3.5 / (ms * 1e-3) / 1e12
+
+
+def record_error(row, exc):
+    row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+    row["traceback"] = traceback.format_exc()[-4000:]
+    print(f"  FAILED {row.get('provider', '')}: {row['error'][:300]}", flush=True)
+
+
+# ----------------------------------------------------------------------------- providers
+
+
+def ours_step(q, k, v, dout, ids, bwd_mode):
+    def step():
+        ta.BWD_MODE = bwd_mode
+        docs = dict(q_document_ids=ids, k_document_ids=ids)
+        out, lse = attention_forward(q, k, v, causal=True, backend="triton", **docs)
+        return (out,) + tuple(attention_backward(dout, q, k, v, out, lse, causal=True,
+                                                 backend="triton", **docs))
+    return step
+
+
+def dense_causal_step(q, k, v, dout, backend):
+    """Plain causal attention, no document mask: the work the mask lets us skip."""
+    def step():
+        ta.BWD_MODE = "split"
+        out, lse = attention_forward(q, k, v, causal=True, backend=backend)
+        return (out,) + tuple(attention_backward(dout, q, k, v, out, lse, causal=True, backend=backend))
+    return step
+
+
+_FLEX = {}
+
+
+def flex_step(q, k, v, dout, ids):
+    """flex_attention on (B, H, S, D) views of our tensors with a document BlockMask."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+        # Compiled: evaluated eagerly the mask would be materialised densely (S^2) at 128K.
+        _FLEX["mask"] = torch.compile(create_block_mask)
+    doc = ids[0]
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    S = q.shape[1]
+    block_mask = _FLEX["mask"](document_causal, B=None, H=None, Q_LEN=S, KV_LEN=S, device=q.device)
+    qf, kf, vf = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    dout_t = dout.transpose(1, 2)
+    gqa = q.shape[2] != k.shape[2]
+
+    def step():
+        out = _FLEX["fn"](qf, kf, vf, block_mask=block_mask, enable_gqa=gqa)
+        grads = torch.autograd.grad(out, (qf, kf, vf), dout_t)
+        return (out.transpose(1, 2),) + tuple(g.transpose(1, 2) for g in grads)
+    return step
+
+
+# ----------------------------------------------------------------------------- part A
+
+
+def inputs(S, Hq, Hkv, D, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda h: torch.randn(1, S, h, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    return mk(Hq), mk(Hkv), mk(Hkv), mk(Hq)
+
+
+def section_check(report):
+    """bf16 vs float64 at 6K tokens, ~6 documents, one id reused by two separate runs."""
+    lengths = [700, 1500, 64, 1200, 900, 1780]
+    ids = ids_from_lengths(lengths)
+    ids[0, 700 + 1500 + 64 + 1200:700 + 1500 + 64 + 1200 + 900] = 1  # non-adjacent repeat of doc 1
+    S, Hq, Hkv, D = sum(lengths), 4, 2, 128
+    q, k, v, dout = inputs(S, Hq, Hkv, D, seed=1)
+    docs = dict(q_document_ids=ids, k_document_ids=ids)
+    out64, lse64 = attention_forward(q.double(), k.double(), v.double(), causal=True,
+                                     backend="torch", **docs)
+    want = (out64,) + tuple(attention_backward(dout.double(), q.double(), k.double(), v.double(),
+                                               out64, lse64, causal=True, backend="torch", **docs))
+    rows = []
+    steps = {"triton-doc": lambda: ours_step(q, k, v, dout, ids, "split"),
+             "triton-doc-atomic": lambda: ours_step(q, k, v, dout, ids, "atomic"),
+             "flex": lambda: flex_step(q, k, v, dout, ids)}
+    for provider, make in steps.items():
+        row = dict(provider=provider, shape=dict(S=S, Hq=Hq, Hkv=Hkv, D=D, documents=lengths))
+        try:
+            poison_allocator()
+            t0 = time.time()
+            got = make()()
+            torch.cuda.synchronize()
+            row["first_call_s"] = round(time.time() - t0, 1)
+            names = ("out", "dq", "dk", "dv")
+            row["max_abs_err"] = {n: (a.double() - b).abs().max().item() for n, a, b in zip(names, got, want)}
+            row["rel_err"] = {n: rel_err(a, b) for n, a, b in zip(names, got, want)}
+            row["ok"] = all(e < 2e-2 for e in row["rel_err"].values())  # NaN fails too
+            print(f"[check] {provider}: {'ok' if row['ok'] else 'FAIL'} max abs {row['max_abs_err']} "
+                  f"norm-relative {row['rel_err']}", flush=True)
+        except Exception as e:  # noqa: BLE001 - record and go on
+            row["ok"] = False
+            record_error(row, e)
+        rows.append(row)
+    report["check"] = rows
+
+
+def time_provider(make_step):
+    step = make_step()
+    step()  # compile / autotune / first block map
+    torch.cuda.synchronize()
+    return bench_ms(step, budget_s=1.0, min_reps=5, max_reps=30)
+
+
+def section_kernels(report, args):
+    S, D = args.seq, 128
+    heads = [(16, 16)] + ([(32, 8)] if args.gqa else [])
+    rows = report.setdefault("kernels", [])
+    for Hq, Hkv in heads:
+        q, k, v, dout = inputs(S, Hq, Hkv, D, seed=S)
+        dense = {}
+        plain = {"cudnn-causal": lambda: dense_causal_step(q, k, v, dout, "cudnn"),
+                 "triton-causal": lambda: dense_causal_step(q, k, v, dout, "triton")}
+        for provider, make in plain.items():
+            row = dict(provider=provider, S=S, Hq=Hq, Hkv=Hkv, D=D)
+            try:
+                row["ms"] = dense[provider] = time_provider(make)
+                row["tflops"] = pair_tflops(S * (S + 1) // 2, Hq, D, row["ms"])
+                print(f"[kernels] H={Hq}/{Hkv} {provider}: {row['ms']:.2f} ms", flush=True)
+            except Exception as e:  # noqa: BLE001
+                record_error(row, e)
+            rows.append(row)
+        for mix in args.mixes:
+            lengths = document_lengths(mix, S, seed=args.seed)
+            summary = mix_summary(lengths, S)
+            ids = ids_from_lengths(lengths)
+            steps = {"triton-doc": lambda: ours_step(q, k, v, dout, ids, "split"),
+                     "triton-doc-atomic": lambda: ours_step(q, k, v, dout, ids, "atomic"),
+                     "flex": lambda: flex_step(q, k, v, dout, ids)}
+            timed = {}
+            for provider, make in steps.items():
+                row = dict(provider=provider, mix=mix, S=S, Hq=Hq, Hkv=Hkv, D=D, **summary)
+                try:
+                    row["ms"] = timed[provider] = time_provider(make)
+                    row["tflops_visible"] = pair_tflops(summary["visible_pairs"], Hq, D, row["ms"])
+                except Exception as e:  # noqa: BLE001
+                    record_error(row, e)
+                rows.append(row)
+            for row in rows[-len(steps):]:
+                if "ms" not in row:
+                    continue
+                if "flex" in timed:
+                    row["speedup_vs_flex"] = timed["flex"] / row["ms"]
+                for peer, ms in dense.items():
+                    row[f"speedup_vs_{peer}"] = ms / row["ms"]
+                    row[f"fraction_of_ideal_vs_{peer}"] = ms / row["ms"] / summary["ideal_speedup"]
+                print(f"[kernels] H={Hq}/{Hkv} {mix} ({summary['documents']} docs, ideal "
+                      f"{summary['ideal_speedup']:.1f}x) {row['provider']}: {row['ms']:.2f} ms, "
+                      f"{row['tflops_visible']:.0f} TFLOP/s visible, vs flex "
+                      f"{row.get('speedup_vs_flex', float('nan')):.2f}x, of ideal (vs cudnn / "
+                      f"triton causal) {row.get('fraction_of_ideal_vs_cudnn-causal', float('nan')):.2f}"
+                      f" / {row.get('fraction_of_ideal_vs_triton-causal', float('nan')):.2f}", flush=True)
+            torch.cuda.empty_cache()
+        del q, k, v, dout
+
+
+def block_map_cost(report, args):
+    """What the block maps cost per fwd+bwd (three maps at 128K), timed alone."""
+    from longctx.kernels import triton_document as td
+
+    ids = ids_from_lengths(document_lengths("mean4k", args.seq, seed=args.seed))
+    D = 128
+    tiles = [td._tiles(t, D, torch.bfloat16) for t in (ta._FWD_CONFIGS, ta._DKDV_CONFIGS, ta._DQ_CONFIGS)]
+
+    def build():
+        for (bm, bn), key_major in zip(tiles, (False, True, False)):
+            td.build_block_map(ids, ids, bm, bn, True, key_major=key_major)
+    build()
+    report["block_maps"] = dict(tiles=tiles, ms=bench_ms(build, budget_s=0.3))
+    print(f"[maps] three block maps at S={args.seq}: {report['block_maps']['ms']:.3f} ms", flush=True)
+
+
+def part_kernels(args):
+    import triton
+
+    report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                  triton=triton.__version__, date=time.strftime("%Y-%m-%d"),
+                  config=dict(S=args.seq, dtype="bfloat16", B=1, D=128, mixes=args.mixes,
+                              seed=args.seed, flops="4*D*H per visible pair fwd, x3.5 fwd+bwd"))
+    path = os.path.join(args.out, f"document_attention_{gpu_tag()}{args.tag}.json")
+    for name, fn in (("check", lambda: section_check(report)),
+                     ("maps", lambda: block_map_cost(report, args)),
+                     ("kernels", lambda: section_kernels(report, args))):
+        t0 = time.time()
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - a broken section must not lose the others
+            report.setdefault("section_errors", {})[name] = traceback.format_exc()[-4000:]
+            print(f"section {name} failed:\n{traceback.format_exc()}", flush=True)
+        report.setdefault("section_s", {})[name] = round(time.time() - t0, 1)
+        os.makedirs(args.out, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    print(f"wrote {path}", flush=True)
+
+
+# ----------------------------------------------------------------------------- part B
+
+
+def part_ring(args):
+    import torch.distributed as dist
+
+    from longctx import ring_attention, shard_sequence
+    from ring import log, time_in_group
+
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    S, H, D = args.seq, 16, 128
+    report = dict(world_size=world, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                  date=time.strftime("%Y-%m-%d"), config=dict(S_total=S, H=H, D=D, dtype="bfloat16",
+                                                              layout="zigzag", mixes=args.mixes))
+    path = os.path.join(args.out, f"document_attention_ring_ws{world}{args.tag}.json")
+
+    def shard(x):
+        return shard_sequence(x, 1, rank=rank, world_size=world, layout="zigzag")
+
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    mk = lambda: torch.randn(1, S // world, H, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    q, k, v, dout = (mk().requires_grad_(i < 3) for i in range(4))
+
+    def timed(document_ids, backend="auto"):
+        def run():
+            q.grad = k.grad = v.grad = None
+            out = ring_attention(q, k, v, group=dist.group.WORLD, causal=True, layout="zigzag",
+                                 backend=backend, document_ids=document_ids)
+            out.backward(dout)
+        t = torch.tensor([time_in_group(run, dist.group.WORLD, iters=5)], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    rows = report.setdefault("ring", [])
+    # Plain causal ring: "auto" (cuDNN blocks) and our dense Triton blocks; documents: auto
+    # (= Triton, the only backend with the mask).
+    for mix in ["none", "none-triton"] + list(args.mixes):
+        row = dict(mix=mix)
+        try:
+            if mix.startswith("none"):
+                row["backend"] = "triton" if mix == "none-triton" else "auto"
+                row["ms"] = timed(None, row["backend"])
+                row["visible_pairs"] = S * (S + 1) // 2
+            else:
+                lengths = document_lengths(mix, S, seed=args.seed)
+                ids = ids_from_lengths(lengths)
+                row.update(mix_summary(lengths, S))
+                per_rank = torch.zeros(world, dtype=torch.float64, device="cuda")
+                per_rank[rank] = shard(visible_pairs_per_query(ids)).sum().double()
+                dist.all_reduce(per_rank)
+                row["visible_pairs_per_rank"] = per_rank.tolist()
+                row["imbalance_max_over_mean"] = (per_rank.max() / per_rank.mean()).item()
+                row["ms"] = timed(shard(ids))
+            row["tflops_visible_per_gpu"] = pair_tflops(row["visible_pairs"], H, D, row["ms"]) / world
+        except Exception as e:  # noqa: BLE001 - e.g. a ring without document_ids yet
+            record_error(row, e)
+        rows.append(row)
+        log(f"[ring ws{world}] {json.dumps({k: v for k, v in row.items() if k != 'traceback'})[:600]}")
+        if rank == 0:
+            os.makedirs(args.out, exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+    for plain in rows[:2]:
+        for row in rows[2:]:
+            if plain.get("ms") and row.get("ms"):
+                row[f"speedup_vs_ring_{plain['mix']}"] = plain["ms"] / row["ms"]
+                row[f"fraction_of_ideal_vs_ring_{plain['mix']}"] = (plain["ms"] / row["ms"]
+                                                                   / row["ideal_speedup"])
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        print(f"wrote {path}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--part", choices=("kernels", "ring"), default=None,
+                    help="default: ring under torchrun with several processes, else kernels")
+    ap.add_argument("--seq", type=int, default=128 * K, help="tokens per packed sequence")
+    ap.add_argument("--mixes", default=",".join(MIXES))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gqa", action="store_true", help="part A also with 32 query / 8 kv heads")
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
+    ap.add_argument("--tag", default="", help="suffix of the results file name")
+    args = ap.parse_args(argv)
+    args.mixes = [m for m in args.mixes.split(",") if m]
+    if not torch.cuda.is_available():
+        print("benchmarks/document_attention.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    part = args.part or ("ring" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "kernels")
+    (part_ring if part == "ring" else part_kernels)(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
