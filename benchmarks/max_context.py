@@ -485,12 +485,14 @@ class Job:
             if dist.get_world_size() != self.p:
                 raise RuntimeError(f"job for P={self.p} started with {dist.get_world_size()} processes")
             self.rank = dist.get_rank()
-        self.cfg = GPTConfig.from_preset(args.preset, activation_checkpointing=self.ckpt,
-                                         attention_backend=args.backend)
+        from longctx import CPContext, ParallelDims, ParallelPlan, parallelize
+
+        self.cfg = GPTConfig.from_preset(args.preset)
         torch.manual_seed(0)
         with self.device:  # initialise on the device: a CPU init of 350M weights takes seconds
             self.gpt = GPT(self.cfg)
-        self.gpt.set_context_parallel_group(dist.group.WORLD if self.p > 1 else None)
+        parallelize(self.gpt, ParallelDims(cp=CPContext(dist.group.WORLD if self.p > 1 else None)),
+                    ParallelPlan(activation_checkpointing=self.ckpt, attention_backend=args.backend))
         net = LossOnly(self.gpt)
         # DDP as Lightning's strategy uses it (defaults: separate gradient buckets).
         self.net = (DDP(net, device_ids=None if self.dry else [self.device.index]) if self.p > 1 else net)

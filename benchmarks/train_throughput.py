@@ -46,12 +46,18 @@ def log(*a):
 def measure(preset, s_total, p, group, ddp_group, steps, checkpointing, backend, profile=False,
             overrides=None):
     rank = dist.get_rank()
-    # --set overrides win over --checkpointing/--backend (variants may set them too).
-    cfg = GPTConfig.from_preset(preset, **{"activation_checkpointing": checkpointing,
-                                           "attention_backend": backend, **(overrides or {})})
+    # --set overrides win over --checkpointing/--backend (variants may set them too); keys
+    # of longctx.ParallelPlan go to the plan, the rest to the model's sizes.
+    from longctx import CPContext, ParallelDims, ParallelPlan, parallelize
+    from longctx.models.config import RUNTIME_KEYS
+
+    overrides = dict(overrides or {})
+    plan = {"activation_checkpointing": checkpointing, "attention_backend": backend,
+            **{k: overrides.pop(k) for k in list(overrides) if k in RUNTIME_KEYS}}
+    cfg = GPTConfig.from_preset(preset, **overrides)
     torch.manual_seed(0)
     model = GPT(cfg).cuda()
-    model.set_context_parallel_group(group)
+    parallelize(model, ParallelDims(cp=CPContext(group)), ParallelPlan.from_dict(plan))
     step_loss = _Loss(model)
     if p > 1:  # DDP's hooks run through forward(), so wrap the loss path as a module
         step_loss = DDP(step_loss, process_group=ddp_group)
@@ -88,7 +94,7 @@ def measure(preset, s_total, p, group, ddp_group, steps, checkpointing, backend,
     del model, step_loss, opt
     torch.cuda.empty_cache()
     tps = s_total / dt
-    return dict(preset=preset, overrides=overrides or {}, head_dim=cfg.head_dim, P=p, S_total=s_total, S_per_gpu=s_total // p, checkpointing=cfg.activation_checkpointing,
+    return dict(preset=preset, overrides=overrides or {}, head_dim=cfg.head_dim, P=p, S_total=s_total, S_per_gpu=s_total // p, checkpointing=plan["activation_checkpointing"],
                 step_s=dt, tokens_per_s=tps, tokens_per_s_per_gpu=tps / p,
                 mfu=cfg.flops_per_token(s_total) * tps / (p * peak_flops()), peak_mem_GiB=peak,
                 params=cfg.num_params(), loss_finite=finite,

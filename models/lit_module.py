@@ -108,7 +108,7 @@ class CausalLMModule(L.LightningModule):
         model: Union[GPTConfig, Mapping[str, Any], None] = None,
         *,
         parallel: Union[ParallelPlan, Mapping[str, Any], None] = None,
-        attention: str = "causal",
+        attention: str = "document",
         rope_positions: Optional[str] = None,
         init_from: Optional[str] = None,
         hf_model: Optional[str] = None,

@@ -64,9 +64,11 @@ def assets(tmp_path_factory):
 
 def _eval_rank(rank: int, world: int, tokens: np.ndarray, docs: np.ndarray) -> list:
     bench = _bench()
+    from longctx import CPContext, ParallelDims, parallelize
+
     model = _tiny_model().eval()
     group = dist.group.WORLD if world > 1 else None
-    model.set_context_parallel_group(group)
+    parallelize(model, ParallelDims(cp=CPContext(group)))
     return bench.evaluate(model, tokens, docs, SEQ_LENS, group=group, **EVAL)
 
 

@@ -186,12 +186,12 @@ def _bad_inputs(rank, world):
     attempt("warm-up", q, group=short)
     attempt("changed", torch.randn(1, 8 if rank == 0 else 12, 2, 4), group=short)
     # ... and through the model, whose attention layers call the ring.
+    from longctx import CPContext, ParallelDims, ParallelPlan, parallelize
     from longctx.models import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=32, n_layer=1, n_head=2, n_kv_head=2, n_embd=16,
-                          intermediate_size=24, attention_backend="torch"))
-    model.set_context_parallel_group(short)
+    model = GPT(GPTConfig(vocab_size=32, n_layer=1, n_head=2, n_kv_head=2, n_embd=16, intermediate_size=24))
+    parallelize(model, ParallelDims(cp=CPContext(short)), ParallelPlan(attention_backend="torch"))
     model(torch.zeros(1, 8, dtype=torch.long))
     try:
         model(torch.zeros(1, 8 if rank == 0 else 12, dtype=torch.long))

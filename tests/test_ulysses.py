@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_distributed
-from longctx import shard_sequence, ulysses_attention
+from longctx import CPContext, ParallelDims, ParallelPlan, parallelize, shard_sequence, ulysses_attention
 from longctx.models import GPT, GPTConfig
 from test_ring_attention import attention_vs_reference, failures, rel_err
 
@@ -41,10 +41,9 @@ def _heads_not_divisible(rank, world):
 
 
 def _model_heads_not_divisible(rank, world):
-    model = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=4, n_kv_head=2, n_embd=32,
-                          intermediate_size=48, cp_attention="ulysses"))
+    model = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=48))
     try:
-        model.set_context_parallel_group(dist.group.WORLD)
+        parallelize(model, ParallelDims(cp=CPContext(dist.group.WORLD)), ParallelPlan(cp_attention="ulysses"))
     except ValueError as e:
         return str(e)
     return "no error"
@@ -61,18 +60,19 @@ def test_ulysses_refuses_heads_that_do_not_split():
 def _model_with_ulysses(rank, world):
     """The GPT with cp_attention='ulysses' on a CP group equals the ring model (fp32)."""
     group = dist.new_group(list(range(world)))
-    base = dict(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=48,
-                attention_backend="torch", init_std=0.15)
+    base = dict(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=48, init_std=0.15)
     torch.manual_seed(0)
     ring_model = GPT(GPTConfig(**base))
-    ulysses_model = GPT(GPTConfig(**base, cp_attention="ulysses"))
+    ulysses_model = GPT(GPTConfig(**base))
     ulysses_model.load_state_dict(ring_model.state_dict())
+    dims = ParallelDims(cp=CPContext(group))
+    parallelize(ring_model, dims, ParallelPlan(attention_backend="torch"))
+    parallelize(ulysses_model, dims, ParallelPlan(attention_backend="torch", cp_attention="ulysses"))
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 64, (2, 16), generator=g)
     labels = torch.randint(0, 64, (2, 16), generator=g)
     results = []
     for model in (ring_model, ulysses_model):
-        model.set_context_parallel_group(group)
         loss, _ = model.loss(shard_sequence(ids, 1, rank=rank, world_size=world),
                              shard_sequence(labels, 1, rank=rank, world_size=world))
         loss.backward()
