@@ -294,7 +294,8 @@ def save_sharded_checkpoint(path: PathLike, state: dict[str, Any], metadata: dic
     if error is not None:
         raise RuntimeError(f"cannot save sharded checkpoint {path} (rank 0: {error})")
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group,
+                 no_dist=world == 1)
         # Every rank checksums a share of the files, so rank 0 does not read the whole model.
         names = _from_rank0(sorted(os.listdir(tmp)) if rank == 0 else None, group)
         sums, error = {}, None

@@ -71,8 +71,8 @@ class _BoundedStore:
 
     def _serve(self) -> None:
         store = None
-        while True:
-            op, args, reply = self._requests.get()
+        while (request := self._requests.get()) is not None:
+            op, args, reply = request
             try:
                 if store is None:
                     store = dist.PrefixStore("longctx_watchdog/", self._connect())
@@ -89,6 +89,10 @@ class _BoundedStore:
         if "error" in reply:
             raise reply["error"]
         return reply["value"]
+
+    def close(self) -> None:
+        """End the helper thread once the queued operations are done."""
+        self._requests.put(None)
 
 
 class RankWatchdog:
@@ -186,6 +190,7 @@ class RankWatchdog:
             self._call("set", f"done/{self.rank}", "1", timeout=min(self.timeout, 10.0))
         except Exception:  # noqa: BLE001 - the job is over; the store may be gone already
             pass
+        self._store.close()
 
     def _run(self) -> None:
         last_count, last_change = None, time.monotonic()

@@ -9,6 +9,7 @@ The process group timeout is 10 minutes on purpose: only the watchdog can end th
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -31,6 +32,7 @@ calls = [0]
 def failing_forward(*args, **kwargs):
     calls[0] += 1
     if rank == failing_rank and calls[0] == 2:  # mid-ring: after the first hop was posted
+        print(f"failing at {time.time()}", file=sys.stderr, flush=True)
         if mode == "raise":
             raise RuntimeError("injected failure inside ring attention")
         os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
