@@ -1,4 +1,4 @@
-"""One rank of a 3-rank gloo job in which one rank fails inside ring attention.
+"""One rank of a gloo job (3 ranks in most tests) in which one rank fails inside ring attention.
 
 Run: python failure_worker.py RANK WORLD PORT MODE [FAILING_RANK]
 MODE: raise | kill (SIGKILL) | stop (SIGSTOP: the process freezes); FAILING_RANK default 1.
