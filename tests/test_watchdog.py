@@ -1,39 +1,57 @@
-"""A rank that raises or is SIGKILLed inside ring attention ends the whole job quickly,
-and every surviving rank's message names the failed rank."""
+"""A rank that raises, is SIGKILLed or freezes (SIGSTOP) inside ring attention ends the
+whole job quickly, and every surviving rank's message names the failed rank - also when
+the failed rank is rank 0, whose process hosts the rendezvous store."""
 from __future__ import annotations
 
+import math
 import os
+import re
 import subprocess
 import sys
 import time
 
 import pytest
+import torch.distributed as dist
 
 from dist_harness import free_port
+from longctx.watchdog import RankWatchdog
 
 HERE = os.path.dirname(__file__)
 
 
-@pytest.mark.parametrize("mode", ["raise", "kill"])
-def test_rank_failure_ends_every_rank(mode):
-    world, port = 3, str(free_port())
-    start = time.monotonic()
+def _run_job(mode: str, failing_rank: int, world: int = 3):
+    """Start the ranks, wait (bounded) for every rank but a frozen one, then SIGKILL what
+    is left. Returns (processes, [(stdout, stderr)], seconds from the failure until the
+    last survivor ended): measured from the failure, so a slow start on a busy machine
+    does not count."""
+    port = str(free_port())
     procs = [
-        subprocess.Popen([sys.executable, os.path.join(HERE, "failure_worker.py"), str(r), str(world), port, mode],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen([sys.executable, os.path.join(HERE, "failure_worker.py"), str(r), str(world), port, mode,
+                          str(failing_rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for r in range(world)
     ]
-    outputs = []
+    outputs, ended = {}, None
     try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=90))
+        for r, p in enumerate(procs):
+            if not (mode == "stop" and r == failing_rank):
+                outputs[r] = p.communicate(timeout=120)
+        ended = time.time()
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    elapsed = time.monotonic() - start
-    # process start + torch import + 3 s heartbeat timeout: far under the 10-minute PG timeout
-    assert elapsed < 60, f"job took {elapsed:.0f}s to end"
+    if mode == "stop":
+        outputs[failing_rank] = procs[failing_rank].communicate(timeout=30)
+    failed_at = re.search(r"failing at ([0-9.]+)", outputs[failing_rank][1])
+    assert failed_at, f"rank {failing_rank} never reached the failure:\n{outputs[failing_rank][1][-3000:]}"
+    return procs, [outputs[r] for r in range(world)], ended - float(failed_at.group(1))
+
+
+@pytest.mark.parametrize("mode", ["raise", "kill"])
+def test_rank_failure_ends_every_rank(mode):
+    procs, outputs, elapsed = _run_job(mode, failing_rank=1)
+    # 3 s heartbeat timeout + lingering: far under the 10-minute process-group timeout
+    assert elapsed < 30, f"the job took {elapsed:.0f}s to end after the failure"
     for r, (p, (out, err)) in enumerate(zip(procs, outputs)):
         assert p.returncode != 0, f"rank {r} exited 0:\n{err[-2000:]}"
         assert "finished" not in out
@@ -43,3 +61,27 @@ def test_rank_failure_ends_every_rank(mode):
         assert "injected failure" in outputs[1][1]
     else:
         assert procs[1].returncode == -9
+
+
+@pytest.mark.parametrize("mode", ["kill", "stop"])
+def test_store_host_failure_ends_every_rank(mode):
+    """Rank 0 SIGKILLed: the store dies with it. Rank 0 frozen: the store never answers
+    (TCPStore.add has no timeout of its own). Either way the others exit on their own
+    within about the failure timeout, each printing a line that names rank 0."""
+    procs, outputs, elapsed = _run_job(mode, failing_rank=0, world=2)
+    assert elapsed < 30, f"the surviving rank took {elapsed:.0f}s to end after the failure"
+    for r in (1,):
+        out, err = outputs[r]
+        assert procs[r].returncode == 75, f"rank {r} exited {procs[r].returncode}:\n{err[-3000:]}"
+        assert "finished" not in out
+        assert re.search(rf"\[longctx watchdog\] rank {r} stopping: .*rank 0 \(it hosts the rendezvous "
+                         rf"store\) (died|is hung or dead)", err), err[-3000:]
+    assert procs[0].returncode == -9
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -1.0, 0.0])
+def test_non_finite_or_non_positive_timeout_is_refused(value):
+    with pytest.raises(ValueError, match="timeout must be a finite number of seconds"):
+        RankWatchdog(0, 2, timeout=value, store=dist.HashStore())
+    with pytest.raises(ValueError, match="interval must be a finite number of seconds"):
+        RankWatchdog(0, 2, timeout=10.0, interval=value, store=dist.HashStore())
