@@ -1,4 +1,4 @@
-"""Checkpoint files resume can trust (longctx.checkpoint_io).
+"""Checkpoint files resume can trust (longctx.lightning.checkpoint_io).
 
 Single files: a save killed mid-write leaves the previous file whole and its temp file is
 cleaned up by the next save; corrupted data (zip CRC) is detected and skipped; newest means
@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
-from longctx.checkpoint_io import (
+from longctx.lightning.checkpoint_io import (
     MANIFEST_NAME,
     AtomicCheckpointIO,
     CorruptCheckpointError,
@@ -70,7 +70,7 @@ def _flip_tensor_byte(ckpt: Path) -> str:
 _SAVER = textwrap.dedent(
     """
     import sys, torch
-    from longctx.checkpoint_io import AtomicCheckpointIO
+    from longctx.lightning.checkpoint_io import AtomicCheckpointIO
     io, i = AtomicCheckpointIO(), 0
     while True:  # keep writing big checkpoints until killed
         i += 1
