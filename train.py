@@ -322,7 +322,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from longctx.data import LongDocumentDataModule
     from longctx.lightning.health import NonFiniteGuard
     from longctx import ParallelPlan
-    from longctx.lightning.strategy import ContextParallelStrategy, find_resume_checkpoint
+    from longctx.lightning.checkpoint_io import find_resume_checkpoint
+    from longctx.lightning.strategy import ContextParallelStrategy
     from longctx.models import GPTConfig
     from longctx.models.lit_module import CausalLMModule
 

@@ -700,16 +700,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     tokens, docs, data_info = load_eval_stream(
         args.data, tokenizer, split=args.split, val_fraction=args.val_fraction, seed=args.seed,
         include_tests=args.include_tests, cache_dir=args.cache_dir, group=group)
-    overrides: dict = {"activation_checkpointing": False}
+    overrides: dict = {}
     if thetas[0] is not None:
         overrides["rope_theta"] = thetas[0]
     if args.rope_scaling is not None:
         overrides["rope_scaling"] = scaling
-    if args.attention_backend:
-        overrides["attention_backend"] = args.attention_backend
     model, model_info = load_model(args, overrides)
     model = model.to(device).eval()
-    model.set_context_parallel_group(group, args.layout)
+    from longctx import CPContext, ParallelDims, ParallelPlan, parallelize
+
+    parallelize(model, ParallelDims(cp=CPContext(group, args.layout)),
+                ParallelPlan(attention_backend=args.attention_backend or "auto"))
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"tokenizer {tok_spec!r} has {tokenizer.vocab_size} tokens, the model only "
                          f"{model.config.vocab_size}: they do not belong together")

@@ -66,7 +66,7 @@ def full_run(tmp_path_factory, cache_env) -> tuple[Path, subprocess.CompletedPro
 
 @pytest.mark.slow
 def test_end_to_end_outputs(full_run):
-    from longctx.lightning.strategy import is_complete_checkpoint
+    from longctx.lightning.checkpoint_io import is_complete_checkpoint
 
     out, proc = full_run
     assert "world 2 = dp 1 x cp 2" in proc.stdout and "tokens per step 128" in proc.stdout
@@ -118,52 +118,6 @@ def test_unknown_config_key(tmp_path, cache_env):
     assert "unknown config key(s) ['sequence_length']" in proc.stderr
     proc = _train(["--set", "model.n_layers=3", "--max-steps", "1"], cache_env, timeout=120)
     assert proc.returncode != 0 and "n_layers" in proc.stderr
-
-
-_SAVER = textwrap.dedent(
-    """
-    import sys, torch
-    from longctx.lightning.strategy import AtomicCheckpointIO
-    io, i = AtomicCheckpointIO(), 0
-    while True:  # keep writing big checkpoints until killed
-        i += 1
-        io.save_checkpoint({"step": i, "w": torch.full((8_000_000,), float(i))}, sys.argv[1])
-        print(i, flush=True)
-    """
-)
-
-
-def test_killed_save_leaves_last_checkpoint_whole(tmp_path):
-    from longctx.lightning.strategy import AtomicCheckpointIO, find_resume_checkpoint, is_complete_checkpoint
-
-    ckpt_dir = tmp_path / "checkpoints"
-    last = ckpt_dir / "last.ckpt"
-    AtomicCheckpointIO().save_checkpoint({"step": 0, "w": torch.zeros(4)}, ckpt_dir / "step000000.ckpt")
-    proc = subprocess.Popen([sys.executable, "-c", _SAVER, str(last)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "1"  # one complete save done
-        deadline = time.monotonic() + 60
-        # Kill while the next save is half written (its temp file exists and is growing).
-        while not any(p.name.startswith(".last.ckpt.tmp") and p.stat().st_size > 0 for p in ckpt_dir.iterdir()):
-            assert time.monotonic() < deadline, "the saver never started a second save"
-            time.sleep(0.002)
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait(timeout=30)
-    assert is_complete_checkpoint(last)
-    state = torch.load(last, weights_only=False)
-    assert torch.equal(state["w"], torch.full((8_000_000,), float(state["step"])))
-    assert find_resume_checkpoint(tmp_path) == last  # the temp file is not a candidate
-    # A truncated checkpoint (what a plain, non-atomic writer leaves behind) is skipped.
-    torn = ckpt_dir / "step000009.ckpt"
-    torn.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
-    os.utime(torn, None)
-    assert not is_complete_checkpoint(torn)
-    assert find_resume_checkpoint(ckpt_dir) == last
-    with pytest.warns(UserWarning, match="incomplete"):
-        assert find_resume_checkpoint(torn) == last
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        find_resume_checkpoint(tmp_path / "nowhere")
 
 
 @pytest.mark.slow

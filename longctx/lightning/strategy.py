@@ -41,17 +41,13 @@ makes every other rank fail within that time instead of hanging a job for half a
 from __future__ import annotations
 
 import math
-import os
-import warnings
-import zipfile
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
@@ -65,6 +61,7 @@ from ..layouts import check_layout
 from ..parallel import CPContext, ParallelDims, parallelize
 from ..ring_comm import new_ring_group
 from ..watchdog import RankWatchdog
+from .checkpoint_io import AtomicCheckpointIO, load_sharded_checkpoint, save_sharded_checkpoint
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 DATA_PARALLEL = ("auto", "fsdp", "ddp")
@@ -72,74 +69,6 @@ DATA_PARALLEL = ("auto", "fsdp", "ddp")
 AUTO_FSDP_MEMORY_SHARE = 0.25
 BYTES_PER_PARAMETER = 16  # fp32 weights + gradients + AdamW's two moments
 DDP_BUCKET_BYTES = 4  # DDP's flat fp32 gradient buckets (a second copy of the gradients)
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """``torch.save`` to a temp file beside the target, fsync, then ``os.replace``.
-
-    Readers see either the previous complete file or the new complete file, never a partial
-    one (POSIX rename is atomic within a filesystem). Remote URLs fall back to Lightning.
-    """
-
-    def save_checkpoint(self, checkpoint: dict, path: Union[str, Path], storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__} does not take storage_options, got {storage_options!r}")
-        if "://" in str(path):
-            return super().save_checkpoint(checkpoint, path)
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        try:  # make the rename itself durable
-            fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError:
-            pass
-
-
-def is_complete_checkpoint(path: Union[str, Path]) -> bool:
-    """True when ``path`` is a whole ``torch.save`` archive (its zip directory is readable)."""
-    try:
-        with zipfile.ZipFile(path) as z:
-            return any(n.endswith("data.pkl") for n in z.namelist())
-    except (OSError, zipfile.BadZipFile, ValueError):
-        return False
-
-
-def find_resume_checkpoint(path: Union[str, Path]) -> Path:
-    """The checkpoint to resume from: ``path`` itself if complete, else the newest complete one.
-
-    ``path`` may be a ``.ckpt`` file, a checkpoint directory or a run directory (searched
-    with its ``checkpoints/`` subdirectory). Temp files of interrupted saves are ignored.
-    """
-    path = Path(path)
-    if path.is_file():
-        if is_complete_checkpoint(path):
-            return path
-        warnings.warn(f"checkpoint {path} is incomplete or corrupt; looking for the newest complete one beside it")
-        search = [path.parent]
-    elif path.is_dir():
-        search = [path, path / "checkpoints"]
-    else:
-        raise FileNotFoundError(f"--resume path {path} does not exist")
-    candidates = [p for d in search if d.is_dir() for p in d.glob("*.ckpt") if not p.name.startswith(".")]
-    complete = [p for p in candidates if is_complete_checkpoint(p)]
-    if not complete:
-        raise FileNotFoundError(
-            f"no complete checkpoint under {path} (found {len(candidates)} .ckpt file(s), none readable)"
-        )
-    return max(complete, key=lambda p: (p.stat().st_mtime_ns, p.name == "last.ckpt"))
 
 
 def _check_cp_size(context_parallel_size: Optional[int]) -> None:
@@ -397,15 +326,41 @@ class ContextParallelStrategy(ModelParallelStrategy):
         return optimizer.state_dict()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        if self._sharded:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        if self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if not self._sharded:
+            if self.is_global_zero:
+                self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} writes sharded checkpoints itself: no storage_options")
+        # A folder of per-rank shards plus a verified manifest, swapped in atomically.
+        path = Path(self.broadcast(str(filepath)))
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            state[f"optimizer_{i}"] = optimizer_state
+        save_sharded_checkpoint(path, state, checkpoint)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        if self._sharded:
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if not self._sharded:
+            return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not path.is_dir():
+            raise ValueError(
+                f"{path} is a single-file checkpoint (data_parallel='ddp'); this run shards with FSDP2 and "
+                "resumes from sharded checkpoint folders. Resume it with data_parallel='ddp'"
+            )
+        state = {"state_dict": get_model_state_dict(self.model)}
+        for i, optimizer in enumerate(self.optimizers):
+            state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer)
+        metadata = load_sharded_checkpoint(path, state)  # verified first; reshards to this world
+        strict = self.lightning_module.strict_loading
+        set_model_state_dict(self.model, state["state_dict"], options=StateDictOptions(strict=strict))
+        for i, optimizer in enumerate(self.optimizers):
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[f"optimizer_{i}"])
+        return metadata
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if not self._sharded:
