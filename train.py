@@ -603,8 +603,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         batch_size=cfg["batch_size"], seed=cfg["seed"], context_parallel_size=cfg["context_parallel"],
         layout=cfg["layout"], **data_options,
     )
-    with file_lock(dm.cache_dir / ".train-prepare.lock"):
-        dm.prepare_data()  # tokenizer + tokenized corpus, cached: re-launched ranks hit the cache
+    try:
+        with file_lock(dm.cache_dir / ".train-prepare.lock"):
+            dm.prepare_data()  # tokenizer + tokenized corpus, cached: re-launched ranks hit the cache
+    except (ValueError, FileNotFoundError) as e:  # the corpus or tokenizer cannot be used
+        message = " ".join(str(e).split())
+        if "sentences_.empty()" in message:  # SentencePiece skipped every (over-long) line
+            message += (" (every sampled line is longer than SentencePiece's 16384-byte sentence limit: "
+                        "is the corpus one huge line? break it into lines)")
+        print(f"train.py: error: data: {message}", file=sys.stderr)
+        return 2
     vocab = dm.get_tokenizer().vocab_size
     if cfg["init_from"] is None:
         model_cfg["vocab_size"] = vocab

@@ -158,3 +158,13 @@ def test_error_as_a_command(tmp_path):
         "train.py: error: --context-parallel 3 does not divide the world of 2 processes "
         "(--devices 2 x --num-nodes 1); use a CP size that divides it, or --devices a multiple of 3"
     ]
+
+
+def test_corpus_of_one_huge_line(train, capsys, cache, tmp_path):
+    """Found only by training the tokenizer, but still one line with rc 2 that says why."""
+    corpus = tmp_path / "one-line.txt"
+    corpus.write_text(" ".join(f"w{i % 997}" for i in range(8000)))  # ~45 KB, no newline
+    rc = train.main(["--data", str(corpus), "--set", "model.vocab_size=300", "--output-dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("train.py: error: data: SentencePiece training failed") and "one huge line" in err[0]
