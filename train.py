@@ -317,13 +317,14 @@ def check_config(cfg: dict) -> None:
             "run on a GPU machine or pass --accelerator cpu (and a CPU-sized --config)"
         )
     cp = cfg["context_parallel"]
-    world = resolve_devices(cfg, accelerator)
-    if world != "auto":
+    devices = resolve_devices(cfg, accelerator)
+    world = torch.cuda.device_count() if devices == "auto" else devices
+    if world:
         world *= cfg["num_nodes"]
         if world % cp:
             raise ValueError(
                 f"--context-parallel {cp} does not divide the world of {world} processes "
-                f"(--devices {resolve_devices(cfg, accelerator)} x --num-nodes {cfg['num_nodes']}); "
+                f"(--devices {devices} x --num-nodes {cfg['num_nodes']}); "
                 f"use a CP size that divides it, or --devices a multiple of {cp}"
             )
     multiple = required_multiple(cp, cfg["layout"])
@@ -360,7 +361,7 @@ def resolve_accelerator(accelerator: str) -> str:
 
 def resolve_devices(cfg: dict, accelerator: str) -> Any:
     """Processes per node: as given; else every GPU, or on CPU one process per CP rank."""
-    if cfg["devices"] is not None:
+    if cfg["devices"] is not None and not (cfg["devices"] == "auto" and accelerator == "cpu"):
         return cfg["devices"]
     return "auto" if accelerator == "gpu" else cfg["context_parallel"]
 
