@@ -253,8 +253,8 @@ def resolve_config(args: argparse.Namespace) -> Resolved:
         ignore = {"resume", "output_dir"}
         overrides = {k: (run_config.get(k), cfg[k]) for k in cfg
                      if k not in ignore and k in run_config and run_config[k] != cfg[k]}
-        if cfg["output_dir"] is None:
-            cfg["output_dir"] = run_config.get("output_dir")
+        if cfg["output_dir"] == run_config.get("output_dir"):  # not given now: the folder the run is in
+            cfg["output_dir"] = str(run_dir_of(resume_ckpt))
     return Resolved(cfg, path.stem, resume_ckpt, run_config, overrides)
 
 

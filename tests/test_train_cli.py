@@ -214,10 +214,7 @@ def test_resume_extends_the_run_in_its_own_folder(full_run, tmp_path, cache_env)
 
     out, _ = full_run
     run = tmp_path / "run"
-    shutil.copytree(out, run)
-    saved = yaml.safe_load((run / "config.yaml").read_text())
-    saved["output_dir"] = str(run)
-    (run / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    shutil.copytree(out, run)  # a moved run folder: its config.yaml still names the old place
     proc = _train(["--resume", str(run), "--max-steps", "8"], cache_env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "overridden here: max_steps 6 -> 8" in proc.stdout and "keeps ending at step 6" in proc.stdout
@@ -225,8 +222,10 @@ def test_resume_extends_the_run_in_its_own_folder(full_run, tmp_path, cache_env)
     assert sorted(losses) == list(range(8))
     assert {s: losses[s] for s in range(6)} == _losses(out / "metrics.csv")  # earlier steps kept as logged
     cfg = yaml.safe_load((run / "config.yaml").read_text())
-    assert cfg["max_steps"] == 8 and cfg["decay_steps"] == 6 and cfg["lr"] == 3e-3 and cfg["warmup_steps"] == 2
-    assert "val loss" in proc.stdout and "at step 8" in proc.stdout
+    assert cfg["output_dir"] == str(run) and cfg["max_steps"] == 8 and cfg["decay_steps"] == 6 and cfg["lr"] == 3e-3 and cfg["warmup_steps"] == 2
+    with open(run / "metrics.csv", newline="") as f:
+        last_val = [r for r in csv.DictReader(f) if r["val_loss"]][-1]
+    assert f"val loss {float(last_val['val_loss']):.3f} at step {last_val['step']}" in proc.stdout
     assert "train loss " + f"{float(losses[0]):.3f}" in proc.stdout  # the summary starts at step 0
 
 
