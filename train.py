@@ -11,7 +11,10 @@ Unknown keys are an error naming the key. The resolved config is written to
 OUTPUT_DIR/config.yaml; metrics go to OUTPUT_DIR/metrics.csv, checkpoints to
 OUTPUT_DIR/checkpoints/ (last.ckpt always the newest complete one), the loss curve to
 OUTPUT_DIR/loss.png. ``--resume`` takes a checkpoint, a checkpoint directory or a run
-directory and continues exactly where that checkpoint left off.
+directory and continues exactly where that checkpoint left off, from the run's own
+config.yaml (flags given then are printed overrides). Every input mistake visible before
+launch is one ``train.py: error:`` line with exit code 2; a run folder is locked while a
+run writes to it.
 
 Launching: with ``--devices N`` and no external launcher, Lightning starts the other N-1
 processes itself by re-running this script (each re-run finds the tokenizer and corpus
@@ -304,6 +307,15 @@ def check_config(cfg: dict) -> None:
         raise ValueError(f"data_parallel must be auto, fsdp or ddp, got {cfg['data_parallel']!r}")
     if cfg["accelerator"] not in ("auto", "cpu", "gpu", "cuda"):
         raise ValueError(f"accelerator must be auto, cpu or gpu, got {cfg['accelerator']!r}")
+    if cfg["precision"] is not None:
+        import typing
+
+        from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
+
+        valid = typing.get_args(_PRECISION_INPUT_STR) + typing.get_args(_PRECISION_INPUT_STR_ALIAS)
+        if str(cfg["precision"]) not in valid:
+            valid = ", ".join(typing.get_args(_PRECISION_INPUT_STR))
+            raise ValueError(f"precision must be one of {valid}; got {cfg['precision']!r}")
     devices = cfg["devices"]
     if devices is not None and devices != "auto":
         _number(cfg, "devices", low=1, integer=True, hint=" (or 'auto')")

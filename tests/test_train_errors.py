@@ -68,6 +68,8 @@ CASES = [
     (["--max-steps", "0"], "max_steps must be an integer >= 1, got 0"),
     (["--init-from", "nowhere/model"], "--init-from nowhere/model: no such file or directory"),
     (["--set", "keep_checkpoints=2"], "keep_checkpoints must be -1 (all), 0 or 1"),
+    (["--precision", "bf15"], "precision must be one of "),
+    (["--data-parallel", "zero3"], "data_parallel must be auto, fsdp or ddp, got 'zero3'"),
 ]
 
 
