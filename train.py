@@ -289,7 +289,7 @@ def check_config(cfg: dict) -> None:
     _number(cfg, "decay_steps", low=1, integer=True, optional=True)
     _number(cfg, "val_every", low=0, integer=True, optional=True, hint=" (0: never; unset: once, at the end)")
     _number(cfg, "val_batches", low=1, integer=True)
-    _number(cfg, "checkpoint_every", low=1, integer=True)
+    _number(cfg, "checkpoint_every", low=0, integer=True)
     _number(cfg, "log_every", low=1, integer=True)
     _number(cfg, "lr", low=0, allow_equal=False)
     _number(cfg, "min_lr_ratio", low=0)
