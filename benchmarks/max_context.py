@@ -129,12 +129,11 @@ def fit_time(points: list[tuple[int, int, float]], c2_min: float = 0.0) -> tuple
     return c1, c2
 
 
-PEAK_BF16_FLOPS = (("H200", 989.4e12), ("H100", 989.4e12), ("A100", 312e12))
-
-
 def attention_time_floor(cfg, checkpointing: bool, device_name: str) -> float:
     """Seconds per (local token x total token) of causal attention at the GPU's peak FLOP/s."""
-    peak = next((f for k, f in PEAK_BF16_FLOPS if k in device_name), None)
+    from longctx.models.lit_module import peak_bf16_flops
+
+    peak = peak_bf16_flops(device_name)
     if peak is None:
         return 0.0
     # GPTConfig.flops_per_token: 12 * L * H * D * S / 2 per token for causal fwd + bwd;

@@ -29,13 +29,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from longctx import position_ids, shard_sequence
 from longctx.ring_comm import new_ring_group
 from longctx.models import GPT, GPTConfig
-
-PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
-
+from longctx.models.lit_module import peak_bf16_flops
 
 def peak_flops() -> float:
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_BF16.items() if k in name), float("nan"))
+    return peak_bf16_flops(torch.cuda.get_device_name()) or float("nan")
 
 
 def log(*a):

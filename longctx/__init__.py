@@ -10,7 +10,7 @@ import importlib.util
 import sys
 
 from .layouts import position_ids, shard_sequence, unshard_sequence
-from .loss import TokenWeightedAccumulator, global_token_loss
+from .loss import TokenWeightedAccumulator, causal_lm_loss, global_token_loss
 from .parallel import ContextParallelAttention, CPContext, ParallelDims, ParallelPlan, parallelize
 from .ring import ring_attention
 from .sharding import document_position_ids, is_sharded, shard_batch
@@ -33,6 +33,7 @@ __all__ = [
     "ParallelDims",
     "ParallelPlan",
     "parallelize",
+    "causal_lm_loss",
     "global_token_loss",
     "TokenWeightedAccumulator",
     "RankWatchdog",

@@ -28,6 +28,9 @@ from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
 
 
 @dataclass
@@ -90,6 +93,30 @@ def global_token_loss(
     loss = loss_sum * (world / denom).to(loss_sum.dtype)
     mean = (total / count.clamp(min=1.0)).to(torch.float32)
     return GlobalLoss(loss=loss, mean=mean, loss_sum=total, n_tokens=count)
+
+
+def causal_lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, *, group: Optional[dist.ProcessGroup] = None
+) -> torch.Tensor:
+    """The loss tensor to return from ``training_step``: exact global token-mean training.
+
+    ``logits`` ``(..., vocab)`` and ``labels`` ``(...)`` (already shifted; ``-100`` ignored)
+    are this rank's shard. Cross-entropy is summed in fp32 and normalised by the token count
+    of the whole ``group`` (default: the world, over which DDP/FSDP average gradients), so
+    the averaged gradient is the single-device gradient of the global batch's token mean
+    (``global_token_loss``). Averaged over ranks (``self.log(..., sync_dist=True)``) the
+    returned values give that global mean. Without a process group it is the plain mean.
+    With ``accumulate_grad_batches > 1`` each micro-batch is weighted equally; exact
+    weighting across micro-batches is ``TokenWeightedAccumulator`` (``CausalLMModule``).
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"logits shape {tuple(logits.shape)} does not match labels {tuple(labels.shape)}: "
+            "expected logits (..., vocab) for labels (...)"
+        )
+    loss_sum = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+    return global_token_loss(loss_sum, (labels != IGNORE_INDEX).sum(), group=group).loss
 
 
 class TokenWeightedAccumulator:

@@ -36,7 +36,8 @@ from longctx.parallel import ParallelDims, ParallelPlan, parallelize
 from .config import GPTConfig
 from .gpt import GPT
 
-# Dense bf16 tensor-core peaks (FLOP/s) by device-name substring; first match wins.
+# Dense bf16 tensor-core peaks (FLOP/s) by device-name substring; first match wins. The one
+# table of the project: MFU here and in benchmarks/ (train_throughput.py, max_context.py).
 PEAK_BF16_FLOPS = (
     ("H200", 989.4e12),
     ("H100 PCIe", 756.0e12),
@@ -45,15 +46,16 @@ PEAK_BF16_FLOPS = (
 )
 
 
+def peak_bf16_flops(device_name: str) -> Optional[float]:
+    """Peak dense bf16 FLOP/s of the GPU called ``device_name``, or None where unknown."""
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in device_name), None)
+
+
 def peak_flops(device: torch.device) -> Optional[float]:
     """Peak dense bf16 FLOP/s of ``device``, or None where unknown (CPU, other GPUs)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, flops in PEAK_BF16_FLOPS:
-        if key in name:
-            return flops
-    return None
+    return peak_bf16_flops(torch.cuda.get_device_name(device))
 
 
 ATTENTION = ("document", "causal")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from longctx.loss import TokenWeightedAccumulator, all_reduce_sum_and_count, global_token_loss
+from longctx.loss import TokenWeightedAccumulator, all_reduce_sum_and_count, causal_lm_loss, global_token_loss
 from dist_harness import run_distributed
 
 VOCAB, DIM, SEQ, WORLD, MICRO = 11, 8, 16, 4, 3
@@ -53,6 +53,8 @@ def _ddp_grad(method: str, x, labels) -> torch.Tensor:
     s, n = _loss_sum(w, x, labels)
     if method == "exact":
         loss = global_token_loss(s, n).loss
+    elif method == "causal_lm_loss":  # the one-call helper, from plain logits
+        loss = causal_lm_loss(x.to(w.dtype) @ w, labels)
     elif method == "per_rank_mean":
         loss = s / n
     elif method == "no_world_factor":
@@ -70,7 +72,7 @@ def _check_ranks(rank: int, world: int):
     x, labels = _data(1, 2 * world)
     ref = _reference_grad(x, labels)
     mine = slice(2 * rank, 2 * rank + 2)
-    out = {m: _rel(_ddp_grad(m, x[mine], labels[mine]), ref) for m in ("exact", "per_rank_mean", "no_world_factor")}
+    out = {m: _rel(_ddp_grad(m, x[mine], labels[mine]), ref) for m in ("exact", "causal_lm_loss", "per_rank_mean", "no_world_factor")}
 
     # Logged value: the true global mean, identical on every rank.
     w = _weight(torch.float64)
@@ -111,7 +113,7 @@ def _check_ranks(rank: int, world: int):
 def test_global_normalisation_matches_single_device():
     results = run_distributed(_check_ranks, WORLD)
     for r, out in enumerate(results):
-        assert out["exact"] < 1e-5, (r, out)
+        assert out["exact"] < 1e-5 and out["causal_lm_loss"] < 1e-5, (r, out)
         # The two classic mistakes are far off, not rounding-close.
         assert out["per_rank_mean"] > 1e-2, (r, out)
         assert out["no_world_factor"] > 0.5, (r, out)  # gradient scaled by 1/W
@@ -144,3 +146,25 @@ def test_bad_input():
         TokenWeightedAccumulator().add(torch.zeros(()), 1, accumulate=0)
     with pytest.raises(RuntimeError, match="before any add"):
         TokenWeightedAccumulator().finish([])
+
+
+def test_causal_lm_loss_without_process_group():
+    import pytest
+
+    x, labels = _data(4, 3)
+    w = _weight().requires_grad_()
+    logits = x @ w
+    loss = causal_lm_loss(logits, labels)
+    s, n = _loss_sum(w.detach().double(), x, labels)
+    assert abs(loss.item() - (s / n).item()) < 1e-6 * (s / n).item()
+    loss.backward()
+    assert _rel(w.grad, _reference_grad(x, labels)) < 1e-5
+    # bf16 logits: the sum runs in fp32, so the result is within bf16 rounding of the logits.
+    assert abs(causal_lm_loss(logits.detach().bfloat16(), labels).item() - (s / n).item()) < 1e-2 * (s / n).item()
+    bad = logits.detach().clone()
+    bad[0, 0, 0] = float("nan")
+    labels_kept = labels.clone()
+    labels_kept[0, 0] = 1
+    assert causal_lm_loss(bad, labels_kept).isnan()  # NaN in, NaN out
+    with pytest.raises(ValueError, match="does not match labels"):
+        causal_lm_loss(logits, labels[:, 1:])

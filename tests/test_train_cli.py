@@ -152,7 +152,62 @@ def test_every_shipped_config_resolves(path):
 
     spec = importlib.util.spec_from_file_location("train_cli", TRAIN)
     train = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = train  # its dataclasses look their module up there
     spec.loader.exec_module(train)
-    cfg, _ = train.resolve_config(train.parse_args(["--config", str(path)]))
+    cfg = train.resolve_config(train.parse_args(["--config", str(path)])).config
+    train.check_config({**cfg, "accelerator": "cpu"})  # every value valid (GPU presence aside)
     config = GPTConfig.from_dict(cfg["model"])
     assert config.n_layer > 0
+
+
+@pytest.mark.slow
+def test_resume_extends_the_run_in_its_own_folder(full_run, tmp_path, cache_env):
+    """--resume RUN --max-steps 8: the run's own config (only the override printed), the lr
+    schedule kept, metrics.csv covering all 8 steps, the summary naming its val step."""
+    import shutil
+
+    out, _ = full_run
+    run = tmp_path / "run"
+    shutil.copytree(out, run)  # a moved run folder: its config.yaml still names the old place
+    proc = _train(["--resume", str(run), "--max-steps", "8"], cache_env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "overridden here: max_steps 6 -> 8" in proc.stdout and "keeps ending at step 6" in proc.stdout
+    losses = _losses(run / "metrics.csv")
+    assert sorted(losses) == list(range(8))
+    assert {s: losses[s] for s in range(6)} == _losses(out / "metrics.csv")  # earlier steps kept as logged
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    assert cfg["output_dir"] == str(run) and cfg["max_steps"] == 8 and cfg["decay_steps"] == 6 and cfg["lr"] == 3e-3 and cfg["warmup_steps"] == 2
+    with open(run / "metrics.csv", newline="") as f:
+        last_val = [r for r in csv.DictReader(f) if r["val_loss"]][-1]
+    assert f"val loss {float(last_val['val_loss']):.3f} at step {last_val['step']}" in proc.stdout
+    assert "train loss " + f"{float(losses[0]):.3f}" in proc.stdout  # the summary starts at step 0
+
+
+@pytest.mark.slow
+def test_context_parallel_8_on_cpu(tmp_path, cache_env):
+    """The headline command on a CPU machine: devices follow --context-parallel."""
+    small_data = ["--data", "stdlib:json,email,http,logging,xml", "--set", "model.vocab_size=512",
+                  "--seq-len", "128", "--batch-size", "1", "--set", "progress_bar=false"]
+    proc = _train(["--context-parallel", "8", "--max-steps", "3", *small_data, "--output-dir", str(tmp_path)],
+                  cache_env, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "world 8 = dp 1 x cp 8" in proc.stdout
+    assert sorted(_losses(tmp_path / "metrics.csv")) == [0, 1, 2]
+
+
+def test_one_peak_flops_table():
+    """MFU in the training module and both benchmarks reads one table."""
+    import importlib.util
+
+    from longctx.models import GPTConfig
+    from longctx.models.lit_module import peak_bf16_flops
+
+    assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == peak_bf16_flops("NVIDIA H200") == 989.4e12
+    assert peak_bf16_flops("NVIDIA H100 PCIe") == 756.0e12 and peak_bf16_flops("Tesla T4") is None
+    spec = importlib.util.spec_from_file_location("max_context_peak", REPO / "benchmarks" / "max_context.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg = GPTConfig.from_preset("tiny")
+    pcie, sxm = (bench.attention_time_floor(cfg, False, name) for name in ("NVIDIA H100 PCIe", "NVIDIA H100"))
+    assert pcie == pytest.approx(sxm * 989.4 / 756.0) and bench.attention_time_floor(cfg, False, "cpu") == 0.0
+    assert "PEAK_BF16" not in (REPO / "benchmarks" / "train_throughput.py").read_text()

@@ -377,6 +377,41 @@ class ContextParallelStrategy(ModelParallelStrategy):
         # All ranks of a CP group read the same samples; only dp splits the data.
         return {"num_replicas": self.dp_size, "rank": self.dp_rank}
 
+    def connect(self, model: Any) -> None:
+        super().connect(model)
+        # While fitting, this strategy injects the distributed sampler itself (process_dataloader):
+        # Lightning's shuffles every training loader, even one with shuffle=False, so a CP or
+        # dp run would not see the batches of the same loader on one device.
+        trainer = getattr(model, "_trainer", None)
+        connector = getattr(trainer, "_accelerator_connector", None)
+        if connector is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._inject_sampler = connector.use_distributed_sampler
+            connector.use_distributed_sampler = False
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Split a user's DataLoader over dp only, in the loader's own order.
+
+        Sequential (``shuffle=False``) and custom samplers keep their order, strided over the
+        dp ranks: the global batch of step k is the one device's batch k. A ``RandomSampler``
+        becomes one permutation shared by all ranks (seed ``PL_GLOBAL_SEED``, as Lightning).
+        Loaders with a ``DistributedSampler`` of their own and iterable datasets pass as they are.
+        """
+        from lightning.fabric.utilities.data import has_iterable_dataset
+        from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+        from lightning.pytorch.utilities.data import _update_dataloader
+        from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+        if (not getattr(self, "_inject_sampler", False) or not isinstance(dataloader, DataLoader)
+                or isinstance(dataloader.sampler, DistributedSampler) or has_iterable_dataset(dataloader)):
+            return dataloader
+        kwargs = {**self.distributed_sampler_kwargs, "seed": int(os.getenv("PL_GLOBAL_SEED", 0))}
+        sampler = dataloader.sampler
+        if isinstance(sampler, (RandomSampler, SequentialSampler)):
+            sampler = DistributedSampler(dataloader.dataset, shuffle=isinstance(sampler, RandomSampler), **kwargs)
+        else:
+            sampler = DistributedSamplerWrapper(sampler, shuffle=False, **kwargs)
+        return _update_dataloader(dataloader, sampler)
+
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         # Shard after the LightningModule's transfer hooks, which may expect full sequences
         # (e.g. to shift labels). shard_batch is idempotent, so an already sharded batch passes.
@@ -406,6 +441,9 @@ class ContextParallelStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module
+        if getattr(self, "_inject_sampler", None) is not None and self.lightning_module is not None:
+            self.lightning_module.trainer._accelerator_connector.use_distributed_sampler = self._inject_sampler
+            self._inject_sampler = None
         if self._watchdog is not None:
             if not self._failed and dist.is_initialized():
                 # No rank stops watching (and exits, maybe taking rank 0's store with it)
