@@ -277,8 +277,9 @@ def test_tile_classes_repeated_ids_conservative():
 
 
 def test_block_map_compression():
-    """Per row: full tiles first, then masked ones, each ascending; counts match; the
-    key-major map is the transpose (dK/dV visits exactly the pairs the forward visits)."""
+    """Per row: full tiles first, then masked ones, each ascending; counts match; rows
+    launch longest first; the key-major map is the transpose (dK/dV visits exactly the
+    pairs the forward visits)."""
     pytest.importorskip("triton")
     from longctx.kernels.triton_document import FULL, SKIP, build_block_map, compress
 
@@ -287,7 +288,8 @@ def test_block_map_compression():
     assert bmap.num_full.tolist() == [[2, 0, 2]] and bmap.num_visit.tolist() == [[3, 0, 4]]
     assert bmap.indices[0, 0, :3].tolist() == [0, 3, 2]
     assert bmap.indices[0, 2, :4].tolist() == [2, 4, 0, 1]
-    assert bmap.indices.dtype == bmap.num_full.dtype == torch.int32
+    assert bmap.order.tolist() == [[2, 0, 1]]  # most tiles first
+    assert bmap.indices.dtype == bmap.num_full.dtype == bmap.order.dtype == torch.int32
 
     ids = torch.repeat_interleave(torch.arange(6), torch.tensor([9, 1, 14, 3, 20, 9]))[None]
     fwd = build_block_map(ids, ids, 8, 4, causal=True)
