@@ -77,17 +77,6 @@ def ids_from_lengths(lengths, device="cuda"):
                                    torch.tensor(lengths, device=device))[None]
 
 
-def visible_pairs_per_query(ids: torch.Tensor) -> torch.Tensor:
-    """Causal: for each query, how many keys j <= i share its id (any id layout)."""
-    flat = ids.reshape(-1)
-    order = torch.sort(flat, stable=True).indices
-    sorted_ids = flat[order]
-    first = torch.searchsorted(sorted_ids, sorted_ids, right=False)
-    count = torch.empty_like(flat)
-    count[order] = torch.arange(flat.numel(), device=flat.device) - first + 1
-    return count.view(ids.shape)
-
-
 def mix_summary(lengths, S):
     visible = sum(n * (n + 1) // 2 for n in lengths)
     causal = S * (S + 1) // 2
@@ -309,6 +298,7 @@ def part_ring(args):
     import torch.distributed as dist
 
     from longctx import ring_attention, shard_sequence
+    from longctx.layouts import document_work_per_rank
     from ring import log, time_in_group
 
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -351,9 +341,7 @@ def part_ring(args):
                 lengths = document_lengths(mix, S, seed=args.seed)
                 ids = ids_from_lengths(lengths)
                 row.update(mix_summary(lengths, S))
-                per_rank = torch.zeros(world, dtype=torch.float64, device="cuda")
-                per_rank[rank] = shard(visible_pairs_per_query(ids)).sum().double()
-                dist.all_reduce(per_rank)
+                per_rank = document_work_per_rank(ids, world, layout="zigzag").double()
                 row["visible_pairs_per_rank"] = per_rank.tolist()
                 row["imbalance_max_over_mean"] = (per_rank.max() / per_rank.mean()).item()
                 row["ms"] = timed(shard(ids))

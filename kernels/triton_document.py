@@ -39,6 +39,7 @@ class BlockMap(NamedTuple):
     num_full: torch.Tensor  # (B, rows) int32: leading entries of `indices` that need no mask
     num_visit: torch.Tensor  # (B, rows) int32: entries of `indices` to visit (full + masked)
     indices: torch.Tensor  # (B, rows, cols) int32: column tiles, full first, then masked
+    order: torch.Tensor  # (B, rows) int32: rows by decreasing num_visit (launch order)
 
 
 SKIP, MASKED, FULL = 0, 1, 2
@@ -75,11 +76,15 @@ def tile_classes(q_ids, k_ids, block_q: int, block_k: int, causal: bool) -> torc
 
 
 def compress(classes: torch.Tensor) -> BlockMap:
-    """Per row the visited columns, full ones first (both groups in ascending order)."""
-    order = torch.sort((FULL - classes).to(torch.int16), dim=-1, stable=True).indices
-    return BlockMap(num_full=(classes == FULL).sum(-1, dtype=torch.int32),
-                    num_visit=(classes != SKIP).sum(-1, dtype=torch.int32),
-                    indices=order.to(torch.int32))
+    """Per row the visited columns, full ones first (both groups in ascending order), and
+    the rows' launch order."""
+    columns = torch.sort((FULL - classes).to(torch.int16), dim=-1, stable=True).indices
+    num_visit = (classes != SKIP).sum(-1, dtype=torch.int32)
+    # Longest rows launch first (all heads of a row together): the work per row tile follows
+    # document lengths, and the long ones last would leave SMs idle at the end.
+    order = torch.sort(num_visit, dim=-1, descending=True, stable=True).indices
+    return BlockMap(num_full=(classes == FULL).sum(-1, dtype=torch.int32), num_visit=num_visit,
+                    indices=columns.to(torch.int32), order=order.to(torch.int32))
 
 
 def build_block_map(q_ids, k_ids, block_q: int, block_k: int, causal: bool, *,
@@ -173,7 +178,7 @@ def _fwd_tile(acc, l_i, m_i, q, q_doc, k_base, v_base, kdoc_base, k_tile, v_tile
 @_autotune(ta._FWD_CONFIGS)
 @_triton.heuristics(ta._EVEN_HEURISTICS)
 @_triton.jit
-def _fwd_kernel(Q, K, V, Out, LSE, QDOC, KDOC, NUM_FULL, NUM_VISIT, INDICES,
+def _fwd_kernel(Q, K, V, Out, LSE, QDOC, KDOC, NUM_FULL, NUM_VISIT, INDICES, ORDER,
                 stride_qb, stride_qs, stride_qh, stride_qd,
                 stride_kb, stride_ks, stride_kh, stride_kd,
                 stride_vb, stride_vs, stride_vh, stride_vd,
@@ -190,11 +195,9 @@ def _fwd_kernel(Q, K, V, Out, LSE, QDOC, KDOC, NUM_FULL, NUM_VISIT, INDICES,
     tl.static_assert(BLOCK_M == MAP_M)  # the block map was built for these tiles
     tl.static_assert(BLOCK_N == MAP_N)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m  # longest rows first: better tail balance
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(0)
     off_b = pid_bh // n_heads_q
+    pid_m = tl.load(ORDER + off_b * stride_nb + tl.program_id(1) * stride_nr)
     off_h = pid_bh % n_heads_q
     off_hk = off_h // group
     start_m = pid_m * BLOCK_M
@@ -308,7 +311,7 @@ def _dkdv_tile(dk, dv, k, v, k_doc, q_base, do_base, lse_base, delta_base, dq_ba
 
 @_triton.jit
 def _dkdv_kernel(Q, K, V, DO, LSE, Delta, DK, DV, DQ, DQ_DESC, QDOC, KDOC,
-                 NUM_FULL, NUM_VISIT, INDICES,
+                 NUM_FULL, NUM_VISIT, INDICES, ORDER,
                  stride_qb, stride_qs, stride_qh, stride_qd,
                  stride_kb, stride_ks, stride_kh, stride_kd,
                  stride_vb, stride_vs, stride_vh, stride_vd,
@@ -330,9 +333,9 @@ def _dkdv_kernel(Q, K, V, DO, LSE, Delta, DK, DV, DQ, DQ_DESC, QDOC, KDOC,
     tl.static_assert(BLOCK_M == MAP_M)  # the block map was built for these tiles
     tl.static_assert(BLOCK_N == MAP_N)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(0)
     off_b = pid_bh // n_heads_kv
+    pid_n = tl.load(ORDER + off_b * stride_nb + tl.program_id(1) * stride_nr)
     off_hk = pid_bh % n_heads_kv
     start_n = pid_n * BLOCK_N
 
@@ -432,7 +435,7 @@ def _dq_tile(dq, q, do, lse2, delta, q_doc, k_base, v_base, kdoc_base, k_tile, v
 @_autotune(ta._DQ_CONFIGS)
 @_triton.heuristics(ta._EVEN_HEURISTICS)
 @_triton.jit
-def _dq_kernel(Q, K, V, DO, LSE, Delta, DQ, QDOC, KDOC, NUM_FULL, NUM_VISIT, INDICES,
+def _dq_kernel(Q, K, V, DO, LSE, Delta, DQ, QDOC, KDOC, NUM_FULL, NUM_VISIT, INDICES, ORDER,
                stride_qb, stride_qs, stride_qh, stride_qd,
                stride_kb, stride_ks, stride_kh, stride_kd,
                stride_vb, stride_vs, stride_vh, stride_vd,
@@ -451,11 +454,9 @@ def _dq_kernel(Q, K, V, DO, LSE, Delta, DQ, QDOC, KDOC, NUM_FULL, NUM_VISIT, IND
     tl.static_assert(BLOCK_M == MAP_M)  # the block map was built for these tiles
     tl.static_assert(BLOCK_N == MAP_N)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(0)
     off_b = pid_bh // n_heads_q
+    pid_m = tl.load(ORDER + off_b * stride_nb + tl.program_id(1) * stride_nr)
     off_h = pid_bh % n_heads_q
     off_hk = off_h // group
     start_m = pid_m * BLOCK_M
@@ -526,10 +527,21 @@ def _ids(ids: torch.Tensor) -> torch.Tensor:
 
 
 def _map_args(bmap: BlockMap):
-    return (bmap.num_full, bmap.num_visit, bmap.indices)
+    return (bmap.num_full, bmap.num_visit, bmap.indices, bmap.order)
+
+
+def _grid(batch_heads: int, bmap: BlockMap):
+    # (batch*heads, row tiles): CUDA starts blocks x-fastest, so every head's longest row
+    # runs before any shorter one. grid y is limited to 65535 tiles.
+    rows = bmap.num_visit.shape[1]
+    if rows > 65535:
+        raise ValueError(f"a block of {rows} tiles exceeds the CUDA grid limit (65535); "
+                         "split the sequence (e.g. over a ring) or use shorter blocks")
+    return (batch_heads, rows)
 
 
 def _map_strides(bmap: BlockMap):
+    # num_full, num_visit and order are all contiguous (B, rows): one pair of strides.
     return (*bmap.num_full.stride(), *bmap.indices.stride())
 
 
@@ -539,7 +551,7 @@ def launch_forward(q, k, v, out, lse, q_doc, k_doc, causal, qk_scale):
     q_doc, k_doc = _ids(q_doc), _ids(k_doc)
     block_m, block_n = _tiles(ta._FWD_CONFIGS, D, q.dtype)
     bmap = build_block_map(q_doc, k_doc, block_m, block_n, causal)
-    _fwd_kernel[(triton.cdiv(Sq, block_m), B * Hq)](
+    _fwd_kernel[_grid(B * Hq, bmap)](
         q, k, v, out, lse, q_doc, k_doc, *_map_args(bmap),
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
         *q_doc.stride(), *k_doc.stride(), *_map_strides(bmap),
@@ -556,7 +568,7 @@ def launch_dkdv(kernel, q, k, v, dout, lse, delta, dk, dv, dq, dq_desc, q_doc, k
     q_doc, k_doc = _ids(q_doc), _ids(k_doc)
     block_m, block_n = _tiles(ta._DKDV_CONFIGS, D, q.dtype)
     bmap = build_block_map(q_doc, k_doc, block_m, block_n, causal, key_major=True)
-    kernel[(triton.cdiv(Sk, block_n), B * Hkv)](
+    kernel[_grid(B * Hkv, bmap)](
         q, k, v, dout, lse, delta, dk, dv, dq, dq_desc, q_doc, k_doc, *_map_args(bmap),
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
         *delta.stride(), *dk.stride(), *dv.stride(), *dq.stride(),
@@ -572,7 +584,7 @@ def launch_dq(q, k, v, dout, lse, delta, dq, q_doc, k_doc, causal, sm_scale, qk_
     q_doc, k_doc = _ids(q_doc), _ids(k_doc)
     block_m, block_n = _tiles(ta._DQ_CONFIGS, D, q.dtype)
     bmap = build_block_map(q_doc, k_doc, block_m, block_n, causal)
-    _dq_kernel[(triton.cdiv(Sq, block_m), B * Hq)](
+    _dq_kernel[_grid(B * Hq, bmap)](
         q, k, v, dout, lse, delta, dq, q_doc, k_doc, *_map_args(bmap),
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
         *delta.stride(), *dq.stride(), *q_doc.stride(), *k_doc.stride(), *_map_strides(bmap),

@@ -277,8 +277,9 @@ def test_tile_classes_repeated_ids_conservative():
 
 
 def test_block_map_compression():
-    """Per row: full tiles first, then masked ones, each ascending; counts match; the
-    key-major map is the transpose (dK/dV visits exactly the pairs the forward visits)."""
+    """Per row: full tiles first, then masked ones, each ascending; counts match; rows
+    launch longest first; the key-major map is the transpose (dK/dV visits exactly the
+    pairs the forward visits)."""
     pytest.importorskip("triton")
     from longctx.kernels.triton_document import FULL, SKIP, build_block_map, compress
 
@@ -287,7 +288,8 @@ def test_block_map_compression():
     assert bmap.num_full.tolist() == [[2, 0, 2]] and bmap.num_visit.tolist() == [[3, 0, 4]]
     assert bmap.indices[0, 0, :3].tolist() == [0, 3, 2]
     assert bmap.indices[0, 2, :4].tolist() == [2, 4, 0, 1]
-    assert bmap.indices.dtype == bmap.num_full.dtype == torch.int32
+    assert bmap.order.tolist() == [[2, 0, 1]]  # most tiles first
+    assert bmap.indices.dtype == bmap.num_full.dtype == bmap.order.dtype == torch.int32
 
     ids = torch.repeat_interleave(torch.arange(6), torch.tensor([9, 1, 14, 3, 20, 9]))[None]
     fwd = build_block_map(ids, ids, 8, 4, causal=True)
@@ -333,3 +335,58 @@ def test_backend_resolution_with_document_ids(monkeypatch):
         with pytest.warns(UserWarning, match="no document mask"):
             assert kernels.resolve_backend(vendor, g, g, True, documents=True) == "triton"
         assert kernels.resolve_backend(vendor, g, g, True) == vendor
+
+
+# ----------------------------------------------------------------------------- GPU
+
+# name: (B, Sq, Sk, Hq, Hkv, D, causal); ids: ~8 documents per row, one id reused.
+GPU_SHAPES = {
+    "causal_ragged_gqa_d128": (2, 1000, 1000, 8, 2, 128, True),
+    "causal_d64": (1, 2048, 2048, 4, 4, 64, True),
+    "full_sq_ne_sk_gqa_d64": (2, 384, 1000, 8, 2, 64, False),
+    "full_mqa_d128": (1, 777, 513, 4, 1, 128, False),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bwd_mode", ["split", "atomic"])
+@pytest.mark.parametrize("shape", list(GPU_SHAPES), ids=list(GPU_SHAPES))
+def test_gpu_bf16_vs_float64(shape, bwd_mode, monkeypatch):
+    """Compiled kernels (first listed config of each kernel; benchmarks/document_attention.py
+    checks the tuned ones): bf16 through the seam vs the float64 reference, same ids."""
+    from longctx.kernels import attention_backward, attention_forward, triton_attention
+
+    if not triton_attention.is_available("cuda"):
+        pytest.skip("triton unavailable")
+    monkeypatch.setenv("LONGCTX_TRITON_AUTOTUNE", os.environ.get("LONGCTX_TRITON_AUTOTUNE", "0"))
+    monkeypatch.setattr(triton_attention, "BWD_MODE", bwd_mode)
+    B, Sq, Sk, Hq, Hkv, D, causal = GPU_SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(Sq + D)
+    mk = lambda S, H: torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    q, k, v, dout = mk(Sq, Hq), mk(Sk, Hkv), mk(Sk, Hkv), mk(Sq, Hq)
+
+    def ids(S):  # 8 runs of random length; run 6 reuses run 1's id
+        cuts = torch.sort(torch.randint(1, S, (7,), generator=g, device="cuda")).values
+        doc = torch.zeros(B, S, dtype=torch.int64, device="cuda")
+        doc[:, cuts] = 1
+        doc = doc.cumsum(1)
+        return torch.where(doc == 6, 1, doc)
+
+    q_ids = ids(Sq)
+    k_ids = q_ids if causal else ids(Sk)
+    docs = dict(causal=causal, q_document_ids=q_ids, k_document_ids=k_ids)
+    out, lse = attention_forward(q, k, v, backend="triton", **docs)
+    grads = attention_backward(dout, q, k, v, out, lse, backend="triton", **docs)
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    want_out, want_lse = attention_forward(q64, k64, v64, backend="torch", **docs)
+    want = (want_out, want_lse) + tuple(attention_backward(dout.double(), q64, k64, v64, want_out,
+                                                           want_lse, backend="torch", **docs))
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    got = (out, lse[finite], *grads)
+    want = (want[0], want[1][finite], *want[2:])
+    errs = {n: _rel(a, b) for n, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want)}
+    assert all(torch.isfinite(t).all() for t in (out, *grads)), errs
+    bad = {n: e for n, e in errs.items() if not e < 2e-2}
+    assert not bad, f"{shape} {bwd_mode}: errors above 2e-2: {bad}"
