@@ -200,9 +200,18 @@ def _bad_inputs(rank, world):
     return caught
 
 
-def test_bad_inputs_fail_on_every_rank():
-    results = run_distributed(_bad_inputs, 2, timeout=120)
-    for rank, caught in enumerate(results):
+def _two_rank_checks(rank, world):
+    return _bad_inputs(rank, world), _non_finite_vs_reference(rank, world)
+
+
+@pytest.fixture(scope="module")
+def two_rank_checks():
+    """One 2-process group runs the input checks and the NaN/Inf cases (spawning is slow)."""
+    return run_distributed(_two_rank_checks, 2, timeout=120)
+
+
+def test_bad_inputs_fail_on_every_rank(two_rank_checks):
+    for rank, (caught, _) in enumerate(two_rank_checks):
         kinds = dict(caught)
         assert "different shard shapes" in kinds["mismatch"]
         assert "multiple of 4" in kinds["zigzag"] and "10" in kinds["zigzag"]
@@ -255,8 +264,8 @@ def _non_finite_vs_reference(rank, world):
     return results
 
 
-def test_nan_and_inf_in_q_or_k_show_in_the_output():
-    for where, impl, layout, same_nans, nan_rows, rest_close, grads_nan in run_distributed(_non_finite_vs_reference, 2)[0]:
+def test_nan_and_inf_in_q_or_k_show_in_the_output(two_rank_checks):
+    for where, impl, layout, same_nans, nan_rows, rest_close, grads_nan in two_rank_checks[0][1]:
         case = (where, impl, layout)
         assert nan_rows > 0 and same_nans and rest_close and grads_nan, (case, same_nans, nan_rows, rest_close, grads_nan)
 

@@ -75,7 +75,40 @@ def _all_sizes_vs_reference(rank, world, seed):
     errors += run_cases(ulysses_attention, pair, ULYSSES_CASES, seed + rank // 2)
     if rank < 3:
         errors += run_cases(ring_attention, triple, RING_CASES, seed)
-    return errors
+    return errors, _kernel_calls_and_sends(rank, world)
+
+
+def _kernel_calls_and_sends(rank, world):
+    """Length-1 documents: only the diagonal block is computed, forward and backward, while
+    every K/V hop still carries the shard's ids (two tensors per send batch)."""
+    import longctx.ring as ring
+    from longctx import shard_sequence
+
+    calls = {"forward": 0, "backward": 0}
+    real = {"forward": ring.attention_forward, "backward": ring.attention_backward,
+            "p2p": dist.batch_isend_irecv}
+    sends = []
+
+    def counted(kind):
+        def call(*args, **kwargs):
+            calls[kind] += 1
+            return real[kind](*args, **kwargs)
+        return call
+
+    def counting_p2p(ops):
+        sends.append(sum(op.op is dist.isend for op in ops))
+        return real["p2p"](ops)
+
+    ids = shard_sequence(torch.arange(8 * world)[None], 1, rank=rank, world_size=world)
+    q = torch.randn(1, 8, 2, 4, requires_grad=True)
+    ring.attention_forward, ring.attention_backward = counted("forward"), counted("backward")
+    dist.batch_isend_irecv = counting_p2p
+    try:
+        ring_attention(q, q, q, group=dist.group.WORLD, document_ids=ids, backend="torch").sum().backward()
+    finally:
+        ring.attention_forward, ring.attention_backward = real["forward"], real["backward"]
+        dist.batch_isend_irecv = real["p2p"]
+    return calls, sends
 
 
 def _too_far(errors):
@@ -85,11 +118,15 @@ def _too_far(errors):
 def test_documents_match_float64_reference_over_gloo():
     seed = random.randrange(1 << 30)  # fresh inputs every run; printed on failure
     per_rank = run_distributed(_all_sizes_vs_reference, 4, seed)
-    errors = per_rank[0] + per_rank[2]  # rank 2 reports its own pair
+    errors = per_rank[0][0] + per_rank[2][0]  # rank 2 reports its own pair
     expected = 4 * (2 * len(RING_CASES) + 2 * len(ULYSSES_CASES) + len(RING_CASES))
-    assert len(per_rank[0]) == expected
+    assert len(per_rank[0][0]) == expected
     bad = _too_far(errors)
     assert not bad, f"seed={seed}:\n" + "\n".join(bad)
+    for calls, sends in (result[1] for result in per_rank):
+        assert calls == {"forward": 1, "backward": 1}, calls
+        # forward P-1 and backward P-2 K/V hops with their ids, P-1 dK/dV hops alone
+        assert sorted(sends) == [1] * 3 + [2] * (3 + 2), sends
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
