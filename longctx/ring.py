@@ -298,7 +298,7 @@ class _RingAttention(torch.autograd.Function):
         comm = RingExchange(group)
         world = comm.world_size
         acc_dtype = _accumulator_dtype(q.dtype)
-        backend = resolve_backend(backend, q, k, causal)
+        backend = resolve_backend(backend, q, k, causal, documents=document_ids is not None)
         partial_dtype = _partial_dtype(backend, acc_dtype)
 
         # Double buffer, allocated once per call as two tensors, so that keeping the last
