@@ -114,6 +114,9 @@ class ParallelPlan:
             ``"torch"``.
         loss_chunk_size: tokens per chunk of the chunked cross-entropy (fp32 logits of at
             most this many tokens exist at once).
+        offload_activations: keep the tensors saved for the backward in (pinned) host memory
+            instead of on the GPU. With ``activation_checkpointing="full"`` those are only the
+            block inputs: what still does not fit at 1M tokens per GPU.
     """
 
     activation_checkpointing: str = "none"
@@ -121,6 +124,7 @@ class ParallelPlan:
     cp_attention: str = "ring"
     attention_backend: str = "auto"
     loss_chunk_size: int = 4096
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
         ac = self.activation_checkpointing
@@ -248,6 +252,10 @@ def _apply_runtime_policy(model: nn.Module, plan: ParallelPlan) -> None:
         raise ValueError(f"{type(model).__name__} does not support fuse_pointwise")
     if hasattr(model, "loss_chunk_size"):
         model.loss_chunk_size = plan.loss_chunk_size
+    if hasattr(model, "offload_activations"):
+        model.offload_activations = plan.offload_activations
+    elif plan.offload_activations:
+        raise ValueError(f"{type(model).__name__} does not support offload_activations")
 
 
 def _apply_fsdp(model: nn.Module, dims: ParallelDims) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional
 
 ROPE_SCALING_TYPES = ("linear", "ntk")
 # How a model runs is not its architecture: these keys belong to longctx.ParallelPlan.

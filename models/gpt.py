@@ -22,6 +22,7 @@ LightningModule.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Optional, Union
@@ -29,6 +30,7 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint
 
 from longctx.layouts import position_ids as layout_position_ids
@@ -324,6 +326,7 @@ class GPT(nn.Module):
         self.norm = RMSNorm(config.n_embd, config.rms_norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.loss_chunk_size = 4096
+        self.offload_activations = False
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -380,8 +383,10 @@ class GPT(nn.Module):
         c = self.config
         rope = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, c.rope_scaling)  # once for all blocks
         x = self.embed(input_ids)
-        for block in self.blocks:
-            x = block(x, rope=rope, document_ids=document_ids)
+        offload = self.offload_activations and torch.is_grad_enabled()
+        with save_on_cpu(pin_memory=x.is_cuda) if offload else contextlib.nullcontext():
+            for block in self.blocks:
+                x = block(x, rope=rope, document_ids=document_ids)
         return self.norm(x)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, *,

@@ -13,7 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from dist_harness import run_distributed
 
-from longctx import CPContext, ParallelDims, ParallelPlan, parallelize, position_ids, shard_sequence, unshard_sequence
+from longctx import (CPContext, ParallelDims, ParallelPlan, document_position_ids, parallelize, position_ids,
+                     shard_sequence, unshard_sequence)
 from longctx.models import (
     GPT,
     GPTConfig,
@@ -60,21 +61,32 @@ def _cp_worker(rank: int, world: int, seq_len: int) -> dict:
     """Per rank: CP forward/backward for several settings vs a float64 single-device reference."""
     cp = dist.new_group(list(range(world)))
     errors = {}
-    for case, (layout, ckpt, explicit_pos, seed) in {
-        "zigzag": ("zigzag", False, True, 1),
-        "zigzag+checkpointing+default_pos": ("zigzag", True, False, 2),
-        "contiguous": ("contiguous", False, True, 3),
-        "zigzag+selective_checkpointing": ("zigzag", "selective", True, 4),
+    for case, (layout, ckpt, explicit_pos, seed, documents) in {
+        "zigzag": ("zigzag", False, True, 1, False),
+        "zigzag+checkpointing+default_pos": ("zigzag", True, False, 2, False),
+        "contiguous": ("contiguous", False, True, 3, False),
+        "zigzag+selective_checkpointing": ("zigzag", "selective", True, 4, False),
+        # Packed documents crossing shard boundaries, RoPE restarting per document.
+        "zigzag+documents": ("zigzag", "selective", True, 5, True),
     }.items():
         torch.manual_seed(seed)
         config = small_config()
         model = GPT(config)
         input_ids, labels = make_batch(seq_len, config.vocab_size, seed=100 + seed)
 
+        docs = full_pos = None
+        if documents:
+            g = torch.Generator().manual_seed(seed)
+            docs = torch.cumsum(torch.rand(input_ids.shape, generator=g) < 0.2, dim=1)  # ~5-token documents
+            full_pos = document_position_ids(docs)
+
         # Reference: the whole sequence on one device, float64.
         ref = parallelize(copy.deepcopy(model).double(), plan=small_plan())
-        ref_logits = ref(input_ids)
-        ref_sum, ref_n = ref.loss(input_ids, labels)
+        ref_logits = ref(input_ids, full_pos, document_ids=docs)
+        if documents:  # the mask matters here: without it the logits differ
+            with torch.no_grad():
+                assert rel_err(ref(input_ids, full_pos), ref_logits.detach()) > 1e-3
+        ref_sum, ref_n = ref.loss(input_ids, labels, full_pos, docs)
         ref_sum.backward()
 
         # CP: this rank's shard, fp32.
@@ -82,8 +94,11 @@ def _cp_worker(rank: int, world: int, seq_len: int) -> dict:
         shard = dict(rank=rank, world_size=world, layout=layout)
         ids_l, lab_l = shard_sequence(input_ids, 1, **shard), shard_sequence(labels, 1, **shard)
         pos = position_ids(seq_len, **shard) if explicit_pos else None
-        logits_l = model(ids_l, pos)
-        loss_l, n_l = model.loss(ids_l, lab_l, pos)
+        docs_l = None
+        if documents:
+            pos, docs_l = shard_sequence(full_pos, 1, **shard), shard_sequence(docs, 1, **shard)
+        logits_l = model(ids_l, pos, document_ids=docs_l)
+        loss_l, n_l = model.loss(ids_l, lab_l, pos, docs_l)
         loss_l.backward()
         assert loss_l.dtype == torch.float32 and n_l.dtype == torch.int64
 
@@ -114,7 +129,7 @@ def test_context_parallel_equals_single_device(world):
     for rank, errors in enumerate(results):
         for key, err in errors.items():
             assert err <= 1e-5, f"P={world} rank {rank} {key}: relative error {err:.2e}"
-    assert len(results[0]) == 16  # 4 cases x (logits, loss_sum, n_tokens, grad_max)
+    assert len(results[0]) == 20  # 5 cases x (logits, loss_sum, n_tokens, grad_max)
 
 
 # ---- RoPE ----------------------------------------------------------------------------------
@@ -244,6 +259,22 @@ def test_loss_matches_logits_and_checkpointing_matches():
     assert model.lm_head is None and model.num_params() == config.num_params()
     untied = GPT(small_config(tie_embeddings=False))
     assert untied.num_params() == untied.config.num_params() == config.num_params() + 96 * 32
+
+
+def test_offloaded_activations_give_the_same_gradients():
+    """offload_activations keeps what the backward needs in host memory: same loss and grads."""
+    torch.manual_seed(0)
+    model = GPT(small_config())
+    offloaded = copy.deepcopy(model)
+    parallelize(model, plan=small_plan(activation_checkpointing="full"))
+    parallelize(offloaded, plan=small_plan(activation_checkpointing="full", offload_activations=True))
+    input_ids, labels = make_batch(20, model.config.vocab_size, seed=9)
+    for m in (model, offloaded):
+        loss, _ = m.loss(input_ids, labels)
+        loss.backward()
+    for (k, a), b in zip(model.named_parameters(), offloaded.parameters()):
+        assert torch.equal(a.grad, b.grad), k
+    assert offloaded.offload_activations and not model.offload_activations
 
 
 def test_selective_checkpointing_runs_the_ring_once(monkeypatch):

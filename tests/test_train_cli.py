@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import csv
 import os
-import signal
 import subprocess
 import sys
-import textwrap
-import time
 from pathlib import Path
 
 import pytest

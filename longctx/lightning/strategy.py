@@ -41,6 +41,7 @@ makes every other rank fail within that time instead of hanging a job for half a
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
