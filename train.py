@@ -226,7 +226,7 @@ def resolve_config(args: argparse.Namespace) -> Resolved:
     cfg = defaults()
     resume_ckpt, run_config = None, None
     if args.resume:
-        from longctx.lightning.strategy import find_resume_checkpoint
+        from longctx.lightning.checkpoint_io import find_resume_checkpoint
 
         resume_ckpt = find_resume_checkpoint(args.resume)
         run_yaml = run_dir_of(resume_ckpt) / "config.yaml"
@@ -403,19 +403,6 @@ MODEL_SHAPE_KEYS = ("preset", "vocab_size", "n_layer", "n_head", "n_kv_head", "n
                     "head_dim", "tie_embeddings")
 
 
-def checkpoint_step(path: Path) -> Optional[int]:
-    """The optimizer step a checkpoint was saved at (None if it cannot be read cheaply)."""
-    import torch
-
-    meta = path / "meta.pt" if path.is_dir() else path  # sharded checkpoints keep it in meta.pt
-    try:
-        state = torch.load(meta, map_location="cpu", mmap=not path.is_dir(), weights_only=True)
-    except Exception:  # noqa: BLE001 - the real load reports what is wrong with it
-        return None
-    step = state.get("global_step") if isinstance(state, dict) else None
-    return int(step) if step is not None else None
-
-
 def check_resume(resolved: Resolved) -> None:
     """Refuse a resume that cannot continue the run, and say what a flag changes."""
     cfg, ckpt, run = resolved.config, resolved.resume_checkpoint, resolved.run_config
@@ -426,8 +413,10 @@ def check_resume(resolved: Resolved) -> None:
         if changed:
             raise ValueError(f"--resume {ckpt}: the checkpoint holds another model shape than asked for "
                              f"({', '.join(changed)}); resume with the run's model (drop those flags)")
-    step = checkpoint_step(ckpt)
-    if step is not None and step >= cfg["max_steps"]:
+    from longctx.lightning.checkpoint_io import checkpoint_step
+
+    step = checkpoint_step(ckpt)  # the checkpoint was verified when resolve_config picked it
+    if step >= 0 and step >= cfg["max_steps"]:
         decay = cfg["decay_steps"] or cfg["max_steps"]
         raise ValueError(
             f"--resume {ckpt}: that run already finished (step {step} of --max-steps {cfg['max_steps']}); to "
@@ -597,6 +586,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     # (so no sync_dist), and a pytree deprecation inside Lightning itself.
     warnings.filterwarnings("ignore", message=".*sync_dist=True.*")
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    # CausalLMModule's own hook computes per-document positions on the full batch: meant.
+    warnings.filterwarnings("ignore", message=".*overridden `on_after_batch_transfer`.*")
 
     import lightning as L
     import torch

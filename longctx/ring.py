@@ -67,26 +67,42 @@ def _halves(index: slice) -> tuple[int, ...]:
 
 def _ring_blocks(rank: int, world_size: int, layout: str, causal: bool, s_local: int,
                  document_ranges: Optional[torch.Tensor]) -> list:
-    """``_block_for_step`` for every step, with None also where the block's query rows and
-    K/V rows hold no common document id. Decided on the host from the per-half id ranges
-    every rank exchanged: exact for ids that never decrease along the sequence (packed
-    documents), conservative otherwise (the kernels then mask what remains)."""
+    """``(rows, cols, causal mask, needs document mask)`` for every step (None: skip).
+
+    A step is skipped where the block's query rows and K/V rows hold no common document
+    id; a block whose rows all lie in one and the same document needs no document mask
+    (the plain kernels, cuDNN on GPUs, run it). Decided on the host from the per-half id
+    ranges every rank exchanged: exact for ids that never decrease along the sequence
+    (packed documents), conservative otherwise (the kernels then mask what remains)."""
     blocks = []
     for step in range(world_size):
         block = _block_for_step(rank, step, world_size, layout, causal, s_local)
-        if block is not None and step > 0 and document_ranges is not None:
-            rows, cols, _ = block
+        if block is not None and document_ranges is not None:
+            rows, cols, masked = block
             mine, theirs = document_ranges[rank].tolist(), document_ranges[(rank - step) % world_size].tolist()
-            if not any(max(mine[2 * a], theirs[2 * b]) <= min(mine[2 * a + 1], theirs[2 * b + 1])
-                       for a in _halves(rows) for b in _halves(cols)):
+            pairs = [(mine[2 * a: 2 * a + 2], theirs[2 * b: 2 * b + 2]) for a in _halves(rows) for b in _halves(cols)]
+            if step > 0 and not any(max(m[0], t[0]) <= min(m[1], t[1]) for m, t in pairs):
                 block = None
+            else:
+                one_document = all(m[0] == m[1] == t[0] == t[1] for m, t in pairs)
+                block = (rows, cols, masked, not one_document)
+        elif block is not None:
+            block = (*block, False)
         blocks.append(block)
     return blocks
 
 
-def _documents(q_ids: Optional[torch.Tensor], k_ids: Optional[torch.Tensor], rows: slice, cols: slice) -> dict:
-    """Document-id keywords of a block's kernel call (none without ids)."""
-    if q_ids is None:
+def _one_document(document_ranges: torch.Tensor) -> bool:
+    """Every rank's ids are one and the same value: the mask changes nothing."""
+    values = set(document_ranges.flatten().tolist())
+    return len(values) == 1
+
+
+def _documents(q_ids: Optional[torch.Tensor], k_ids: Optional[torch.Tensor], rows: slice, cols: slice,
+               needed: bool = True) -> dict:
+    """Document-id keywords of a block's kernel call (none without ids or where the block
+    lies inside one document)."""
+    if q_ids is None or not needed:
         return {}
     return {"q_document_ids": q_ids[:, rows], "k_document_ids": k_ids[:, cols]}
 
@@ -298,8 +314,10 @@ class _RingAttention(torch.autograd.Function):
         comm = RingExchange(group)
         world = comm.world_size
         acc_dtype = _accumulator_dtype(q.dtype)
-        backend = resolve_backend(backend, q, k, causal, documents=document_ids is not None)
-        partial_dtype = _partial_dtype(backend, acc_dtype)
+        # Blocks inside one document run on the plain kernels (cuDNN on GPUs), the others on
+        # the document-masked ones.
+        backends = (resolve_backend(backend, q, k, causal),
+                    resolve_backend(backend, q, k, causal, documents=True) if document_ids is not None else None)
 
         # Double buffer, allocated once per call as two tensors, so that keeping the last
         # slot for the backward does not keep the other alive. Slot = [k, v]: one message
@@ -323,11 +341,13 @@ class _RingAttention(torch.autograd.Function):
                 pending = (comm.shift(current, slots[nxt]) if document_ids is None
                            else comm.shift((current, current_ids), (slots[nxt], id_slots[nxt])))
             if blocks[step] is not None:
-                rows, cols, masked = blocks[step]
+                rows, cols, masked, needs_ids = blocks[step]
+                block_backend = backends[needs_ids]
                 out_b, lse_b = attention_forward(
                     q[:, rows], current[0][:, cols], current[1][:, cols],
-                    causal=masked, softmax_scale=scale, backend=backend, out_dtype=partial_dtype,
-                    **_documents(document_ids, current_ids, rows, cols),
+                    causal=masked, softmax_scale=scale, backend=block_backend,
+                    out_dtype=_partial_dtype(block_backend, acc_dtype),
+                    **_documents(document_ids, current_ids, rows, cols, needs_ids),
                 )
                 if out is None:
                     # Step 0 always covers every local query row (diagonal or full block).
@@ -345,21 +365,22 @@ class _RingAttention(torch.autograd.Function):
         # rank+1's K/V shard (step P-1): the backward's first block, already here.
         last = (world - 1) % 2
         ctx.save_for_backward(q, k, v, result, lse, slots[last], document_ids, id_slots[last])
-        ctx.args = (group, causal, scale, backend, blocks)
+        ctx.args = (group, causal, scale, backends, blocks)
         return result
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, last_kv, document_ids, last_ids = ctx.saved_tensors
-        group, causal, scale, backend, blocks = ctx.args
+        group, causal, scale, backends, blocks = ctx.args
         comm = RingExchange(group)
         world = comm.world_size
         acc_dtype = _accumulator_dtype(q.dtype)
-        partial_dtype = _partial_dtype(backend, acc_dtype)  # backend was resolved in forward
 
-        # delta = rowsum(dO * O) once per layer, not once per block (None for the vendor
-        # kernels, which recompute it inside).
-        delta = attention_delta(out, dout, backend=backend)
+        # delta = rowsum(dO * O) once per layer, not once per block (None where every block
+        # runs on vendor kernels, which recompute it inside and ignore a given one).
+        used = {backends[b[3]] for b in blocks if b is not None}
+        delta_backend = next((b for b in used if b not in ("cudnn", "flash")), next(iter(used)))
+        delta = attention_delta(out, dout, backend=delta_backend)
         dq = torch.empty(q.shape, dtype=acc_dtype, device=q.device)
         dq_fresh = True  # no block has written dq yet
 
@@ -369,13 +390,15 @@ class _RingAttention(torch.autograd.Function):
             nonlocal dq_fresh
             if blocks[step] is None:
                 return None
-            rows, cols, masked = blocks[step]
+            rows, cols, masked, needs_ids = blocks[step]
+            block_backend = backends[needs_ids]
             dq_b, dk_b, dv_b = attention_backward(
                 dout[:, rows], q[:, rows], block_k[:, cols], block_v[:, cols],
                 out[:, rows], lse[:, :, rows],
-                causal=masked, softmax_scale=scale, backend=backend,
-                delta=None if delta is None else delta[:, :, rows], grad_dtype=partial_dtype,
-                **_documents(document_ids, block_ids, rows, cols),
+                causal=masked, softmax_scale=scale, backend=block_backend,
+                delta=None if delta is None else delta[:, :, rows],
+                grad_dtype=_partial_dtype(block_backend, acc_dtype),
+                **_documents(document_ids, block_ids, rows, cols, needs_ids),
             )
             if step == 0:
                 return cols, dk_b, dv_b, _finish(dq, rows, dq_b, dq_fresh, q.dtype)
@@ -455,6 +478,15 @@ def ring_attention(
     world, document_ranges = check_cp_inputs(q, k, v, group, layout, name="ring_attention",
                                              causal=causal, document_ids=document_ids)
     if world == 1:
+        # One host read per call: a sequence that is one document needs no mask (and then
+        # runs on the plain kernels, cuDNN on GPUs).
+        if document_ids is not None and document_ids.numel():
+            low, high = torch.stack(torch.aminmax(document_ids)).tolist()
+            if low == high:
+                document_ids = None
         return _LocalAttention.apply(q, k, v, document_ids, causal, softmax_scale, backend)
+    if document_ids is not None and _one_document(document_ranges):
+        document_ids = None  # the same decision on every rank (same table): no ids travel
+        document_ranges = None
     blocks = _ring_blocks(dist.get_rank(group), world, layout, causal, q.shape[1], document_ranges)
     return _RingAttention.apply(q, k, v, document_ids, group, causal, softmax_scale, backend, blocks)

@@ -169,10 +169,12 @@ def test_ring_blocks_skip_steps_without_shared_documents():
         for causal in (True, False):
             for rank in range(world):
                 plain = [_block_for_step(rank, s, world, layout, causal, s_local) for s in range(world)]
-                assert _ring_blocks(rank, world, layout, causal, s_local, one) == plain
-                assert _ring_blocks(rank, world, layout, causal, s_local, None) == plain
+                # Inside one document no block needs the document mask (plain kernels).
+                unmasked = [None if b is None else (*b, False) for b in plain]
+                assert _ring_blocks(rank, world, layout, causal, s_local, one) == unmasked
+                assert _ring_blocks(rank, world, layout, causal, s_local, None) == unmasked
                 diagonal = _ring_blocks(rank, world, layout, causal, s_local, single)
-                assert diagonal[0] == plain[0] and diagonal[1:] == [None] * (world - 1)
+                assert diagonal[0] == (*plain[0], True) and diagonal[1:] == [None] * (world - 1)
                 mine = shards(crossing_ids)[rank]
                 for step, block in enumerate(_ring_blocks(rank, world, layout, causal, s_local, crossing)):
                     if plain[step] is None:
@@ -182,6 +184,9 @@ def test_ring_blocks_skip_steps_without_shared_documents():
                     theirs = shards(crossing_ids)[(rank - step) % world]
                     shared = bool(torch.isin(mine[:, rows], theirs[:, cols]).any())
                     assert (block is not None) == (shared or step == 0), (layout, causal, rank, step)
+                    if block is not None:  # the mask is needed unless both sides are one document
+                        ids = torch.cat([mine[:, rows].flatten(), theirs[:, cols].flatten()]).unique()
+                        assert block[3] == (len(ids) > 1), (layout, causal, rank, step)
 
 
 def test_document_ids_validation():
