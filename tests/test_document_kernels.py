@@ -7,14 +7,14 @@ tile set, in parallel) and the tests assert on the JSON they print.
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import zlib
 
 import pytest
 import torch
+
+from interpreter_harness import interpreted_results as run_interpreted
+from interpreter_harness import print_results
 
 # name: (B, Sq, Sk, Hq, Hkv, D, causal, dtype, ids, options)
 # ids: how q/k document ids are drawn (see _document_ids); options: atomic (dQ by atomics),
@@ -160,36 +160,9 @@ def run_case(name):
     return result
 
 
-def _worker_main():
-    results = {}
-    for name in CASES:
-        try:
-            results[name] = run_case(name)
-        except Exception as e:  # report, do not hide: the test shows the message
-            results[name] = {"error": f"{type(e).__name__}: {e}"}
-    print("RESULTS " + json.dumps(results))
-
-
 @pytest.fixture(scope="module")
 def interpreted_results():
-    pytest.importorskip("triton")
-    procs = []
-    for tiles in TILE_SETS:
-        env = dict(os.environ, TRITON_INTERPRET="1", LONGCTX_TRITON_INTERP_TILES=tiles)
-        procs.append((tiles, subprocess.Popen([sys.executable, os.path.abspath(__file__)], env=env,
-                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                              text=True)))
-    results = {}
-    for tiles, proc in procs:
-        try:
-            stdout, stderr = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            pytest.fail(f"interpreter worker (tiles {tiles}) timed out")
-        lines = [line for line in stdout.splitlines() if line.startswith("RESULTS ")]
-        assert proc.returncode == 0 and lines, f"worker (tiles {tiles}) failed:\n{stdout}\n{stderr}"
-        results[tiles] = json.loads(lines[-1][len("RESULTS "):])
-    return results
+    return run_interpreted(__file__, TILE_SETS)
 
 
 @pytest.mark.parametrize("tiles", TILE_SETS)
@@ -210,7 +183,7 @@ def test_document_attention_vs_float64(interpreted_results, name, tiles):
 
 
 if __name__ == "__main__":
-    _worker_main()
+    print_results(CASES, run_case)
 
 
 # ----------------------------------------------------------------------------- block map

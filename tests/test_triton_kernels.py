@@ -10,14 +10,13 @@ band splits and ragged tails are covered) and asserts per case.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import zlib
 
 import pytest
 import torch
+
+from interpreter_harness import interpreted_results as run_interpreted
+from interpreter_harness import print_results
 
 from attention_reference import reference
 
@@ -103,36 +102,9 @@ def run_case(name):
     return {"errs": errs, "dtypes_ok": bool(dtypes_ok)}
 
 
-def _worker_main():
-    results = {}
-    for name in CASES:
-        try:
-            results[name] = run_case(name)
-        except Exception as e:  # report, do not hide: the test shows the message
-            results[name] = {"error": f"{type(e).__name__}: {e}"}
-    print("RESULTS " + json.dumps(results))
-
-
 @pytest.fixture(scope="module")
 def interpreted_results():
-    pytest.importorskip("triton")
-    procs = []
-    for tiles in TILE_SETS:
-        env = dict(os.environ, TRITON_INTERPRET="1", LONGCTX_TRITON_INTERP_TILES=tiles)
-        procs.append((tiles, subprocess.Popen([sys.executable, os.path.abspath(__file__)], env=env,
-                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                              text=True)))
-    results = {}
-    for tiles, proc in procs:
-        try:
-            stdout, stderr = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            pytest.fail(f"interpreter worker (tiles {tiles}) timed out")
-        lines = [line for line in stdout.splitlines() if line.startswith("RESULTS ")]
-        assert proc.returncode == 0 and lines, f"worker (tiles {tiles}) failed:\n{stdout}\n{stderr}"
-        results[tiles] = json.loads(lines[-1][len("RESULTS "):])
-    return results
+    return run_interpreted(__file__, TILE_SETS)
 
 
 @pytest.mark.parametrize("tiles", TILE_SETS)
@@ -186,7 +158,7 @@ def test_choose_backend_table(monkeypatch):
 
 
 if __name__ == "__main__":
-    _worker_main()
+    print_results(CASES, run_case)
 
 
 def test_attention_delta_dispatch():
