@@ -11,9 +11,10 @@ that rank failing. Here (installed by ``ContextParallelStrategy``):
 * after every optimizer step the ranks agree (one all-reduce of the signal number), so
   all stop at the same step even when only some of them received the signal;
 * they save a checkpoint of that step through the trainer's ``ModelCheckpoint`` (its
-  ``last.ckpt``, unless this step is saved already) and raise ``StoppedBySignal``, a
-  ``SystemExit`` whose code is 128 + the signal number (what a shell reports for a process
-  the signal killed);
+  ``last.ckpt``, unless this step is saved already), skip a validation due at that step,
+  and raise ``StoppedBySignal`` as the next batch starts (so the step's metrics are
+  logged), a ``SystemExit`` whose code is 128 + the signal number (what a shell reports
+  for a process the signal killed);
 * a timer started with the signal ends the process ``grace_period`` seconds later whatever
   it is doing (a save that does not fit, a rank stuck in a collective): better without a
   checkpoint than a hang; atomic saves keep the previous checkpoint whole.
@@ -107,11 +108,19 @@ class SignalStop:
 
 
 class StopOnSignal(Callback):
-    """After each optimizer step: if any rank received a signal, save and raise ``StoppedBySignal``."""
+    """After each optimizer step: if any rank received a signal, save, then raise
+    ``StoppedBySignal`` before the next batch runs."""
 
     def __init__(self, stop: SignalStop):
         self.stop = stop
         self._checked_step = -1
+        self._stopping: Optional[StoppedBySignal] = None
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._stopping is not None:
+            if trainer.is_global_zero:
+                print(f"[longctx] {self._stopping}", flush=True)
+            raise self._stopping
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
@@ -121,11 +130,9 @@ class StopOnSignal(Callback):
         signum = self.stop.agree(trainer.strategy.root_device)
         if signum is None:
             return
-        checkpoint = _save_checkpoint(trainer)
+        self._stopping = StoppedBySignal(signum, step, _save_checkpoint(trainer))
         self.stop.checkpoint_saved = True
-        if trainer.is_global_zero:
-            print(f"[longctx] {StoppedBySignal(signum, step, checkpoint)}", flush=True)
-        raise StoppedBySignal(signum, step, checkpoint)
+        trainer.fit_loop.epoch_loop._skip_next_val = True  # no time for it
 
 
 def _save_checkpoint(trainer: Any) -> Optional[str]:
