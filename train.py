@@ -732,6 +732,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         trainer.fit(module, datamodule=dm, ckpt_path=str(resume_ckpt) if resume_ckpt else None)
     except StoppedBySignal as stop:  # SIGTERM (preemption, timeout): every rank stopped at one step
         stopped = stop
+    except Exception as error:
+        if strategy.received_signal is None:
+            raise
+        # Another rank left first during the stop (its grace period ran out): no failure of ours.
+        print(f"train.py: stopped by {signal_name(strategy.received_signal)} before a checkpoint of the "
+              f"current step ({type(error).__name__}: {str(error)[:300]})", file=sys.stderr, flush=True)
+        return 128 + strategy.received_signal
 
     if trainer.is_global_zero:
         rows = flatten_metrics(out / "logs", Path(logger.log_dir) / "metrics.csv", out / "metrics.csv",

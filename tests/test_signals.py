@@ -7,6 +7,8 @@
   survive it (a running rank 1 would also exit through its broken connection);
 * a port clash (MASTER_PORT held by another process): rank 0 fails at once and takes the
   rank it launched with it instead of leaving it waiting for a rendezvous forever.
+* a stop that cannot finish in the grace period (a save too slow, a rank stuck) ends the
+  process at the deadline, naming the signal, instead of hanging.
 
 Each run is a session of its own, killed as a group at the end: only our own processes.
 """
@@ -17,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -163,3 +166,20 @@ def test_port_clash_ends_rank_0_and_its_child(tmp_path, env):
     assert rc is not None and rc != 0, f"rank 0 still running after {STARTUP_S}s:\n{log[-3000:]}"
     assert children, log[-3000:]
     assert not left, f"rank 1 (pid {left}) left behind after a port clash:\n{log[-3000:]}"
+
+
+def test_grace_period_bounds_a_stop_that_does_not_finish():
+    code = textwrap.dedent("""
+        import signal, time
+        from longctx.lightning.preemption import SignalStop
+        stop = SignalStop(0.5, forward=lambda signum: None, before_exit=lambda: print("children ended", flush=True))
+        signal.signal(signal.SIGTERM, stop.handle)
+        signal.raise_signal(signal.SIGTERM)
+        time.sleep(30)  # a stop stuck in a save or a collective
+    """)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-2000:]
+    assert time.monotonic() - start < 20
+    assert "children ended" in proc.stdout
+    assert "stopped by SIGTERM: no checkpoint could be saved within the 0.5s grace period" in proc.stderr

@@ -62,19 +62,14 @@ def _watch_parent(parent: int) -> None:
     hard_exit(f"rank 0 (pid {parent}), which launched this process, is gone: exiting with it")
 
 
-_exit_with_launcher_done = False
-
-
 def exit_with_launcher() -> None:
     """In a process started by ``ReapingScriptLauncher``: die when the launching rank 0 does.
 
     The kernel's parent-death signal follows the parent *thread*; Lightning launches from
     the thread that calls ``Trainer.fit``, which lives as long as the job does."""
-    global _exit_with_launcher_done
-    launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if launcher is None or _exit_with_launcher_done:
+    launcher = os.environ.pop(LAUNCHER_PID_ENV, None)  # not for processes this one starts
+    if launcher is None:
         return
-    _exit_with_launcher_done = True
     parent = int(launcher)
     if not _set_parent_death_signal():
         threading.Thread(target=_watch_parent, args=(parent,), name="longctx-parent-watch", daemon=True).start()

@@ -73,7 +73,7 @@ class SignalStop:
             return
         self._begin(signum)
         os.write(2, f"\n[longctx] rank {self.rank}: received {signal_name(signum)}; stopping after the current "
-                    f"step (checkpoint, then exit; at most {self.grace_period:.0f}s)\n".encode())
+                    f"step (checkpoint, then exit; at most {self.grace_period:g}s)\n".encode())
         self._forward(signum)
 
     def _begin(self, signum: int) -> None:
@@ -81,6 +81,25 @@ class SignalStop:
         self._timer = threading.Timer(self.grace_period, self._expire)
         self._timer.daemon = True
         self._timer.start()
+
+    def install(self, trainer: Any, rank: int) -> None:
+        """Take over SIGTERM in ``trainer``'s runs and stop them through ``StopOnSignal``."""
+        self.rank = rank
+        if not any(isinstance(c, StopOnSignal) for c in trainer.callbacks):
+            # Appended after Lightning placed the ModelCheckpoints last: a save due at the
+            # stopping step has happened when this callback runs.
+            trainer.callbacks.append(StopOnSignal(self))
+        # Lightning's handler broadcasts inside the handler and makes ranks raise on their own
+        # flags: its signal connector installs this one in its place while a run lasts.
+        trainer._signal_connector._sigterm_notifier_fn = self.handle
+
+    def exit_now(self, message: str) -> None:
+        """End the process (the watchdog's ``on_failure``). During a stop, ranks leaving at
+        different moments look failed to each other: the message names the signal."""
+        self._before_exit()
+        if self.signum is None:
+            hard_exit(message)
+        hard_exit(f"stopped by {signal_name(self.signum)}; then: {message}", 128 + self.signum)
 
     def agree(self, device: torch.device) -> Optional[int]:
         """The signal any rank received (collective: every rank calls it at the same step)."""
@@ -98,9 +117,9 @@ class SignalStop:
     def _expire(self) -> None:
         name = signal_name(self.signum)
         if self.checkpoint_saved:
-            what = f"still running {self.grace_period:.0f}s after {name} (the grace period): exiting now"
+            what = f"still running {self.grace_period:g}s after {name} (the grace period): exiting now"
         else:
-            what = (f"stopped by {name}: no checkpoint could be saved within the {self.grace_period:.0f}s "
+            what = (f"stopped by {name}: no checkpoint could be saved within the {self.grace_period:g}s "
                     "grace period (stop_grace_period / --stop-grace-period); exiting without one, the "
                     "previous checkpoint stays whole")
         self._before_exit()

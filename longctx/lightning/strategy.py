@@ -67,9 +67,9 @@ from torch.nn.parallel import DistributedDataParallel
 from ..layouts import check_layout
 from ..parallel import CPContext, ParallelDims, parallelize
 from ..ring_comm import new_ring_group
-from ..watchdog import RankWatchdog, hard_exit
+from ..watchdog import RankWatchdog
 from .launcher import ReapingScriptLauncher, exit_with_launcher
-from .preemption import DEFAULT_GRACE_PERIOD, SignalStop, StoppedBySignal, StopOnSignal, signal_name
+from .preemption import DEFAULT_GRACE_PERIOD, SignalStop, StoppedBySignal
 from .checkpoint_io import AtomicCheckpointIO, load_sharded_checkpoint, save_sharded_checkpoint
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -169,7 +169,7 @@ class ContextParallelStrategy(ModelParallelStrategy):
         self._watchdog: Optional[RankWatchdog] = None
         self._failed = False
         self._signal_stop = SignalStop(stop_grace_period, forward=self._signal_children,
-                                       before_exit=self._kill_children)
+                                       before_exit=lambda: self._signal_children(signal.SIGKILL))
 
     # -- sizes and ranks ---------------------------------------------------------------
     # Derived from the global rank (cp innermost: rank = dp_rank * cp + cp_rank), so they are
@@ -259,9 +259,9 @@ class ContextParallelStrategy(ModelParallelStrategy):
             interval = min(1.0, self.failure_timeout / 4)
             self._watchdog = RankWatchdog(
                 self.global_rank, self.world_size, timeout=self.failure_timeout, interval=interval,
-                on_failure=self._on_watchdog_failure,
+                on_failure=self._signal_stop.exit_now,
             ).start()
-        self._install_stop_on_signal()
+        self._signal_stop.install(self.lightning_module.trainer, self.global_rank)
 
     # -- ending the job: signals, children, failures --------------------------------------
 
@@ -270,32 +270,9 @@ class ContextParallelStrategy(ModelParallelStrategy):
         """The signal that is stopping this job (received here or by another rank), else ``None``."""
         return self._signal_stop.signum
 
-    def _install_stop_on_signal(self) -> None:
-        trainer = self.lightning_module.trainer
-        self._signal_stop.rank = self.global_rank
-        if not any(isinstance(c, StopOnSignal) for c in trainer.callbacks):
-            # Appended after Lightning placed the ModelCheckpoints last: a save due at the
-            # stopping step has happened when this callback runs.
-            trainer.callbacks.append(StopOnSignal(self._signal_stop))
-        # Lightning's SIGTERM handler broadcasts inside the handler (a deadlock when ranks are in
-        # another collective) and makes ranks raise on their own flags: the connector installs
-        # ours in its place when the run starts, and restores the previous handler after it.
-        trainer._signal_connector._sigterm_notifier_fn = self._signal_stop.handle
-
     def _signal_children(self, signum: int) -> None:
         if isinstance(self._launcher, ReapingScriptLauncher):
             self._launcher.kill(signum)
-
-    def _kill_children(self) -> None:
-        self._signal_children(signal.SIGKILL)
-
-    def _on_watchdog_failure(self, message: str) -> None:
-        self._kill_children()
-        signum = self.received_signal
-        if signum is None:
-            hard_exit(message)
-        # Ranks leaving at different moments of a stop look like failures to each other.
-        hard_exit(f"stopped by {signal_name(signum)}; then: {message}", 128 + signum)
 
     def _build_groups(self) -> None:
         world, cp = self.world_size, self.cp_size
@@ -485,8 +462,11 @@ class ContextParallelStrategy(ModelParallelStrategy):
         if isinstance(exception, StoppedBySignal):  # every rank raises it at the same step
             super().on_exception(exception)
             return
-        # Tell the other ranks now, instead of leaving them blocked in the next collective.
         self._failed = True
+        if self.received_signal is not None:  # a peer left during the stop: no rank failed
+            super().on_exception(exception)
+            return
+        # Tell the other ranks now, instead of leaving them blocked in the next collective.
         if isinstance(exception, torch.OutOfMemoryError):
             hint = ("data_parallel='fsdp' (--data-parallel fsdp) shards weights, gradients and optimizer state"
                     if self.data_parallel == "ddp" else
