@@ -229,7 +229,7 @@ def resolve_config(args: argparse.Namespace) -> Resolved:
     cfg = defaults()
     resume_ckpt, run_config = None, None
     if args.resume:
-        from longctx.lightning.strategy import find_resume_checkpoint
+        from longctx.lightning.checkpoint_io import find_resume_checkpoint
 
         resume_ckpt = find_resume_checkpoint(args.resume)
         run_yaml = run_dir_of(resume_ckpt) / "config.yaml"
