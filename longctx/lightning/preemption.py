@@ -65,7 +65,6 @@ class SignalStop:
         self.signum: Optional[int] = None
         self.checkpoint_saved = False
         self._forward, self._before_exit = forward, before_exit
-        self._timer: Optional[threading.Timer] = None
 
     def handle(self, signum: int, _frame: Optional[FrameType] = None) -> None:
         """The signal handler: record, pass on, start the clock. Nothing that can block."""
@@ -78,9 +77,9 @@ class SignalStop:
 
     def _begin(self, signum: int) -> None:
         self.signum = signum
-        self._timer = threading.Timer(self.grace_period, self._expire)
-        self._timer.daemon = True
-        self._timer.start()
+        timer = threading.Timer(self.grace_period, self._expire)
+        timer.daemon = True
+        timer.start()
 
     def install(self, trainer: Any, rank: int) -> None:
         """Take over SIGTERM in ``trainer``'s runs and stop them through ``StopOnSignal``."""
