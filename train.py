@@ -84,6 +84,7 @@ CLASS_DEFAULTS = {
     "data_parallel": ("strategy", "data_parallel"),  # fsdp | ddp | auto
     "cpu_offload": ("strategy", "cpu_offload"),
     "failure_timeout": ("strategy", "failure_timeout"),  # seconds without a heartbeat -> every rank exits
+    "stop_grace_period": ("strategy", "stop_grace_period"),  # seconds from SIGTERM to exit (checkpoint first)
     "timeout_minutes": ("strategy", "timeout"),  # process-group timeout (backstop for the watchdog)
     "lr": ("module", "lr"),
     "min_lr_ratio": ("module", "min_lr_ratio"),
@@ -138,6 +139,8 @@ FLAGS = {
     "--layout": ("layout", str, "{zigzag,contiguous}", "sequence layout over the CP group"),
     "--timeout-minutes": ("timeout_minutes", float, "M", "process-group timeout (a dead rank ends the job)"),
     "--failure-timeout": ("failure_timeout", float, "S", "seconds of silence before a rank is declared dead"),
+    "--stop-grace-period": ("stop_grace_period", float, "S",
+                            "seconds from SIGTERM to exit: a checkpoint is saved first if it fits"),
 }
 
 
@@ -301,6 +304,7 @@ def check_config(cfg: dict) -> None:
     _number(cfg, "grad_clip", low=0, optional=True)
     _number(cfg, "timeout_minutes", low=0, allow_equal=False)
     _number(cfg, "failure_timeout", low=0, allow_equal=False, optional=True, hint=" seconds (null: no watchdog)")
+    _number(cfg, "stop_grace_period", low=0, allow_equal=False, hint=" seconds")
     if cfg["min_lr_ratio"] > 1:
         raise ValueError(f"min_lr_ratio must be in [0, 1], got {cfg['min_lr_ratio']}")
     if cfg["keep_checkpoints"] not in (-1, 0, 1):
@@ -596,6 +600,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from longctx.data import LongDocumentDataModule
     from longctx.lightning.health import NonFiniteGuard
+    from longctx.lightning.preemption import StoppedBySignal, signal_name
     from longctx.lightning.strategy import ContextParallelStrategy
     from longctx.models.lit_module import CausalLMModule
 
@@ -648,7 +653,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         context_parallel_size=cfg["context_parallel"], data_parallel=cfg["data_parallel"],
         cpu_offload=bool(cfg["cpu_offload"]), layout=cfg["layout"],
         timeout=timedelta(minutes=float(cfg["timeout_minutes"])),
-        failure_timeout=cfg["failure_timeout"],
+        failure_timeout=cfg["failure_timeout"], stop_grace_period=cfg["stop_grace_period"],
     )
     accumulate = cfg["accumulate_grad_batches"]
     val_every = cfg["val_every"] if cfg["val_every"] is not None else cfg["max_steps"]
@@ -713,7 +718,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         + f"        | output {out}"
     )
 
-    trainer.fit(module, datamodule=dm, ckpt_path=str(resume_ckpt) if resume_ckpt else None)
+    stopped: Optional[StoppedBySignal] = None
+    try:
+        trainer.fit(module, datamodule=dm, ckpt_path=str(resume_ckpt) if resume_ckpt else None)
+    except StoppedBySignal as stop:  # SIGTERM (preemption, timeout): every rank stopped at one step
+        stopped = stop
+    except Exception as error:
+        if strategy.received_signal is None:
+            raise
+        # Another rank left first during the stop (its grace period ran out): no failure of ours.
+        print(f"train.py: stopped by {signal_name(strategy.received_signal)} before a checkpoint of the "
+              f"current step ({type(error).__name__}: {str(error)[:300]})", file=sys.stderr, flush=True)
+        return 128 + strategy.received_signal
 
     if trainer.is_global_zero:
         rows = flatten_metrics(out / "logs", Path(logger.log_dir) / "metrics.csv", out / "metrics.csv",
@@ -725,15 +741,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         if val:  # with its step: after a resume the newest validation may be the earlier launch's
             step, loss = val[-1]
             summary += f"; val loss {loss:.3f} at step {step} (ppl {math.exp(min(loss, 50.0)):.1f})"
+        if stopped is not None:
+            checkpoint_line = (f"  checkpoint {stopped.checkpoint} (continue: --resume {out})\n" if stopped.checkpoint
+                               else "  checkpoint none saved at this step\n")
+        else:
+            checkpoint_line = f"  checkpoint {ckpt_dir / 'last.ckpt'}\n"
         print(
-            f"done: {trainer.global_step} steps; {summary}\n"
+            (f"stopped by {signal_name(stopped.signum)}" if stopped else "done") +
+            f": {trainer.global_step} steps; {summary}\n"
             f"  metrics    {out / 'metrics.csv'}\n"
-            f"  checkpoint {ckpt_dir / 'last.ckpt'}\n"
+            + checkpoint_line +
             f"  loss plot  {out / 'loss.png'}\n"
             f"  config     {out / 'config.yaml'}",
             flush=True,
         )
-    return 0
+    return 0 if stopped is None else stopped.code
 
 
 def _final_checkpoint_class():

@@ -35,10 +35,12 @@ import torch.distributed as dist
 EXIT_CODE = 75  # distinct from Python's 1, so launchers' logs show who exited by policy
 
 
-def _hard_exit(message: str) -> None:
+def hard_exit(message: str, exit_code: int = EXIT_CODE) -> None:
+    """Print ``message`` and end the process now, from any thread, even while the main
+    thread is stuck in C++ (no cleanup runs: only for giving up)."""
     sys.stderr.write(f"\n[longctx watchdog] {message}\n")
     sys.stderr.flush()
-    os._exit(EXIT_CODE)
+    os._exit(exit_code)
 
 
 def _is_communication_error(error: BaseException) -> bool:
@@ -104,7 +106,7 @@ class RankWatchdog:
         timeout: float = 60.0,
         interval: float = 1.0,
         store: Optional[dist.Store] = None,
-        on_failure: Callable[[str], None] = _hard_exit,
+        on_failure: Callable[[str], None] = hard_exit,
     ):
         _check_seconds("timeout", timeout)
         _check_seconds("interval", interval)

@@ -37,11 +37,17 @@ What the strategy does, so that a LightningModule and a DataLoader work unchange
 Process-group timeout: ``timeout`` (default 5 minutes, instead of torch's 10 min NCCL /
 30 min gloo) applies to the default group *and* to the CP subgroups, so a rank that died
 makes every other rank fail within that time instead of hanging a job for half an hour.
+
+Ending a job: under a plain launch rank 0 ends every process it started and each of them
+dies with rank 0 (``longctx.lightning.launcher``); SIGTERM stops every rank at the same
+step, with a checkpoint if it fits in ``stop_grace_period`` seconds, and exits with
+128 + 15 (``longctx.lightning.preemption``).
 """
 from __future__ import annotations
 
 import math
 import os
+import signal
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -62,6 +68,8 @@ from ..layouts import check_layout
 from ..parallel import CPContext, ParallelDims, parallelize
 from ..ring_comm import new_ring_group
 from ..watchdog import RankWatchdog
+from .launcher import ReapingScriptLauncher, exit_with_launcher
+from .preemption import DEFAULT_GRACE_PERIOD, SignalStop, StoppedBySignal
 from .checkpoint_io import AtomicCheckpointIO, load_sharded_checkpoint, save_sharded_checkpoint
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -114,6 +122,8 @@ class ContextParallelStrategy(ModelParallelStrategy):
         failure_timeout: seconds without a heartbeat after which a rank is declared dead
             and every rank exits, naming it (``longctx.watchdog``); a rank that raises
             tells the others at once. ``None`` disables the watchdog.
+        stop_grace_period: seconds from SIGTERM to exit: every rank stops after the current
+            optimizer step, saves a checkpoint if that fits in the time, and exits with 143.
         process_group_backend: ``"nccl"``, ``"gloo"``, ... (default: by device).
         **ddp_kwargs: passed to ``DistributedDataParallel`` in DDP mode
             (``find_unused_parameters``, ``static_graph``, ...).
@@ -129,11 +139,15 @@ class ContextParallelStrategy(ModelParallelStrategy):
         cpu_offload: bool = False,
         timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         failure_timeout: Optional[float] = 120.0,
+        stop_grace_period: float = DEFAULT_GRACE_PERIOD,
         process_group_backend: Optional[str] = None,
         **ddp_kwargs: Any,
     ) -> None:
         if failure_timeout is not None and not (math.isfinite(failure_timeout) and failure_timeout > 0):
             raise ValueError(f"failure_timeout must be positive, finite seconds or None, got {failure_timeout}")
+        if isinstance(stop_grace_period, bool) or not isinstance(stop_grace_period, (int, float)) or not (
+                math.isfinite(stop_grace_period) and stop_grace_period > 0):
+            raise ValueError(f"stop_grace_period must be positive, finite seconds, got {stop_grace_period!r}")
         _check_cp_size(context_parallel_size)
         check_layout(layout)
         if data_parallel not in DATA_PARALLEL:
@@ -154,6 +168,8 @@ class ContextParallelStrategy(ModelParallelStrategy):
         self.failure_timeout = failure_timeout
         self._watchdog: Optional[RankWatchdog] = None
         self._failed = False
+        self._signal_stop = SignalStop(stop_grace_period, forward=self._signal_children,
+                                       before_exit=lambda: self._signal_children(signal.SIGKILL))
 
     # -- sizes and ranks ---------------------------------------------------------------
     # Derived from the global rank (cp innermost: rank = dp_rank * cp + cp_rank), so they are
@@ -229,7 +245,10 @@ class ContextParallelStrategy(ModelParallelStrategy):
         # fails here once, in the launching process, instead of in every worker.
         if self._cp_size_arg is not None and self.parallel_devices is not None:
             _check_divisible(self.num_nodes * self.num_processes, self._cp_size_arg)
-        super()._configure_launcher()
+        exit_with_launcher()  # in a process rank 0 launched: never outlive it
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = ReapingScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
+                                                   is_stopping=lambda: self.received_signal is not None)
 
     def setup_environment(self) -> None:
         self._setup_distributed()  # device, ranks, the default process group (our timeout)
@@ -239,8 +258,21 @@ class ContextParallelStrategy(ModelParallelStrategy):
         if self.failure_timeout is not None and self.world_size > 1:
             interval = min(1.0, self.failure_timeout / 4)
             self._watchdog = RankWatchdog(
-                self.global_rank, self.world_size, timeout=self.failure_timeout, interval=interval
+                self.global_rank, self.world_size, timeout=self.failure_timeout, interval=interval,
+                on_failure=self._signal_stop.exit_now,
             ).start()
+        self._signal_stop.install(self.lightning_module.trainer, self.global_rank)
+
+    # -- ending the job: signals, children, failures --------------------------------------
+
+    @property
+    def received_signal(self) -> Optional[int]:
+        """The signal that is stopping this job (received here or by another rank), else ``None``."""
+        return self._signal_stop.signum
+
+    def _signal_children(self, signum: int) -> None:
+        if isinstance(self._launcher, ReapingScriptLauncher):
+            self._launcher.kill(signum)
 
     def _build_groups(self) -> None:
         world, cp = self.world_size, self.cp_size
@@ -427,8 +459,14 @@ class ContextParallelStrategy(ModelParallelStrategy):
     # -- teardown / registration -----------------------------------------------------------
 
     def on_exception(self, exception: BaseException) -> None:
-        # Tell the other ranks now, instead of leaving them blocked in the next collective.
+        if isinstance(exception, StoppedBySignal):  # every rank raises it at the same step
+            super().on_exception(exception)
+            return
         self._failed = True
+        if self.received_signal is not None:  # a peer left during the stop: no rank failed
+            super().on_exception(exception)
+            return
+        # Tell the other ranks now, instead of leaving them blocked in the next collective.
         if isinstance(exception, torch.OutOfMemoryError):
             hint = ("data_parallel='fsdp' (--data-parallel fsdp) shards weights, gradients and optimizer state"
                     if self.data_parallel == "ddp" else
