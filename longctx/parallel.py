@@ -263,7 +263,11 @@ def _apply_fsdp(model: nn.Module, dims: ParallelDims) -> None:
 
     kwargs: dict[str, Any] = {"mesh": dims.fsdp_mesh}
     if dims.param_dtype is not None:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dims.param_dtype, reduce_dtype=torch.float32)
+        # cast_forward_inputs=False: the fp32 RoPE tables handed to every block must stay fp32
+        # (bf16 cos/sin lose the positions of long sequences); activations come out of bf16
+        # parameters in bf16 anyway.
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dims.param_dtype, reduce_dtype=torch.float32,
+                                                   cast_forward_inputs=False)
     if dims.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     blocks = blocks_of(model)

@@ -444,3 +444,21 @@ def test_presets_and_param_counts():
     with pytest.raises(ValueError, match="divisible"):
         GPTConfig(n_embd=30, n_head=4)
     assert math.isclose(GPTConfig(n_embd=30, n_head=3, n_kv_head=1).head_dim, 10)
+
+
+def _rope_dtype_under_fsdp(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    torch.manual_seed(0)
+    model = GPT(small_config())
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    parallelize(model, ParallelDims(data_parallel="fsdp", fsdp_mesh=mesh, param_dtype=torch.bfloat16), small_plan())
+    seen = []
+    model.blocks[0].register_forward_pre_hook(lambda m, a, kw: seen.append(kw["rope"][0].dtype), with_kwargs=True)
+    model(torch.zeros(1, 8, dtype=torch.long))
+    return str(seen[0])
+
+
+def test_fsdp_bf16_keeps_rope_tables_fp32():
+    """FSDP2 mixed precision computes in bf16 but must not round the RoPE tables it passes on."""
+    assert run_distributed(_rope_dtype_under_fsdp, 1) == ["torch.float32"]
