@@ -26,12 +26,16 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 SEQ, N_SAMPLES, GLOBAL_BATCH, STEPS = 32, 8, 4, 2
 
 
-def readme_snippet() -> str:
-    text = README.read_text()
-    section = text.split("## The strategy in your own Lightning project", 1)[1]
+def readme_code(section_title: str) -> str:
+    """The first python code block under a README section title."""
+    section = README.read_text().split(section_title, 1)[1]
     match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, "README section has no python code block"
+    assert match, f"README section {section_title!r} has no python code block"
     return match.group(1)
+
+
+def readme_snippet() -> str:
+    return readme_code("## The strategy in your own Lightning project")
 
 
 def _samples(vocab: int, with_positions: bool) -> list[dict]:
@@ -103,20 +107,12 @@ def test_readme_snippet_matches_one_device(one_device, world, cp):
         assert err < 1e-5, f"rank {rank}: parameters differ from one device by {err:.2e}"
 
 
-def fsdp_snippet() -> str:
-    text = README.read_text()
-    section = text.split("## Sharded models (FSDP2) and `parallelize`", 1)[1]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, "README FSDP section has no python code block"
-    return match.group(1)
-
-
 def test_readme_fsdp_snippet_trains():
     """The configure_model pattern as written: a tiny preset, one CPU process, FSDP2."""
     import lightning as L
 
     namespace: dict = {}
-    exec(compile(fsdp_snippet(), str(README), "exec"), namespace)
+    exec(compile(readme_code("## Sharded models (FSDP2) and `parallelize`"), str(README), "exec"), namespace)
     assert namespace["strategy"].data_parallel == "fsdp"
     torch.manual_seed(0)
     data = [{"input_ids": t[:-1], "labels": t[1:]} for t in torch.randint(0, 4096, (4, 65))]
