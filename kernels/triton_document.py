@@ -80,7 +80,7 @@ def compress(classes: torch.Tensor) -> BlockMap:
     the rows' launch order."""
     columns = torch.sort((FULL - classes).to(torch.int16), dim=-1, stable=True).indices
     num_visit = (classes != SKIP).sum(-1, dtype=torch.int32)
-    # Longest rows launch first (all heads of a row together): the work per row tile follows
+    # Longest rows launch first within each head: the work per row tile follows
     # document lengths, and the long ones last would leave SMs idle at the end.
     order = torch.sort(num_visit, dim=-1, descending=True, stable=True).indices
     return BlockMap(num_full=(classes == FULL).sum(-1, dtype=torch.int32), num_visit=num_visit,
@@ -195,9 +195,9 @@ def _fwd_kernel(Q, K, V, Out, LSE, QDOC, KDOC, NUM_FULL, NUM_VISIT, INDICES, ORD
     tl.static_assert(BLOCK_M == MAP_M)  # the block map was built for these tiles
     tl.static_assert(BLOCK_N == MAP_N)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    pid_bh = tl.program_id(0)
+    pid_bh = tl.program_id(1)
     off_b = pid_bh // n_heads_q
-    pid_m = tl.load(ORDER + off_b * stride_nb + tl.program_id(1) * stride_nr)
+    pid_m = tl.load(ORDER + off_b * stride_nb + tl.program_id(0) * stride_nr)
     off_h = pid_bh % n_heads_q
     off_hk = off_h // group
     start_m = pid_m * BLOCK_M
@@ -333,9 +333,9 @@ def _dkdv_kernel(Q, K, V, DO, LSE, Delta, DK, DV, DQ, DQ_DESC, QDOC, KDOC,
     tl.static_assert(BLOCK_M == MAP_M)  # the block map was built for these tiles
     tl.static_assert(BLOCK_N == MAP_N)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    pid_bh = tl.program_id(0)
+    pid_bh = tl.program_id(1)
     off_b = pid_bh // n_heads_kv
-    pid_n = tl.load(ORDER + off_b * stride_nb + tl.program_id(1) * stride_nr)
+    pid_n = tl.load(ORDER + off_b * stride_nb + tl.program_id(0) * stride_nr)
     off_hk = pid_bh % n_heads_kv
     start_n = pid_n * BLOCK_N
 
@@ -454,9 +454,9 @@ def _dq_kernel(Q, K, V, DO, LSE, Delta, DQ, QDOC, KDOC, NUM_FULL, NUM_VISIT, IND
     tl.static_assert(BLOCK_M == MAP_M)  # the block map was built for these tiles
     tl.static_assert(BLOCK_N == MAP_N)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
-    pid_bh = tl.program_id(0)
+    pid_bh = tl.program_id(1)
     off_b = pid_bh // n_heads_q
-    pid_m = tl.load(ORDER + off_b * stride_nb + tl.program_id(1) * stride_nr)
+    pid_m = tl.load(ORDER + off_b * stride_nb + tl.program_id(0) * stride_nr)
     off_h = pid_bh % n_heads_q
     off_hk = off_h // group
     start_m = pid_m * BLOCK_M
@@ -531,13 +531,13 @@ def _map_args(bmap: BlockMap):
 
 
 def _grid(batch_heads: int, bmap: BlockMap):
-    # (batch*heads, row tiles): CUDA starts blocks x-fastest, so every head's longest row
-    # runs before any shorter one. grid y is limited to 65535 tiles.
-    rows = bmap.num_visit.shape[1]
-    if rows > 65535:
-        raise ValueError(f"a block of {rows} tiles exceeds the CUDA grid limit (65535); "
-                         "split the sequence (e.g. over a ring) or use shorter blocks")
-    return (batch_heads, rows)
+    # (row tiles, batch*heads): CUDA starts blocks x-fastest, so one head's rows run
+    # together (longest first, per `order`) and share that head's K/V in L2 (heads-fastest
+    # measured slower: benchmarks/NOTES.md). grid y holds at most 65535.
+    if batch_heads > 65535:
+        raise ValueError(f"batch x heads = {batch_heads} exceeds the CUDA grid limit (65535); "
+                         "use smaller micro-batches")
+    return (bmap.num_visit.shape[1], batch_heads)
 
 
 def _map_strides(bmap: BlockMap):
