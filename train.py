@@ -70,6 +70,8 @@ SHORT_FLAGS = {
     "--val-every": "run.val_every",
     "--checkpoint-every": "run.checkpoint_every",
 }
+# The sections of a config, as of the command line (``--model.lr`` = model: lr:).
+SECTIONS = ("trainer", "model", "data", "strategy", "nonfinite", "run")
 # Trainer arguments train.py derives itself (from the strategy section, the run options
 # and its callbacks), so they are not options.
 TRAINER_DERIVED = (
@@ -102,7 +104,9 @@ class RunOptions:
 def _cli_class():
     """The LightningCLI subclass, built lazily: Lightning's import is the slow part of an error."""
     import inspect
+    from argparse import RawDescriptionHelpFormatter
 
+    from jsonargparse import DefaultHelpFormatter
     from lightning.pytorch import Trainer
     from lightning.pytorch.cli import LightningCLI
     from torch.nn.parallel import DistributedDataParallel
@@ -111,6 +115,9 @@ def _cli_class():
     from longctx.lightning.health import NonFiniteGuard
     from longctx.lightning.strategy import ContextParallelStrategy
     from longctx.models.lit_module import CausalLMModule
+
+    class HelpFormatter(RawDescriptionHelpFormatter, DefaultHelpFormatter):
+        """Keeps the epilog's table of short flags as written."""
 
     class TrainCLI(LightningCLI):
         """Parses and checks the options only: train.py builds the objects after its own
@@ -121,7 +128,8 @@ def _cli_class():
                 CausalLMModule, LongDocumentDataModule, save_config_callback=None, run=False,
                 auto_configure_optimizers=False, load_from_checkpoint_support=False, args=args,
                 parser_kwargs={"prog": "train.py", "exit_on_error": False, "description": __doc__.split("\n\n")[0],
-                               "epilog": "short flags: " + ", ".join(f"{k} = --{v}" for k, v in SHORT_FLAGS.items())},
+                               "formatter_class": HelpFormatter, "epilog": "short flags:\n" + "\n".join(
+                                   f"  {flag:26} --{key}" for flag, key in SHORT_FLAGS.items())},
             )
 
         def add_default_arguments_to_parser(self, parser) -> None:
@@ -209,6 +217,20 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _check_sections(path: str) -> None:
+    """A config's top level, checked before jsonargparse reads it: its message for an old
+    flat config (``seq_len: 512``) names neither the file nor the shape it wants."""
+    import yaml
+
+    if not Path(path).is_file():
+        return  # jsonargparse names the missing file
+    top = yaml.safe_load(Path(path).read_text())
+    unknown = sorted(set(top) - {*SECTIONS, "resume"}) if isinstance(top, dict) else []
+    if unknown:
+        raise ValueError(f"config {path}: unknown top-level key(s) {unknown}; a config has the sections "
+                         f"{', '.join(SECTIONS)}, like the options (`python train.py --print_config` shows one)")
+
+
 def run_dir_of(checkpoint: Path) -> Path:
     parent = checkpoint.parent
     return parent.parent if parent.name == "checkpoints" else parent
@@ -233,6 +255,8 @@ def resolve_config(argv: list[str]) -> Resolved:
     explicit ``--config`` and flags given then are overrides (reported)."""
     args = expand_short_flags(argv)
     configs = _flag_values(args, "--config", "-c")
+    for path in configs:
+        _check_sections(path)
     resume = _flag_values(args, "--resume")
     resume_ckpt, run_yaml = None, None
     if resume and resume[-1] not in ("null", "None"):
@@ -249,7 +273,7 @@ def resolve_config(argv: list[str]) -> Resolved:
         run_cfg = cli.parser.parse_args(["--config", str(run_yaml)])
         before, now = flatten(run_cfg), flatten(cfg)
         overrides = {k: (before.get(k), v) for k, v in now.items()
-                     if k not in ("resume", "run.output_dir") and before.get(k) != v}
+                     if k not in ("config", "resume", "run.output_dir") and before.get(k) != v}
         if cfg.run.output_dir == run_cfg.run.output_dir:  # not given now: the folder the run is in
             cfg.run.output_dir = str(run_dir_of(resume_ckpt))
     name = Path(configs[-1]).stem if configs else DEFAULT_CONFIG.stem
