@@ -159,7 +159,7 @@ def _cli_class():
             parser.add_argument("--resume", type=Optional[str], default=None,
                                 help="checkpoint, checkpoint directory or run directory (its newest complete "
                                      "checkpoint); continues from the run's own config.yaml")
-            # One value, set once: the data must split like the strategy, the seed seeds everything.
+            # One value, set once: the data splits like the strategy; the module's FLOPs use the data's length.
             parser.link_arguments("strategy.context_parallel_size", "data.context_parallel_size")
             parser.link_arguments("strategy.layout", "data.layout")
             parser.link_arguments("data.seq_len", "model.seq_len")
