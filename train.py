@@ -265,6 +265,8 @@ def resolve_config(argv: list[str]) -> Resolved:
         resume_ckpt = find_resume_checkpoint(resume[-1])
         run_yaml = run_dir_of(resume_ckpt) / "config.yaml"
         run_yaml = run_yaml if run_yaml.exists() else None
+        if run_yaml is not None:
+            _check_sections(str(run_yaml))  # a run from before train.py's LightningCLI: flat keys
     base = run_yaml or (None if configs else DEFAULT_CONFIG)
     cli = _cli_class()([*(["--config", str(base)] if base else []), *args])
     cfg = cli.config
