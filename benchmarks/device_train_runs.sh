@@ -9,7 +9,7 @@ shift 2
 mkdir -p "$OUT"
 ( while true; do free -g | awk -v t="$(date +%s)" 'NR==2 {print t, $3}'; sleep 5; done ) > "$OUT/${name}_hostmem.txt" &
 sampler=$!
-timeout "$limit" python train.py --output-dir "/tmp/runs/$name" --set progress_bar=false "$@" \
+timeout "$limit" python train.py --output-dir "/tmp/runs/$name" --trainer.enable_progress_bar false "$@" \
   > "$OUT/${name}.log" 2>&1
 echo "rc=$?" >> "$OUT/${name}.log"
 kill $sampler

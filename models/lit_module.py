@@ -97,8 +97,11 @@ class CausalLMModule(L.LightningModule):
         hf_model: a local Hugging Face causal-LM directory (Llama, Qwen2, Mistral, ...) to
             train instead of a ``GPT``, through ``longctx.hf``'s ring attention; a directory
             with only ``config.json`` gives a random init of that shape.
-        lr, min_lr_ratio, weight_decay, betas, eps: AdamW and the schedule's floor
-            (``min_lr = lr * min_lr_ratio``).
+        lr: peak learning rate (AdamW).
+        min_lr_ratio: the schedule's floor as a share of ``lr`` (``min_lr = lr * min_lr_ratio``).
+        weight_decay: AdamW weight decay, on matrices only (not norms or biases).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
         warmup_steps: linear warmup length in optimizer steps.
         decay_steps: where the cosine reaches its floor; None = the Trainer's max_steps.
         seq_len: the full (unsharded) training sequence length, for FLOPs/MFU; None = read

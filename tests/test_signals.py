@@ -28,10 +28,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 ARGS = [
-    "--data", "stdlib:json,email", "--preset", "tiny", "--set", "model.vocab_size=512",
+    "--data", "stdlib:json,email", "--preset", "tiny", "--model.model.vocab_size", "512",
     "--seq-len", "64", "--batch-size", "2", "--max-steps", "100000", "--lr", "3e-3",
     "--context-parallel", "2", "--devices", "2", "--accelerator", "cpu", "--precision", "32-true",
-    "--set", "checkpoint_every=1000", "--set", "val_every=0", "--set", "progress_bar=false",
+    "--checkpoint-every", "1000", "--val-every", "0", "--trainer.enable_progress_bar", "false",
     "--failure-timeout", "10",
 ]
 STARTUP_S = 150  # imports, tokenizer and corpus cache (first run), rendezvous, first steps
@@ -151,7 +151,7 @@ def test_port_clash_ends_rank_0_and_its_child(tmp_path, env):
         taken.listen()
         out = tmp_path / "run"
         proc = _start(out, {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(taken.getsockname()[1])},
-                      "--timeout-minutes", "10")
+                      "--strategy.timeout", "0:10:00")
         children: set[int] = set()
         try:
             deadline = time.monotonic() + STARTUP_S

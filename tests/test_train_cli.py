@@ -4,7 +4,8 @@
   loss.png and complete checkpoints, and prints the layout;
 * resume exactness: the run above checkpoints at step 3 of 6; resuming from that
   checkpoint in a fresh directory reproduces the losses of steps 3..5 bit for bit;
-* an unknown config key is a clear error before anything starts;
+* an option reached only through a class's signature lands in the module (and its
+  optimizer); ``--print_config`` prints a config that gives the same run with ``--config``;
 * atomic checkpoints: a save killed (SIGKILL) mid-write leaves the previous last.ckpt whole,
   and resume picks the newest complete checkpoint.
 
@@ -26,11 +27,12 @@ REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "train.py"
 SMALL = [
     "--data", "stdlib:json,email,http,logging,xml",
-    "--preset", "tiny", "--set", "model.vocab_size=512",
+    "--preset", "tiny", "--model.model.vocab_size", "512",
     "--seq-len", "64", "--batch-size", "2", "--max-steps", "6", "--lr", "3e-3", "--warmup-steps", "2",
     "--context-parallel", "2", "--devices", "2", "--accelerator", "cpu", "--precision", "32-true",
-    "--checkpoint-every", "3", "--set", "keep_checkpoints=-1",
-    "--set", "val_every=3", "--set", "val_batches=2", "--set", "progress_bar=false",
+    "--checkpoint-every", "3", "--run.keep_checkpoints", "-1",
+    "--val-every", "3", "--run.val_batches", "2", "--trainer.enable_progress_bar", "false",
+    "--model.weight_decay", "0.05",  # no short flag: the option comes from CausalLMModule's signature
 ]
 
 
@@ -77,11 +79,17 @@ def test_end_to_end_outputs(full_run):
     assert torch.isfinite(values).all() and values[-1] < values[0]
     assert any(r["val_loss"] for r in rows)
     cfg = yaml.safe_load((out / "config.yaml").read_text())
-    assert cfg["seq_len"] == 64 and cfg["context_parallel"] == 2 and cfg["model"]["vocab_size"] == 512
+    assert cfg["data"]["seq_len"] == 64 and cfg["strategy"]["context_parallel_size"] == 2
+    assert cfg["model"]["model"] == {"preset": "tiny", "vocab_size": 512} and cfg["trainer"]["devices"] == 2
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for name in ("last.ckpt", "step000003.ckpt", "step000006.ckpt"):
         assert is_complete_checkpoint(out / "checkpoints" / name), name
-    assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
+    ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 6
+    # --model.weight_decay 0.05 (default 0.1) reached the module and its AdamW (matrices only).
+    assert ckpt["hyper_parameters"]["weight_decay"] == 0.05
+    decays = sorted(g["weight_decay"] for g in ckpt["optimizer_states"][0]["param_groups"])
+    assert decays == [0.0, 0.05]
 
 
 @pytest.mark.slow
@@ -107,14 +115,49 @@ def test_resume_is_exact(full_run, tmp_path, cache_env):
     assert {s: full[s] for s in again} == again
 
 
-def test_unknown_config_key(tmp_path, cache_env):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("seq_len: 64\nsequence_length: 128\n")
-    proc = _train(["--config", str(bad)], cache_env, timeout=60)
-    assert proc.returncode != 0
-    assert "unknown config key(s) ['sequence_length']" in proc.stderr
-    proc = _train(["--set", "model.n_layers=3", "--max-steps", "1"], cache_env, timeout=120)
-    assert proc.returncode != 0 and "n_layers" in proc.stderr
+def _train_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_cli", TRAIN)
+    train = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = train  # its dataclasses look their module up there
+    spec.loader.exec_module(train)
+    return train
+
+
+def test_print_config_loads_back(tmp_path, capsys):
+    """--print_config: the whole resolved config, which --config reads back to the same options."""
+    train = _train_module()
+    argv = ["--config", "configs/gpt-125m.yaml", "--context-parallel", "4", "--model.model.n_layer", "3",
+            "--model.parallel.activation_checkpointing", "selective", "--strategy.timeout", "0:07:30",
+            "--failure-timeout", "null", "--data.include_tests", "false", "--val-every", "7"]
+    with pytest.raises(SystemExit) as stop:
+        train.resolve_config([*argv, "--print_config"])
+    assert stop.value.code == 0
+    printed = capsys.readouterr().out
+    dumped = tmp_path / "printed.yaml"
+    dumped.write_text(printed)
+    direct = train.flatten(train.resolve_config(argv).config)
+    loaded = train.flatten(train.resolve_config(["--config", str(dumped)]).config)
+    assert {k: v for k, v in loaded.items() if k != "config"} == {k: v for k, v in direct.items() if k != "config"}
+    assert direct["strategy.context_parallel_size"] == 4 and direct["model.model.n_layer"] == 3
+    assert direct["strategy.failure_timeout"] is None  # a null that differs from the default survives
+    assert yaml.safe_load(printed)["model"]["model"] == {"preset": "gpt-125m", "vocab_size": 32768, "n_layer": 3}
+
+
+def test_option_from_a_class_signature_reaches_the_module():
+    """Options without a short flag come from the classes' signatures: defaults are theirs."""
+    import inspect
+
+    from longctx.models.lit_module import CausalLMModule
+
+    train = _train_module()
+    cfg = train.resolve_config(["--model.weight_decay", "0.05", "--model.betas", "[0.8, 0.9]"]).config
+    module = CausalLMModule(**cfg.model.as_dict())
+    assert module.hparams.weight_decay == 0.05 and tuple(module.hparams.betas) == (0.8, 0.9)
+    assert module.hparams.seq_len == 512  # linked from data.seq_len (configs/tiny-cpu.yaml)
+    default = train.resolve_config([]).config
+    assert default.model.eps == inspect.signature(CausalLMModule.__init__).parameters["eps"].default
 
 
 @pytest.mark.slow
@@ -143,17 +186,13 @@ def test_lr_schedule():
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_resolves(path):
     """A config in configs/ with a misspelt or stale key would only fail on a GPU job."""
-    import importlib.util
-
     from longctx.models import GPTConfig
 
-    spec = importlib.util.spec_from_file_location("train_cli", TRAIN)
-    train = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = train  # its dataclasses look their module up there
-    spec.loader.exec_module(train)
-    cfg = train.resolve_config(train.parse_args(["--config", str(path)])).config
-    train.check_config({**cfg, "accelerator": "cpu"})  # every value valid (GPU presence aside)
-    config = GPTConfig.from_dict(cfg["model"])
+    train = _train_module()
+    cfg = train.resolve_config(["--config", str(path)]).config
+    cfg.trainer.accelerator = "cpu"
+    train.check_config(cfg)  # every value valid (GPU presence aside)
+    config = GPTConfig.from_dict(cfg.model.model)
     assert config.n_layer > 0
 
 
@@ -168,12 +207,13 @@ def test_resume_extends_the_run_in_its_own_folder(full_run, tmp_path, cache_env)
     shutil.copytree(out, run)  # a moved run folder: its config.yaml still names the old place
     proc = _train(["--resume", str(run), "--max-steps", "8"], cache_env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "overridden here: max_steps 6 -> 8" in proc.stdout and "keeps ending at step 6" in proc.stdout
+    assert "overridden here: trainer.max_steps 6 -> 8" in proc.stdout and "keeps ending at step 6" in proc.stdout
     losses = _losses(run / "metrics.csv")
     assert sorted(losses) == list(range(8))
     assert {s: losses[s] for s in range(6)} == _losses(out / "metrics.csv")  # earlier steps kept as logged
     cfg = yaml.safe_load((run / "config.yaml").read_text())
-    assert cfg["output_dir"] == str(run) and cfg["max_steps"] == 8 and cfg["decay_steps"] == 6 and cfg["lr"] == 3e-3 and cfg["warmup_steps"] == 2
+    assert cfg["run"]["output_dir"] == str(run) and cfg["trainer"]["max_steps"] == 8
+    assert cfg["model"]["decay_steps"] == 6 and cfg["model"]["lr"] == 3e-3 and cfg["model"]["warmup_steps"] == 2
     with open(run / "metrics.csv", newline="") as f:
         last_val = [r for r in csv.DictReader(f) if r["val_loss"]][-1]
     assert f"val loss {float(last_val['val_loss']):.3f} at step {last_val['step']}" in proc.stdout
@@ -183,8 +223,8 @@ def test_resume_extends_the_run_in_its_own_folder(full_run, tmp_path, cache_env)
 @pytest.mark.slow
 def test_context_parallel_8_on_cpu(tmp_path, cache_env):
     """The headline command on a CPU machine: devices follow --context-parallel."""
-    small_data = ["--data", "stdlib:json,email,http,logging,xml", "--set", "model.vocab_size=512",
-                  "--seq-len", "128", "--batch-size", "1", "--set", "progress_bar=false"]
+    small_data = ["--data", "stdlib:json,email,http,logging,xml", "--model.model.vocab_size", "512",
+                  "--seq-len", "128", "--batch-size", "1", "--trainer.enable_progress_bar", "false"]
     proc = _train(["--context-parallel", "8", "--max-steps", "3", *small_data, "--output-dir", str(tmp_path)],
                   cache_env, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

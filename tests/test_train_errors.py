@@ -2,7 +2,8 @@
 any data or tokenizer work (the corpus cache directory stays empty), in seconds.
 
 Cases run in-process through ``train.main`` (imports paid once); one runs as a real
-command to check the whole path, stderr included.
+command to check the whole path, stderr included. jsonargparse's own errors (a value
+of the wrong type, an unknown option or config key) are such lines too.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def train():
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
-    module.defaults()  # the one-time imports (torch, Lightning): timed in test_error_as_a_command
+    module.resolve_config([])  # the one-time imports (torch, Lightning): timed in test_error_as_a_command
     return module
 
 
@@ -60,16 +61,24 @@ CASES = [
     # On CPU devices follow --context-parallel: CP 3 is fine, the default 512 tokens are not.
     (["--context-parallel", "3"], "over --context-parallel 3 with layout 'zigzag': it must be a multiple of 6"),
     (["--accumulate-grad-batches", "0"], "accumulate_grad_batches must be an integer >= 1, got 0"),
-    (["--timeout-minutes", "0"], "timeout_minutes must be a number > 0, got 0.0"),
-    (["--val-every", "-1"], "val_every must be an integer >= 0 (0: never"),
-    (["--failure-timeout", "nan"], "failure_timeout must be a number > 0 seconds (null: no watchdog), got nan"),
-    (["--lr", "inf"], "lr must be a number > 0, got inf"),
-    (["--lr", "-1"], "lr must be a number > 0, got -1.0"),
-    (["--max-steps", "0"], "max_steps must be an integer >= 1, got 0"),
+    (["--strategy.timeout", "0:00:00"], "strategy.timeout must be > 0 (h:mm:ss), got 0:00:00"),
+    (["--val-every", "-1"], "run.val_every must be an integer >= 0 (0: never"),
+    (["--failure-timeout", ".nan"], "strategy.failure_timeout must be a number > 0 seconds (null: no watchdog), got nan"),
+    (["--lr", ".inf"], "model.lr must be a number > 0, got inf"),
+    (["--lr", "-1"], "model.lr must be a number > 0, got -1.0"),
+    (["--max-steps", "0"], "trainer.max_steps must be an integer >= 1, got 0"),
     (["--init-from", "nowhere/model"], "--init-from nowhere/model: no such file or directory"),
-    (["--set", "keep_checkpoints=2"], "keep_checkpoints must be -1 (all), 0 or 1"),
-    (["--precision", "bf15"], "precision must be one of "),
-    (["--data-parallel", "zero3"], "data_parallel must be auto, fsdp or ddp, got 'zero3'"),
+    (["--run.keep_checkpoints", "2"], "run.keep_checkpoints must be -1 (all), 0 or 1"),
+    (["--data-parallel", "zero3"], "strategy.data_parallel must be auto, fsdp or ddp, got 'zero3'"),
+    (["--nonfinite.policy", "never"], "nonfinite.policy must be one of ('skip', 'stop'), got 'never'"),
+    (["--model.model.n_layers", "3"], "unknown GPTConfig key(s) ['n_layers']"),
+    (["--model.parallel.cp_attention", "ulises"], "cp_attention must be one of"),
+    # jsonargparse's own: the option, what it takes, the value given.
+    (["--precision", "bf15"], "Parser key \"trainer.precision\": expected ["),
+    (["--failure-timeout", "soon"], "Parser key \"strategy.failure_timeout\": expected [<class 'float'>"),
+    (["--lr", "fast"], "Parser key \"model.lr\": Expected a <class 'float'>. Got value: fast"),
+    (["--sequence-length", "64"], "unrecognized arguments: --sequence-length 64"),
+    (["--config", "configs/no-such.yaml"], "no-such.yaml"),
 ]
 
 
@@ -94,13 +103,23 @@ def test_gguf_without_the_optional_package(train, capsys, cache, monkeypatch):
     assert "needs the optional 'gguf' package: pip install 'longctx[gguf]'" in line
 
 
+def test_unknown_key_in_a_config_file(train, capsys, cache, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  seq_len: 64\n  sequence_length: 128\n")
+    line = _error(train, ["--config", str(bad)], capsys, cache)
+    assert "'data' does not accept option 'sequence_length'" in line
+    bad.write_text("seq_len: 64\nmax_steps: 3\n")  # the flat shape of configs before the CLI
+    line = _error(train, ["--config", str(bad)], capsys, cache)
+    assert f"config {bad}: unknown top-level key(s) ['max_steps', 'seq_len']; a config has the sections" in line
+
+
 def _finished_run(train, tmp_path: Path, step: int, max_steps: int) -> Path:
     """A run directory as train.py leaves it: config.yaml and a checkpoint at ``step``."""
     run = tmp_path / "run"
-    cfg = train.resolve_config(train.parse_args(["--max-steps", str(max_steps)])).config
-    cfg.update(output_dir=str(run), decay_steps=max_steps, devices=2)
+    resolved = train.resolve_config(["--max-steps", str(max_steps), "--decay-steps", str(max_steps),
+                                     "--devices", "2", "--output-dir", str(run)])
     (run / "checkpoints").mkdir(parents=True)
-    (run / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    (run / "config.yaml").write_text(resolved.dump())
     torch.save({"global_step": step, "state_dict": {}}, run / "checkpoints" / "last.ckpt")
     return run
 
@@ -112,7 +131,7 @@ def test_resume_of_a_finished_run(train, capsys, cache, tmp_path):
     assert "that run already finished (step 6 of --max-steps 6)" in line
     assert "pass --max-steps N with N > 6" in line and "--decay-steps" in line
     # A shape change on resume is refused before anything starts; config.yaml stays as it was.
-    line = _error(train, ["--resume", str(run), "--max-steps", "8", "--set", "model.n_layer=3"], capsys, cache)
+    line = _error(train, ["--resume", str(run), "--max-steps", "8", "--model.model.n_layer", "3"], capsys, cache)
     assert "another model shape" in line and "n_layer None -> 3" in line
     assert (run / "config.yaml").read_text() == before
 
@@ -120,19 +139,19 @@ def test_resume_of_a_finished_run(train, capsys, cache, tmp_path):
 def test_resume_reads_the_runs_config(train, tmp_path, cache, capsys):
     run = _finished_run(train, tmp_path, step=3, max_steps=6)
     saved = yaml.safe_load((run / "config.yaml").read_text())
-    saved.update(lr=1e-3, warmup_steps=4)
+    saved["model"].update(lr=1e-3, warmup_steps=4)
     (run / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
-    resolved = train.resolve_config(train.parse_args(["--resume", str(run), "--max-steps", "9"]))
+    resolved = train.resolve_config(["--resume", str(run), "--max-steps", "9"])
     cfg = resolved.config
     # Flags not repeated keep the run's values (not the CPU defaults); the one given is an override.
-    assert cfg["lr"] == 1e-3 and cfg["warmup_steps"] == 4 and cfg["output_dir"] == str(run)
-    assert resolved.overrides == {"max_steps": (6, 9)}
-    assert cfg["decay_steps"] == 6  # the schedule is the run's unless --decay-steps says otherwise
+    assert cfg.model.lr == 1e-3 and cfg.model.warmup_steps == 4 and cfg.run.output_dir == str(run)
+    assert resolved.overrides == {"trainer.max_steps": (6, 9)}
+    assert cfg.model.decay_steps == 6  # the schedule is the run's unless --decay-steps says otherwise
     train.check_resume(resolved)
     out = capsys.readouterr().out
-    assert "overridden here: max_steps 6 -> 9" in out and "keeps ending at step 6" in out
-    stretched = train.resolve_config(train.parse_args(["--resume", str(run), "--max-steps", "9", "--decay-steps", "9"]))
-    assert stretched.config["decay_steps"] == 9
+    assert "overridden here: trainer.max_steps 6 -> 9" in out and "keeps ending at step 6" in out
+    stretched = train.resolve_config(["--resume", str(run), "--max-steps", "9", "--decay-steps", "9"])
+    assert stretched.config.model.decay_steps == 9
 
 
 def test_second_run_on_the_same_output_dir(train, capsys, cache, tmp_path):
@@ -166,7 +185,7 @@ def test_corpus_of_one_huge_line(train, capsys, cache, tmp_path):
     """Found only by training the tokenizer, but still one line with rc 2 that says why."""
     corpus = tmp_path / "one-line.txt"
     corpus.write_text(" ".join(f"w{i % 997}" for i in range(8000)))  # ~45 KB, no newline
-    rc = train.main(["--data", str(corpus), "--set", "model.vocab_size=300", "--output-dir", str(tmp_path / "o")])
+    rc = train.main(["--data", str(corpus), "--model.model.vocab_size", "300", "--output-dir", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith("train.py: error: data: SentencePiece training failed") and "one huge line" in err[0]

@@ -78,17 +78,21 @@ class LongDocumentDataModule(L.LightningDataModule):
         tokenizer: ``None`` (train a SentencePiece model on the corpus, cached), a path (a
             SentencePiece ``.model`` or a Hugging Face tokenizer directory), or an object
             meeting ``TextTokenizer`` (or a Hugging Face tokenizer).
-        vocab_size, tokenizer_model_type, tokenizer_train_chars: for the trained tokenizer.
+        vocab_size: vocabulary of the tokenizer trained on the corpus.
+        tokenizer_model_type: ``"bpe"`` or ``"unigram"``, for the trained tokenizer.
+        tokenizer_train_chars: characters of the corpus the tokenizer is trained on.
         seq_len: tokens per sample (model input length); windows hold ``seq_len + 1``.
         batch_size: samples per data-parallel rank and step.
         val_fraction: share of tokens (whole documents, seeded) held out for validation.
         seed: split and shuffling seed; shuffling also depends on the epoch.
         cache_dir: where tokenizers, tokenized and packed corpora are cached
             (default ``$LONGCTX_CACHE_DIR`` or ``~/.cache/longctx``).
-        num_workers, pin_memory: ``DataLoader`` settings (pin_memory defaults to CUDA present).
+        num_workers: ``DataLoader`` worker processes.
+        pin_memory: ``DataLoader`` setting; None: whether CUDA is present.
         max_documents: use only the first N documents (tests, quick runs).
-        context_parallel_size, layout: to check ``seq_len`` splits over the CP group;
-            ``None`` reads ``context_parallel_size`` from the trainer's strategy.
+        context_parallel_size: to check ``seq_len`` splits over the CP group; ``None`` reads
+            it from the trainer's strategy.
+        layout: the CP group's sequence layout (``"zigzag"`` or ``"contiguous"``), for that check.
         mask_cross_document_labels: ignore labels that cross into another document.
         include_tests: include the stdlib's test packages in the default corpus.
         num_proc: tokenizing processes (``None``: automatic).

@@ -118,7 +118,8 @@ class ContextParallelStrategy(ModelParallelStrategy):
         cpu_offload: with FSDP, keep the sharded parameters, gradients and optimizer
             state in host memory (FSDP2's ``CPUOffloadPolicy``).
         timeout: process-group timeout for the default group and the CP groups.
-            Default 5 minutes: a failed rank ends the job in bounded time.
+            Default 5 minutes: a failed rank ends the job in bounded time. (In a config or
+            on the command line: ``h:mm:ss``.)
         failure_timeout: seconds without a heartbeat after which a rank is declared dead
             and every rank exits, naming it (``longctx.watchdog``); a rank that raises
             tells the others at once. ``None`` disables the watchdog.
