@@ -27,13 +27,10 @@ caches ready). Under torchrun/SLURM the processes already exist and Lightning jo
 """
 from __future__ import annotations
 
-import csv
-import fcntl
 import math
 import os
 import sys
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -447,28 +444,6 @@ def check_resume(resolved: Resolved) -> None:
         say(f"resume: the lr schedule keeps ending at step {cfg.model.decay_steps} (--decay-steps N changes it)")
 
 
-def lock_run_dir(out: Path):
-    """Hold an exclusive lock on the run directory: a second run there is an error, not a mix."""
-    out.mkdir(parents=True, exist_ok=True)
-    handle = open(out / ".run.lock", "a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        owner = handle.read().strip() or "?"
-        handle.close()
-        raise ValueError(
-            f"output dir {out} is in use by another run (pid {owner}); two runs there would mix their "
-            "config, metrics and checkpoints: pick another --output-dir or wait for that run to end"
-        ) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(str(os.getpid()))
-    handle.flush()
-    return handle
-
-
-
 def launch_rank() -> int:
     """This process's global rank as far as the environment tells before Lightning sets up."""
     if "RANK" in os.environ:
@@ -483,84 +458,12 @@ def say(*msg: Any) -> None:
         print(*msg, flush=True)
 
 
-@contextmanager
-def file_lock(path: Path):
-    """Exclusive lock across processes of a node: one builds the caches, the others reuse them."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def build_tokenizer(spec: Any):
     if spec is None:
         return None
     from longctx.models import GGUFTokenizer
 
     return GGUFTokenizer.from_gguf(spec) if GGUFTokenizer.accepts(spec) else spec
-
-
-def flatten_metrics(log_root: Path, current: Path, out_csv: Path, resumed: bool) -> list[dict]:
-    """Lightning's CSVs (one version directory per launch) -> OUTPUT_DIR/metrics.csv.
-
-    A resumed run adds the earlier versions of the run directory: each version's rows replace
-    the older rows from its first step on (steps redone after the checkpoint), so the file
-    tells the whole story of the run even when an earlier launch was killed."""
-    versions = sorted(log_root.glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[-1]))
-    if not resumed:
-        versions = [current] if current.exists() else []
-    rows: list[dict] = []
-    for path in versions:
-        with open(path, newline="") as f:
-            new = [r for r in csv.DictReader(f) if r.get("step")]
-        first = min((int(r["step"]) for r in new), default=None)
-        rows = [r for r in rows if first is None or int(r["step"]) < first] + new
-    keys = ["step"] + sorted({k for r in rows for k in r} - {"step"})
-    tmp = out_csv.with_name(f".{out_csv.name}.tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, out_csv)
-    return rows
-
-
-def plot_loss(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    train = [(int(r["step"]), float(r["train_loss"])) for r in rows if r.get("train_loss")]
-    val = [(int(r["step"]), float(r["val_loss"])) for r in rows if r.get("val_loss")]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        steps, values = zip(*train)
-        ax.plot(steps, values, label="train loss (global token mean)", lw=0.8, alpha=0.45)
-        smooth, ema = [], values[0]
-        for v in values:  # EMA: the trend through the step-to-step noise of small batches
-            ema = 0.9 * ema + 0.1 * v
-            smooth.append(ema)
-        ax.plot(steps, smooth, label="train loss (EMA 0.9)", lw=1.8, color="C0")
-    if val:
-        ax.plot(*zip(*val), "o-", label="validation loss", ms=4, color="C1")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # ---- main -----------------------------------------------------------------------------------
@@ -586,6 +489,7 @@ def prepare(argv: list[str]) -> tuple[Resolved, Path, Any]:
     check_config(cfg)
     from longctx import ParallelPlan
     from longctx.lightning.health import NonFiniteGuard
+    from longctx.lightning.run_dir import lock_run_dir
     from longctx.models import GPTConfig
 
     ParallelPlan.from_dict(cfg.model.as_dict()["parallel"])
@@ -646,6 +550,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from longctx.data import LongDocumentDataModule
     from longctx.lightning.health import NonFiniteGuard
     from longctx.lightning.preemption import StoppedBySignal, signal_name
+    from longctx.lightning.run_dir import FinalCheckpoint, file_lock, flatten_metrics, plot_loss, write_atomic
     from longctx.lightning.strategy import ContextParallelStrategy
     from longctx.models.lit_module import CausalLMModule
 
@@ -683,7 +588,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     accumulate = cfg.trainer.accumulate_grad_batches
     val_every = run.val_every if run.val_every is not None else cfg.trainer.max_steps
     ckpt_dir = out / "checkpoints"
-    checkpoint = _FinalCheckpoint(
+    checkpoint = FinalCheckpoint(
         dirpath=ckpt_dir, filename="step{step:06d}", every_n_train_steps=run.checkpoint_every,
         save_last=True, save_top_k=run.keep_checkpoints, auto_insert_metric_name=False,
         enable_version_counter=False,
@@ -776,30 +681,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             flush=True,
         )
     return 0 if stopped is None else stopped.code
-
-
-def _final_checkpoint_class():
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    class FinalCheckpoint(ModelCheckpoint):
-        """ModelCheckpoint whose last.ckpt is also written at the final step.
-
-        Lightning writes last.ckpt only on its every_n schedule (and at train end only if
-        it never wrote one), so a run ending between two saves would resume from stale
-        weights.
-        """
-
-        def on_train_end(self, trainer, pl_module) -> None:
-            if self.save_last and self._last_global_step_saved != trainer.global_step:
-                self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-            else:
-                super().on_train_end(trainer, pl_module)
-
-    return FinalCheckpoint
-
-
-def _FinalCheckpoint(**kwargs):  # noqa: N802 - builds the class lazily (Lightning imports are slow)
-    return _final_checkpoint_class()(**kwargs)
 
 
 if __name__ == "__main__":

@@ -155,14 +155,16 @@ def test_resume_reads_the_runs_config(train, tmp_path, cache, capsys):
 
 
 def test_second_run_on_the_same_output_dir(train, capsys, cache, tmp_path):
+    from longctx.lightning.run_dir import lock_run_dir
+
     out = tmp_path / "shared"
-    held = train.lock_run_dir(out)  # a first run holding the folder
+    held = lock_run_dir(out)  # a first run holding the folder
     try:
         line = _error(train, ["--output-dir", str(out)], capsys, cache)
         assert f"output dir {out} is in use by another run (pid {os.getpid()})" in line
     finally:
         held.close()
-    train.lock_run_dir(out).close()  # released with its process: the folder is free again
+    lock_run_dir(out).close()  # released with its process: the folder is free again
 
 
 def test_error_as_a_command(tmp_path):

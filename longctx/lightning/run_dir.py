@@ -1,0 +1,124 @@
+"""A training run's folder: its lock, atomic writes, the metrics and loss plot, and the
+checkpoint callback whose last.ckpt is always the newest step.
+
+Used by train.py; usable by any Lightning script that keeps its outputs in one directory.
+"""
+from __future__ import annotations
+
+import csv
+import fcntl
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+__all__ = ["FinalCheckpoint", "file_lock", "flatten_metrics", "lock_run_dir", "plot_loss", "write_atomic"]
+
+
+def lock_run_dir(out: Path):
+    """Hold an exclusive lock on the run directory: a second run there is an error, not a mix."""
+    out.mkdir(parents=True, exist_ok=True)
+    handle = open(out / ".run.lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        owner = handle.read().strip() or "?"
+        handle.close()
+        raise ValueError(
+            f"output dir {out} is in use by another run (pid {owner}); two runs there would mix their "
+            "config, metrics and checkpoints: pick another --output-dir or wait for that run to end"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
+@contextmanager
+def file_lock(path: Path):
+    """Exclusive lock across processes of a node: one builds the caches, the others reuse them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def flatten_metrics(log_root: Path, current: Path, out_csv: Path, resumed: bool) -> list[dict]:
+    """Lightning's CSVs (one version directory per launch) -> OUTPUT_DIR/metrics.csv.
+
+    A resumed run adds the earlier versions of the run directory: each version's rows replace
+    the older rows from its first step on (steps redone after the checkpoint), so the file
+    tells the whole story of the run even when an earlier launch was killed."""
+    versions = sorted(log_root.glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[-1]))
+    if not resumed:
+        versions = [current] if current.exists() else []
+    rows: list[dict] = []
+    for path in versions:
+        with open(path, newline="") as f:
+            new = [r for r in csv.DictReader(f) if r.get("step")]
+        first = min((int(r["step"]) for r in new), default=None)
+        rows = [r for r in rows if first is None or int(r["step"]) < first] + new
+    keys = ["step"] + sorted({k for r in rows for k in r} - {"step"})
+    tmp = out_csv.with_name(f".{out_csv.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, out_csv)
+    return rows
+
+
+def plot_loss(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(int(r["step"]), float(r["train_loss"])) for r in rows if r.get("train_loss")]
+    val = [(int(r["step"]), float(r["val_loss"])) for r in rows if r.get("val_loss")]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        steps, values = zip(*train)
+        ax.plot(steps, values, label="train loss (global token mean)", lw=0.8, alpha=0.45)
+        smooth, ema = [], values[0]
+        for v in values:  # EMA: the trend through the step-to-step noise of small batches
+            ema = 0.9 * ema + 0.1 * v
+            smooth.append(ema)
+        ax.plot(steps, smooth, label="train loss (EMA 0.9)", lw=1.8, color="C0")
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss", ms=4, color="C1")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+class FinalCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint whose last.ckpt is also written at the final step.
+
+    Lightning writes last.ckpt only on its every_n schedule (and at train end only if
+    it never wrote one), so a run ending between two saves would resume from stale
+    weights.
+    """
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.save_last and self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        else:
+            super().on_train_end(trainer, pl_module)
