@@ -4,7 +4,8 @@
 # of the checkout in which longctx/models and longctx/kernels are real subpackages, and
 # runs from there. Either way `import longctx.models, longctx.kernels` works afterwards.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-# Pure-Python wheels the image lacks (datasets, dill, multiprocess, gguf), carried along in
+# Pure-Python wheels the image lacks (datasets, dill, multiprocess, gguf, jsonargparse,
+# docstring-parser, typeshed-client, importlib_resources), carried along in
 # .carry/wheels (pip download --no-deps --only-binary=:all: --python-version 3.12 ...).
 if [ -d .carry/wheels ]; then
   python -m pip install -q --no-deps --no-index .carry/wheels/*.whl >/tmp/longctx_wheels.log 2>&1 \
