@@ -1,0 +1,304 @@
+"""Load balance for document-masked context parallelism: a token permutation of the full
+sequence that evens out the attention work of the zigzag ranks, exactly.
+
+With packed documents and document masking, a token's attention work is the number of keys
+it sees: its index in its document + 1 (causal). Zigzag evens out plain causal work, not
+this: a rank whose chunks hold the tail of a long document does far more than one holding
+short documents (``longctx.layouts.document_work_per_rank``: max/mean 1.2-1.9 on realistic
+mixes at P = 2-8).
+
+``balance_permutation(document_ids, P)`` gives ``perm`` with ``balanced = full[..., perm]``
+such that, sharded with the zigzag layout (2P chunks of C = S/2P tokens, rank r holding
+chunks r and 2P-1-r), every rank does about the same work:
+
+* a *long* document (>= 2P * ``min_piece`` tokens) is cut into 2P nearly equal contiguous
+  pieces, piece c going to chunk c (PyTorch CP's per-document head-tail: pieces r and
+  2P-1-r together cost every rank the same);
+* *short* documents stay whole where they fit (fragments cost the kernels partially masked
+  tiles): longest first, each to the rank with the least work that has room, in one of its
+  chunks, else across its two chunks (head part first), else over any chunks with room in
+  increasing chunk order.
+
+Why it is exact: ``ring_attention(document_ids=...)`` lets query i see key j iff their ids
+are equal and (causal) j <= i in the sequence it is given. The permutation keeps every
+document's tokens in their original relative order (pieces in increasing chunk order), so
+each query sees the same keys as before; the order across documents is free under
+document masking. Labels (shifted on the full sequence) and position ids travel with their
+token, so RoPE and the (token-sum) loss are unchanged. Not valid for attention across
+documents (plain causal): there the permutation changes the result.
+
+``balance_documents(batch, world_size=P)`` applies it to every per-token tensor of a
+full-sequence batch, before sharding, and renumbers the document ids (a bijection, so the
+mask is the same) so that the kernels' tile skip test, which compares per-tile id ranges,
+stays as tight as on the unbalanced batch. The model's outputs on a balanced batch are in
+permuted order (``out[:, perm.argsort()]`` restores the original one).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from .layouts import check_layout, check_seq_len
+
+MIN_PIECE = 128  # one kernel tile: pieces of a cut document stay at least this long
+
+
+def _documents(ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``(tokens, starts, lengths)`` of a 1-D id sequence, documents numbered by first
+    appearance: document d is the positions ``tokens[starts[d]:starts[d] + lengths[d]]``
+    (ascending). ``tokens`` is None where every document is one contiguous run (the
+    packer's output): then it is the identity and no sort is needed."""
+    seq_len = ids.numel()
+    run_start = torch.ones(seq_len, dtype=torch.bool)
+    run_start[1:] = ids[1:] != ids[:-1]
+    starts = run_start.nonzero().squeeze(1)
+    if torch.unique(ids[starts]).numel() == starts.numel():
+        return None, starts, torch.diff(starts, append=torch.tensor([seq_len]))
+    # Equal ids in separate runs are one document: group tokens by id (stable sort keeps
+    # each document's positions ascending), then number documents by first position.
+    tokens = torch.argsort(ids, stable=True)
+    sorted_ids = ids[tokens]
+    first = torch.ones(seq_len, dtype=torch.bool)
+    first[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    starts = first.nonzero().squeeze(1)
+    lengths = torch.diff(starts, append=torch.tensor([seq_len]))
+    by_appearance = torch.argsort(tokens[starts])
+    return tokens, starts[by_appearance], lengths[by_appearance]
+
+
+def _piece_work(start: int, end: int, length: int, causal: bool) -> int:
+    """Visible (query, key) pairs of the queries at indices [start, end) of a document."""
+    if causal:
+        return (end * (end + 1) - start * (start + 1)) // 2
+    return (end - start) * length
+
+
+class _Placement:
+    """Documents being distributed over the 2P chunks: per document its tokens in each chunk
+    (in whole tiles ``aligned``, and the ``rest``), each chunk's free room, each rank's work.
+    A document's tokens fill its chunks in order: chunk c holds the ones after those of
+    chunks < c, its aligned tokens first."""
+
+    def __init__(self, world_size: int, chunk: int, tile: int, lengths: list, causal: bool):
+        self.n, self.chunk, self.tile, self.lengths, self.causal = 2 * world_size, chunk, tile, lengths, causal
+        self.room = [chunk] * self.n
+        self.work = [0] * world_size
+        self.aligned: dict[int, list] = {}
+        self.rest: dict[int, list] = {}
+
+    def rank_of(self, chunk: int) -> int:
+        return min(chunk, self.n - 1 - chunk)
+
+    def cut(self, doc: int) -> None:
+        """A long document: the same number of whole tiles in every chunk (piece c in chunk c:
+        head-tail pairs cost every rank the same; pieces that start tile-aligned meet in
+        unmasked tiles); its leftover tiles to the emptiest chunks. The < ``tile`` odd
+        tokens are left to ``place``."""
+        length, tile, n = self.lengths[doc], self.tile, self.n
+        units = length // tile
+        sizes = [units // n * tile] * n
+        for c in sorted(range(n), key=lambda c: self.room[c], reverse=True)[:units % n]:
+            sizes[c] += tile
+        sizes = [min(size, room // tile * tile) for size, room in zip(sizes, self.room)]
+        self.aligned[doc], self.rest[doc] = sizes, [0] * n
+        start = 0
+        for c, size in enumerate(sizes):
+            self.room[c] -= size
+            self.work[self.rank_of(c)] += _piece_work(start, start + size, length, self.causal)
+            start += size
+
+    def remaining(self, doc: int) -> int:
+        return self.lengths[doc] - sum(self.aligned.get(doc, ())) - sum(self.rest.get(doc, ()))
+
+    def insert(self, doc: int, chunk: int, size: int) -> None:
+        """Append ``size`` more tokens of ``doc`` to its tokens in ``chunk``: they see the
+        tokens of chunks <= ``chunk``; the doc's tokens in later chunks each see ``size`` more."""
+        length = self.lengths[doc]
+        aligned = self.aligned.setdefault(doc, [0] * self.n)
+        rest = self.rest.setdefault(doc, [0] * self.n)
+        start = sum(aligned[:chunk + 1]) + sum(rest[:chunk + 1])
+        self.work[self.rank_of(chunk)] += _piece_work(start, start + size, length, self.causal)
+        if self.causal:
+            for later in range(chunk + 1, self.n):
+                self.work[self.rank_of(later)] += size * (aligned[later] + rest[later])
+        rest[chunk] += size
+        self.room[chunk] -= size
+
+    def place(self, doc: int) -> None:
+        """The rest of a document: whole in one chunk of the least-loaded rank with room, else
+        over that rank's two chunks (head part first), else over any chunks with room in
+        increasing order."""
+        size = self.remaining(doc)
+        ranks = sorted(range(len(self.work)), key=self.work.__getitem__)
+        for r in ranks:
+            fitting = [c for c in (r, self.n - 1 - r) if self.room[c] >= size]
+            if fitting:  # the tighter fit keeps the larger hole for a larger document
+                self.insert(doc, min(fitting, key=self.room.__getitem__), size)
+                return
+        for r in ranks:
+            head, tail = r, self.n - 1 - r
+            if self.room[head] + self.room[tail] >= size:
+                first = self.room[head]
+                if first:
+                    self.insert(doc, head, first)
+                self.insert(doc, tail, size - first)
+                return
+        for c in range(self.n):
+            part = min(self.room[c], size)
+            if part:
+                self.insert(doc, c, part)
+                size -= part
+
+    def segments(self) -> list:
+        """``(doc, start, size)`` of every segment, chunk by chunk: first the aligned pieces
+        (they stay tile-aligned), then the rest, each group in document order."""
+        out = []
+        starts = {}
+        for doc in sorted(self.rest):
+            sizes = [a + r for a, r in zip(self.aligned[doc], self.rest[doc])]
+            starts[doc] = [sum(sizes[:c]) for c in range(self.n)]
+        for c in range(self.n):
+            for doc in sorted(self.aligned):
+                if self.aligned[doc][c]:
+                    out.append((doc, starts[doc][c], self.aligned[doc][c]))
+            for doc in sorted(self.rest):
+                if self.rest[doc][c]:
+                    out.append((doc, starts[doc][c] + self.aligned[doc][c], self.rest[doc][c]))
+        return out
+
+
+def balance_permutation(
+    document_ids: torch.Tensor,
+    world_size: int,
+    *,
+    layout: str = "zigzag",
+    causal: bool = True,
+    min_piece: int = MIN_PIECE,
+) -> torch.Tensor:
+    """The token permutation (int64 ``(S,)``, on ``document_ids``' device) that balances the
+    document-masked attention work of ``world_size`` zigzag ranks; ``full[..., perm]`` is the
+    balanced sequence (see the module docstring). Every document keeps its tokens' order.
+
+    ``document_ids``: the FULL sequence's integer ids ``(S,)``; equal ids anywhere are one
+    document, as in ``ring_attention``. ``causal``: the work model (the attention's mask).
+    ``min_piece``: the kernels' tile: documents shorter than ``2 * world_size * min_piece``
+    are not cut into 2P pieces, and pieces are cut in whole tiles where possible.
+    ``world_size == 1`` gives the identity. ``balance_documents`` also renumbers the ids
+    (``document_ids[perm]`` works too, with more masked tiles).
+    """
+    return _balance(document_ids, world_size, layout, causal, min_piece)[0]
+
+
+def _balance(document_ids: torch.Tensor, world_size: int, layout: str, causal: bool,
+             min_piece: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(perm, ids)``: the permutation and the permuted sequence's document ids renumbered
+    for the kernels' tile skip test (``_tile_friendly_ids``), both on the input's device."""
+    if not isinstance(document_ids, torch.Tensor) or document_ids.dim() != 1:
+        raise ValueError("document_ids must be a 1-D tensor of the full sequence's ids, got "
+                         f"{getattr(document_ids, 'shape', type(document_ids).__name__)}")
+    if document_ids.dtype.is_floating_point or document_ids.dtype.is_complex or document_ids.dtype == torch.bool:
+        raise TypeError(f"document_ids must hold integers, got dtype {document_ids.dtype}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    check_layout(layout)
+    if layout != "zigzag" and world_size > 1:
+        raise ValueError(
+            f"load balance needs layout='zigzag' (got {layout!r}): its head-tail pairing of chunks "
+            "is what balances cut documents; with the contiguous layout rank r's piece of a "
+            "document always sees more keys than rank r-1's")
+    if isinstance(min_piece, bool) or not isinstance(min_piece, int) or min_piece < 1:
+        raise ValueError(f"min_piece must be a positive int, got {min_piece!r}")
+    seq_len = document_ids.numel()
+    check_seq_len(seq_len, world_size, layout)
+    device = document_ids.device
+    if world_size == 1:
+        return torch.arange(seq_len, device=device), document_ids
+
+    tokens, doc_starts, lengths = _documents(document_ids.detach().cpu().long())
+    n_chunks = 2 * world_size
+    place = _Placement(world_size, seq_len // n_chunks, min_piece, lengths.tolist(), causal)
+    for doc in (lengths >= n_chunks * min_piece).nonzero().squeeze(1).tolist():
+        place.cut(doc)
+    # What is left (short documents, the odd tokens of cut ones), the costliest first: the
+    # classic greedy for even loads. A cut document's rest costs ~ its length per token.
+    left = [(doc, place.remaining(doc)) for doc in range(len(lengths))]
+    cost = [size * (size if doc not in place.aligned else 2 * place.lengths[doc]) for doc, size in left]
+    for i in sorted(range(len(left)), key=lambda i: -cost[i]):
+        if left[i][1]:
+            place.place(left[i][0])
+
+    seg_doc, seg_start, seg_size = (torch.tensor(col, dtype=torch.int64) for col in zip(*place.segments()))
+    source = doc_starts[seg_doc] + seg_start  # where each segment starts in `tokens`
+    out_start = torch.cumsum(seg_size, 0) - seg_size
+    perm = torch.repeat_interleave(source - out_start, seg_size) + torch.arange(seq_len)
+    if tokens is not None:
+        perm = tokens[perm]
+    ids = _tile_friendly_ids(torch.repeat_interleave(seg_doc, seg_size), len(lengths), min_piece)
+    return perm.to(device), ids.to(device=device, dtype=document_ids.dtype)
+
+
+def _tile_friendly_ids(docs: torch.Tensor, n_docs: int, tile: int) -> torch.Tensor:
+    """New ids for a sequence of document numbers ``docs`` (0 .. n_docs-1): numbered in order
+    of first appearance in tiles holding more than one document, then the rest.
+
+    The kernels skip a (query tile, key tile) pair when the tiles' [min, max] id ranges do
+    not overlap; a balanced sequence mixes ids from all over the batch in each chunk, so
+    with the original ids a tile at a document boundary spans many foreign ids and gets
+    visited (masked) against their tiles. Numbering documents as they meet in boundary
+    tiles keeps those ranges narrow. A bijection: the mask is unchanged."""
+    seq_len = docs.numel()
+    n_tiles = -(-seq_len // tile)
+    padded = torch.cat([docs, docs[-1:].expand(n_tiles * tile - seq_len)]).view(n_tiles, tile)
+    mixed = (padded.amin(1) != padded.amax(1)).repeat_interleave(tile)[:seq_len]
+    position = torch.arange(seq_len)
+    key = torch.where(mixed, position, position + seq_len)
+    first = torch.full((n_docs,), 2 * seq_len, dtype=torch.int64).scatter_reduce(0, docs, key, "amin")
+    label = torch.empty(n_docs, dtype=torch.int64)
+    label[torch.argsort(first)] = torch.arange(n_docs)
+    return label[docs]
+
+
+def balance_documents(batch: Mapping[str, Any], *, world_size: int, layout: str = "zigzag",
+                      min_piece: int = MIN_PIECE) -> Any:
+    """Balance a FULL-sequence batch for ``world_size`` zigzag CP ranks (before sharding).
+
+    ``batch``: a mapping with integer ``document_ids`` ``(B, S)``; every tensor whose dim 1
+    has length S (input_ids, labels, document_ids, position_ids, loss masks, ...) is
+    permuted along it, row b by ``balance_permutation(document_ids[b], world_size)``;
+    anything else passes through. Positions travel with their tokens: a batch without
+    ``position_ids`` gets the global ``arange(S)`` first (the positions sharding would
+    otherwise derive from the permuted layout would be wrong). Returns a new dict;
+    ``world_size == 1`` returns ``batch`` itself.
+
+    Only for document-masked attention (``ring_attention(document_ids=...)`` with these
+    permuted ids); the outputs of a model on the result are in permuted order.
+    """
+    from .sharding import is_sharded
+
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not isinstance(batch, Mapping) or not isinstance(batch.get("document_ids"), torch.Tensor):
+        raise ValueError("balance_documents needs a mapping batch with a 'document_ids' tensor (B, S)")
+    if is_sharded(batch):
+        raise ValueError("balance_documents takes full sequences: this batch is already sharded "
+                         "(balance before sharding)")
+    docs = batch["document_ids"]
+    if docs.dim() != 2:
+        raise ValueError(f"document_ids must be (B, S), got shape {tuple(docs.shape)}")
+    if world_size == 1:
+        return batch
+    rows, seq_len = docs.shape
+    perm, balanced_ids = (torch.stack(t) for t in zip(*(
+        _balance(row, world_size, layout, True, min_piece) for row in docs)))
+    row_index = torch.arange(rows, device=docs.device)[:, None]
+    out = dict(batch)
+    if "position_ids" not in out:
+        out["position_ids"] = torch.arange(seq_len, device=docs.device).expand(rows, seq_len)
+    for key, value in out.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq_len:
+            if value.shape[0] not in (1, rows):
+                raise ValueError(f"batch[{key!r}] has {value.shape[0]} rows, document_ids {rows}")
+            out[key] = value.expand(rows, *value.shape[1:])[row_index, perm.to(value.device)]
+    out["document_ids"] = balanced_ids
+    return out
