@@ -209,3 +209,61 @@ def test_ring_on_balanced_batch_equals_unbalanced_over_gloo():
         bad = [f"P={p} {name} {what}: {err:.2e}" for p, name, what, err in errors if not err < 1e-5]
         assert not bad, f"seed={seed} rank {rank}:\n" + "\n".join(bad)
         assert nan_rows == [(True, True), (True, True)], (seed, nan_rows)
+
+
+# ------------------------------------------------------------------ training, CP=2 vs 1
+
+TRAIN_SEQ = 1024  # a document of >= 2P * 128 tokens gets cut at the default tile
+
+
+def _document_samples() -> list[dict]:
+    """Packed samples: one long document (cut in 4 pieces at P = 2) among short ones."""
+    from test_strategy import N_SAMPLES, VOCAB
+
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(N_SAMPLES):
+        tokens = torch.randint(0, VOCAB, (TRAIN_SEQ + 1,), generator=g)
+        long_start = int(torch.randint(0, 300, (1,), generator=g))
+        short = torch.randint(1, 60, (TRAIN_SEQ,), generator=g)
+        docs = torch.repeat_interleave(torch.arange(TRAIN_SEQ), short)[:TRAIN_SEQ]
+        docs[long_start:long_start + 600] = -1
+        docs = torch.cumsum(torch.cat([torch.ones(1, dtype=torch.long), docs[1:] != docs[:-1]]), 0)
+        labels = tokens[1:].clone()
+        labels[torch.rand(TRAIN_SEQ, generator=g) < 0.2] = -100
+        out.append({"input_ids": tokens[:-1].clone(), "labels": labels, "document_ids": docs})
+    return out
+
+
+def _train_cp2(rank, world):
+    import longctx.models.lit_module as lit_module
+    from torch.utils.data import DataLoader
+    from longctx.lightning.strategy import ContextParallelStrategy
+    from test_strategy import GLOBAL_BATCH, _fit
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", PL_GLOBAL_SEED="0")
+    balanced, real = [], lit_module.balance_documents
+
+    def counting(batch, **kwargs):
+        out = real(batch, **kwargs)
+        balanced.append(not torch.equal(out["input_ids"], batch["input_ids"]))
+        return out
+
+    lit_module.balance_documents = counting
+    strategy = ContextParallelStrategy(context_parallel_size=2, data_parallel="ddp")
+    info = _fit(strategy, world, DataLoader(_document_samples(), batch_size=GLOBAL_BATCH), 1)
+    return dict(info, balanced=balanced)
+
+
+@pytest.mark.slow
+def test_training_cp2_with_load_balance_equals_single_device():
+    from torch.utils.data import DataLoader
+    from test_strategy import GLOBAL_BATCH, STEPS, _fit, _rel
+
+    reference = _fit("auto", 1, DataLoader(_document_samples(), batch_size=GLOBAL_BATCH), 1)
+    assert len(reference["losses"]) == STEPS
+    for rank, out in enumerate(run_distributed(_train_cp2, 2)):
+        assert out["balanced"] == [True] * STEPS, out["balanced"]  # every batch was reordered
+        err = _rel(out["params"], reference["params"])
+        assert err < 1e-5, f"rank {rank}: parameters differ from single-device training by {err:.2e}"
+        torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=0)
