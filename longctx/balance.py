@@ -127,8 +127,8 @@ class _Placement:
 
     def place(self, doc: int) -> None:
         """The rest of a document: whole in one chunk of the least-loaded rank with room, else
-        over that rank's two chunks (head part first), else over any chunks with room in
-        increasing order."""
+        over two neighbouring chunks (whose shared tile ids then stay close, see
+        ``segments``), else over any chunks with room in increasing order."""
         size = self.remaining(doc)
         ranks = sorted(range(len(self.work)), key=self.work.__getitem__)
         for r in ranks:
@@ -136,14 +136,14 @@ class _Placement:
             if fitting:  # the tighter fit keeps the larger hole for a larger document
                 self.insert(doc, min(fitting, key=self.room.__getitem__), size)
                 return
-        for r in ranks:
-            head, tail = r, self.n - 1 - r
-            if self.room[head] + self.room[tail] >= size:
-                first = self.room[head]
-                if first:
-                    self.insert(doc, head, first)
-                self.insert(doc, tail, size - first)
-                return
+        pairs = [c for c in range(self.n - 1) if self.room[c] + self.room[c + 1] >= size]
+        if pairs:
+            c = min(pairs, key=lambda c: self.work[self.rank_of(c)] + self.work[self.rank_of(c + 1)])
+            first = min(self.room[c], size)
+            self.insert(doc, c, first)
+            if size > first:
+                self.insert(doc, c + 1, size - first)
+            return
         for c in range(self.n):
             part = min(self.room[c], size)
             if part:
@@ -152,7 +152,9 @@ class _Placement:
 
     def segments(self) -> list:
         """``(doc, start, size)`` of every segment, chunk by chunk: first the aligned pieces
-        (they stay tile-aligned), then the rest, each group in document order."""
+        (they stay tile-aligned), in document order, then the rest: documents that continue
+        from the previous chunk first and those continuing into the next one last, so that a
+        document split over neighbouring chunks sits at both sides of the chunk boundary."""
         out = []
         starts = {}
         for doc in sorted(self.rest):
@@ -162,9 +164,13 @@ class _Placement:
             for doc in sorted(self.aligned):
                 if self.aligned[doc][c]:
                     out.append((doc, starts[doc][c], self.aligned[doc][c]))
-            for doc in sorted(self.rest):
-                if self.rest[doc][c]:
-                    out.append((doc, starts[doc][c] + self.aligned[doc][c], self.rest[doc][c]))
+
+            def tail_order(doc):
+                rest = self.rest[doc]
+                return (0 if any(rest[:c]) else 2 if any(rest[c + 1:]) else 1), doc
+
+            for doc in sorted((d for d in self.rest if self.rest[d][c]), key=tail_order):
+                out.append((doc, starts[doc][c] + self.aligned[doc][c], self.rest[doc][c]))
         return out
 
 
@@ -234,29 +240,32 @@ def _balance(document_ids: torch.Tensor, world_size: int, layout: str, causal: b
     perm = torch.repeat_interleave(source - out_start, seg_size) + torch.arange(seq_len)
     if tokens is not None:
         perm = tokens[perm]
-    ids = _tile_friendly_ids(torch.repeat_interleave(seg_doc, seg_size), len(lengths), min_piece)
+    ids = torch.repeat_interleave(_tile_friendly_ids(seg_doc, out_start, seg_size, len(lengths), min_piece), seg_size)
     return perm.to(device), ids.to(device=device, dtype=document_ids.dtype)
 
 
-def _tile_friendly_ids(docs: torch.Tensor, n_docs: int, tile: int) -> torch.Tensor:
-    """New ids for a sequence of document numbers ``docs`` (0 .. n_docs-1): numbered in order
-    of first appearance in tiles holding more than one document, then the rest.
+def _tile_friendly_ids(seg_doc: torch.Tensor, seg_start: torch.Tensor, seg_size: torch.Tensor,
+                       n_docs: int, tile: int) -> torch.Tensor:
+    """New ids (per segment) for the documents of a sequence of segments (document number,
+    start, size): numbered in order of first appearance in a tile shared with another
+    segment, then the rest.
 
     The kernels skip a (query tile, key tile) pair when the tiles' [min, max] id ranges do
     not overlap; a balanced sequence mixes ids from all over the batch in each chunk, so
     with the original ids a tile at a document boundary spans many foreign ids and gets
     visited (masked) against their tiles. Numbering documents as they meet in boundary
     tiles keeps those ranges narrow. A bijection: the mask is unchanged."""
-    seq_len = docs.numel()
-    n_tiles = -(-seq_len // tile)
-    padded = torch.cat([docs, docs[-1:].expand(n_tiles * tile - seq_len)]).view(n_tiles, tile)
-    mixed = (padded.amin(1) != padded.amax(1)).repeat_interleave(tile)[:seq_len]
-    position = torch.arange(seq_len)
-    key = torch.where(mixed, position, position + seq_len)
-    first = torch.full((n_docs,), 2 * seq_len, dtype=torch.int64).scatter_reduce(0, docs, key, "amin")
+    seq_len = int(seg_start[-1] + seg_size[-1])
+    end = seg_start + seg_size
+    # A segment's first token in a shared tile: its first token if it starts mid-tile, else
+    # the start of its last tile if it ends mid-tile (and something follows), else none.
+    last_tile = end - end % tile
+    first_shared = torch.where(seg_start % tile != 0, seg_start,
+                               torch.where((end % tile != 0) & (end < seq_len), last_tile, seg_start + seq_len))
+    first = torch.full((n_docs,), 2 * seq_len, dtype=torch.int64).scatter_reduce(0, seg_doc, first_shared, "amin")
     label = torch.empty(n_docs, dtype=torch.int64)
     label[torch.argsort(first)] = torch.arange(n_docs)
-    return label[docs]
+    return label[seg_doc]
 
 
 def balance_documents(batch: Mapping[str, Any], *, world_size: int, layout: str = "zigzag",
