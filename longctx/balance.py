@@ -9,15 +9,18 @@ mixes at P = 2-8).
 
 ``balance_permutation(document_ids, P)`` gives ``perm`` with ``balanced = full[..., perm]``
 such that, sharded with the zigzag layout (2P chunks of C = S/2P tokens, rank r holding
-chunks r and 2P-1-r), every rank does about the same work:
+chunks r and 2P-1-r), every rank does about the same work (max/mean <= 1.03 on the mixes
+of ``benchmarks/document_balance.py``):
 
-* a *long* document (>= 2P * ``min_piece`` tokens) is cut into 2P nearly equal contiguous
-  pieces, piece c going to chunk c (PyTorch CP's per-document head-tail: pieces r and
-  2P-1-r together cost every rank the same);
-* *short* documents stay whole where they fit (fragments cost the kernels partially masked
-  tiles): longest first, each to the rank with the least work that has room, in one of its
-  chunks, else across its two chunks (head part first), else over any chunks with room in
-  increasing chunk order.
+* a *long* document (>= 2P kernel tiles of ``tile`` = 128 tokens) is cut into 2P nearly
+  equal pieces of whole tiles, piece c going to chunk c (PyTorch CP's per-document
+  head-tail: pieces r and 2P-1-r together cost every rank the same). Each chunk starts
+  with these pieces, so they stay tile-aligned and two pieces of a document meet in
+  unmasked tiles;
+* the rest - *short* documents, kept whole where they fit (fragments cost the kernels
+  masked tiles), and the < 128 odd tokens of cut ones - fills each chunk's tail, the
+  costliest first onto the least-loaded rank; what fits in no chunk whole is split over
+  neighbouring chunks.
 
 Why it is exact: ``ring_attention(document_ids=...)`` lets query i see key j iff their ids
 are equal and (causal) j <= i in the sequence it is given. The permutation keeps every
@@ -41,7 +44,7 @@ import torch
 
 from .layouts import check_layout, check_seq_len
 
-MIN_PIECE = 128  # one kernel tile: pieces of a cut document stay at least this long
+TILE = 128  # the document kernels' tile (kernels/triton_document.py): pieces are cut in whole tiles
 
 
 def _documents(ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -180,7 +183,7 @@ def balance_permutation(
     *,
     layout: str = "zigzag",
     causal: bool = True,
-    min_piece: int = MIN_PIECE,
+    tile: int = TILE,
 ) -> torch.Tensor:
     """The token permutation (int64 ``(S,)``, on ``document_ids``' device) that balances the
     document-masked attention work of ``world_size`` zigzag ranks; ``full[..., perm]`` is the
@@ -188,16 +191,16 @@ def balance_permutation(
 
     ``document_ids``: the FULL sequence's integer ids ``(S,)``; equal ids anywhere are one
     document, as in ``ring_attention``. ``causal``: the work model (the attention's mask).
-    ``min_piece``: the kernels' tile: documents shorter than ``2 * world_size * min_piece``
-    are not cut into 2P pieces, and pieces are cut in whole tiles where possible.
+    ``tile``: the kernels' tile: documents shorter than ``2 * world_size * tile`` are not
+    cut into 2P pieces, and pieces are cut in whole tiles.
     ``world_size == 1`` gives the identity. ``balance_documents`` also renumbers the ids
     (``document_ids[perm]`` works too, with more masked tiles).
     """
-    return _balance(document_ids, world_size, layout, causal, min_piece)[0]
+    return _balance(document_ids, world_size, layout, causal, tile)[0]
 
 
 def _balance(document_ids: torch.Tensor, world_size: int, layout: str, causal: bool,
-             min_piece: int) -> tuple[torch.Tensor, torch.Tensor]:
+             tile: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(perm, ids)``: the permutation and the permuted sequence's document ids renumbered
     for the kernels' tile skip test (``_tile_friendly_ids``), both on the input's device."""
     if not isinstance(document_ids, torch.Tensor) or document_ids.dim() != 1:
@@ -213,8 +216,8 @@ def _balance(document_ids: torch.Tensor, world_size: int, layout: str, causal: b
             f"load balance needs layout='zigzag' (got {layout!r}): its head-tail pairing of chunks "
             "is what balances cut documents; with the contiguous layout rank r's piece of a "
             "document always sees more keys than rank r-1's")
-    if isinstance(min_piece, bool) or not isinstance(min_piece, int) or min_piece < 1:
-        raise ValueError(f"min_piece must be a positive int, got {min_piece!r}")
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
+        raise ValueError(f"tile must be a positive int, got {tile!r}")
     seq_len = document_ids.numel()
     check_seq_len(seq_len, world_size, layout)
     device = document_ids.device
@@ -223,13 +226,15 @@ def _balance(document_ids: torch.Tensor, world_size: int, layout: str, causal: b
 
     tokens, doc_starts, lengths = _documents(document_ids.detach().cpu().long())
     n_chunks = 2 * world_size
-    place = _Placement(world_size, seq_len // n_chunks, min_piece, lengths.tolist(), causal)
-    for doc in (lengths >= n_chunks * min_piece).nonzero().squeeze(1).tolist():
-        place.cut(doc)
+    place = _Placement(world_size, seq_len // n_chunks, tile, lengths.tolist(), causal)
+    is_long = (lengths >= n_chunks * tile).tolist()
+    for doc in range(len(lengths)):
+        if is_long[doc]:
+            place.cut(doc)
     # What is left (short documents, the odd tokens of cut ones), the costliest first: the
     # classic greedy for even loads. A cut document's rest costs ~ its length per token.
     left = [(doc, place.remaining(doc)) for doc in range(len(lengths))]
-    cost = [size * (size if doc not in place.aligned else 2 * place.lengths[doc]) for doc, size in left]
+    cost = [size * (2 * place.lengths[doc] if is_long[doc] else size) for doc, size in left]
     for i in sorted(range(len(left)), key=lambda i: -cost[i]):
         if left[i][1]:
             place.place(left[i][0])
@@ -240,7 +245,7 @@ def _balance(document_ids: torch.Tensor, world_size: int, layout: str, causal: b
     perm = torch.repeat_interleave(source - out_start, seg_size) + torch.arange(seq_len)
     if tokens is not None:
         perm = tokens[perm]
-    ids = torch.repeat_interleave(_tile_friendly_ids(seg_doc, out_start, seg_size, len(lengths), min_piece), seg_size)
+    ids = torch.repeat_interleave(_tile_friendly_ids(seg_doc, out_start, seg_size, len(lengths), tile), seg_size)
     return perm.to(device), ids.to(device=device, dtype=document_ids.dtype)
 
 
@@ -269,7 +274,7 @@ def _tile_friendly_ids(seg_doc: torch.Tensor, seg_start: torch.Tensor, seg_size:
 
 
 def balance_documents(batch: Mapping[str, Any], *, world_size: int, layout: str = "zigzag",
-                      min_piece: int = MIN_PIECE) -> Any:
+                      tile: int = TILE) -> Any:
     """Balance a FULL-sequence batch for ``world_size`` zigzag CP ranks (before sharding).
 
     ``batch``: a mapping with integer ``document_ids`` ``(B, S)``; every tensor whose dim 1
@@ -299,7 +304,7 @@ def balance_documents(batch: Mapping[str, Any], *, world_size: int, layout: str 
         return batch
     rows, seq_len = docs.shape
     perm, balanced_ids = (torch.stack(t) for t in zip(*(
-        _balance(row, world_size, layout, True, min_piece) for row in docs)))
+        _balance(row, world_size, layout, True, tile) for row in docs)))
     row_index = torch.arange(rows, device=docs.device)[:, None]
     out = dict(batch)
     if "position_ids" not in out:

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from attention_reference import reference
 from dist_harness import run_distributed
-from longctx import balance_documents, balance_permutation, ring_attention, shard_batch, shard_sequence, unshard_sequence
+from longctx import (balance_documents, balance_permutation, ring_attention, shard_batch, shard_sequence,
+                     unshard_sequence)
 from longctx.layouts import document_work_per_rank
 from test_ring_attention import rel_err
 
@@ -53,19 +54,19 @@ def test_permutation_keeps_every_document_in_order(world_size):
         g = torch.Generator().manual_seed(seed + i)
         seq = 2 * world_size * 24
         ids = random_ids(pattern, seq, g)
-        perm = balance_permutation(ids, world_size, min_piece=2)
+        perm = balance_permutation(ids, world_size, tile=2)
         assert perm.dtype == torch.int64 and torch.equal(perm.sort().values, torch.arange(seq)), (seed, pattern)
         for doc in ids.unique():
             at = perm[ids[perm] == doc]  # original positions of the document, in balanced order
             assert bool((at[1:] > at[:-1]).all()), (seed, pattern, int(doc))
-        # Long documents (>= 2P * min_piece) have a piece in every chunk.
+        # Long documents (>= 2P tiles) have a piece in every chunk.
         chunk_of = torch.empty(seq, dtype=torch.int64)
         chunk_of[perm] = torch.arange(seq) // (seq // (2 * world_size))
         for doc, count in zip(*ids.unique(return_counts=True)):
             if count >= 2 * world_size * 2:
                 assert chunk_of[ids == doc].unique().numel() == 2 * world_size, (seed, pattern, int(doc))
         # The renumbered ids of balance_documents describe the same documents.
-        new = balance_documents({"document_ids": ids[None]}, world_size=world_size, min_piece=2)["document_ids"][0]
+        new = balance_documents({"document_ids": ids[None]}, world_size=world_size, tile=2)["document_ids"][0]
         pairs = torch.stack([ids[perm], new], 1).unique(dim=0)
         assert pairs[:, 0].unique().numel() == pairs[:, 1].unique().numel() == len(pairs) == ids.unique().numel()
 
@@ -111,8 +112,8 @@ def test_balance_documents_moves_every_per_token_tensor():
              "embeddings": torch.randn(rows, seq, 5, generator=g), "sample_weight": torch.rand(rows, generator=g),
              "note": "kept"}
     batch["loss_mask"][1, 7] = float("nan")
-    out = balance_documents(batch, world_size=world_size, min_piece=2)
-    perm = torch.stack([balance_permutation(row, world_size, min_piece=2) for row in ids])
+    out = balance_documents(batch, world_size=world_size, tile=2)
+    perm = torch.stack([balance_permutation(row, world_size, tile=2) for row in ids])
     assert not torch.equal(perm, torch.arange(seq).expand(rows, seq))
     for key in ("input_ids", "labels", "loss_mask", "embeddings"):
         want = torch.stack([batch[key][b, perm[b]] for b in range(rows)])
@@ -176,7 +177,7 @@ def _balanced_vs_unbalanced(rank, world, seed):
         want = reference(q, k, v, dout, True, 8 ** -0.5, ids)
         want = [want[0], *want[2:]]
         batch = dict(document_ids=ids, q=q, k=k, v=v, dout=dout, index=torch.arange(seq).expand(2, seq))
-        balanced = balance_documents(batch, world_size=world_size, min_piece=2)
+        balanced = balance_documents(batch, world_size=world_size, tile=2)
         inverse = balanced["index"].argsort(1)
         assert not torch.equal(inverse, batch["index"])
         plain = _ring_full(q, k, v, dout, ids, group)
@@ -191,7 +192,7 @@ def _balanced_vs_unbalanced(rank, world, seed):
         bad_v = v.clone()
         bad_v[0, row, 0] = float("nan")
         bad = dict(batch, v=bad_v)
-        balanced = balance_documents(bad, world_size=world_size, min_piece=2)
+        balanced = balance_documents(bad, world_size=world_size, tile=2)
         out_bal = _ring_full(*(balanced[key] for key in ("q", "k", "v", "dout", "document_ids")), group)[0]
         out_bal = out_bal[0, balanced["index"][0].argsort()]
         out_plain = _ring_full(q, k, bad_v, dout, ids, group)[0][0]
