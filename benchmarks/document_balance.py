@@ -22,6 +22,12 @@ default; a window of one document is balanced already), reports before / after:
                    tile costs the same masked or not (the GPU run decides the rest);
 and the time of balance_permutation at S = 128K and 1M (one CPU thread, median of 7).
 Prints a table and writes benchmarks/results/document_balance.json (or --out).
+
+    torchrun --nproc-per-node=N benchmarks/document_balance.py --ring     # GPUs, ~2 min
+
+times what it models: the document-masked zigzag ring (longctx.ring_attention, bf16,
+S = 128K, H = 16, D = 128, forward + backward, the slowest rank's median) on each mix's
+ids (seed 0) as packed and balanced, and writes document_balance_ring_ws<N>_<gpu>.json.
 """
 from __future__ import annotations
 
@@ -133,6 +139,49 @@ def summarise(rows: list) -> dict:
     return out
 
 
+def ring_times(args) -> None:
+    """The ``--ring`` part (torchrun, one GPU per process)."""
+    import torch.distributed as dist
+
+    from attention import gpu_tag
+    from longctx import ring_attention, shard_sequence
+    from ring import log, time_fn
+
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    seq, heads, head_dim = args.seq, 16, 128
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    q, k, v, dout = (torch.randn(1, seq // world, heads, head_dim, device="cuda", dtype=torch.bfloat16,
+                                 generator=g).requires_grad_(i < 3) for i in range(4))
+
+    def fwd_bwd_ms(ids: torch.Tensor) -> float:
+        local = shard_sequence(ids.cuda()[None], 1, rank=rank, world_size=world)
+
+        def step():
+            q.grad = k.grad = v.grad = None
+            ring_attention(q, k, v, group=dist.group.WORLD, document_ids=local).backward(dout)
+        return time_fn(step)
+
+    report = dict(world_size=world, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                  date=time.strftime("%Y-%m-%d"), seq_len=seq, heads=heads, head_dim=head_dim, rows=[])
+    path = os.path.join(os.path.dirname(args.out), f"document_balance_ring_ws{world}_{gpu_tag()}.json")
+    for mix in MIXES:
+        ids = ids_from_lengths(document_lengths(mix, seq, 0), device="cpu")[0]
+        balanced = balance_documents({"document_ids": ids[None]}, world_size=world)["document_ids"][0]
+        row = dict(mix=mix, packed_ms=fwd_bwd_ms(ids), balanced_ms=fwd_bwd_ms(balanced),
+                   modeled_speedup=compare(ids, world)["modeled_speedup"])
+        row["speedup"] = row["packed_ms"] / row["balanced_ms"]
+        report["rows"].append(row)
+        log(f"[ring ws{world}] {mix}: packed {row['packed_ms']:.1f} ms, balanced {row['balanced_ms']:.1f} ms, "
+            f"{row['speedup']:.2f}x (modeled {row['modeled_speedup']:.2f}x)")
+        if rank == 0:
+            with open(path, "w") as f:
+                json.dump(report, f, indent=1)
+    log(f"wrote {path}")
+    dist.destroy_process_group()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq", type=int, default=128 * 1024)
@@ -140,7 +189,11 @@ def main() -> None:
     ap.add_argument("--no-corpus", action="store_true", help="skip the default-corpus windows")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT") or os.path.join(HERE, "results"),
                                                   "document_balance.json"))
+    ap.add_argument("--ring", action="store_true", help="time the GPU ring instead (under torchrun)")
     args = ap.parse_args()
+    if args.ring:
+        ring_times(args)
+        return
     torch.set_num_threads(1)  # the timing: one core, as in a data-loading path beside training
     report = dict(seq_len=args.seq, tile=TILE, host=platform.processor() or platform.machine(),
                   torch=torch.__version__, mixes={}, corpus={}, timing_ms={})

@@ -20,7 +20,9 @@ of ``benchmarks/document_balance.py``):
 * the rest - *short* documents, kept whole where they fit (fragments cost the kernels
   masked tiles), and the < 128 odd tokens of cut ones - fills each chunk's tail, the
   costliest first onto the least-loaded rank; what fits in no chunk whole is split over
-  neighbouring chunks.
+  neighbouring chunks. Documents shorter than a tile are poured into the room left, in
+  order (vectorised: ~0.5 s for a million length-1 documents, 2 ms for realistic 128K
+  sequences, 20-30 ms at 1M).
 
 Why it is exact: ``ring_attention(document_ids=...)`` lets query i see key j iff their ids
 are equal and (causal) j <= i in the sequence it is given. The permutation keeps every
@@ -56,7 +58,8 @@ def _documents(ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, to
     run_start = torch.ones(seq_len, dtype=torch.bool)
     run_start[1:] = ids[1:] != ids[:-1]
     starts = run_start.nonzero().squeeze(1)
-    if torch.unique(ids[starts]).numel() == starts.numel():
+    run_ids = ids[starts]
+    if bool((run_ids[1:] > run_ids[:-1]).all()) or torch.unique(run_ids).numel() == starts.numel():
         return None, starts, torch.diff(starts, append=torch.tensor([seq_len]))
     # Equal ids in separate runs are one document: group tokens by id (stable sort keeps
     # each document's positions ascending), then number documents by first position.
@@ -78,15 +81,16 @@ def _piece_work(start: int, end: int, length: int, causal: bool) -> int:
 
 
 class _Placement:
-    """Documents being distributed over the 2P chunks: per document its tokens in each chunk
-    (in whole tiles ``aligned``, and the ``rest``), each chunk's free room, each rank's work.
-    A document's tokens fill its chunks in order: chunk c holds the ones after those of
-    chunks < c, its aligned tokens first."""
+    """Documents being distributed over the 2P chunks, each chunk's free room and each rank's
+    work. A document placed whole sits in one chunk (``whole``); one spread over chunks has
+    its tokens per chunk in whole tiles (``aligned``) and the ``rest``, chunk c holding the
+    tokens after those of chunks < c, its aligned ones first."""
 
     def __init__(self, world_size: int, chunk: int, tile: int, lengths: list, causal: bool):
-        self.n, self.chunk, self.tile, self.lengths, self.causal = 2 * world_size, chunk, tile, lengths, causal
+        self.n, self.tile, self.lengths, self.causal = 2 * world_size, tile, lengths, causal
         self.room = [chunk] * self.n
         self.work = [0] * world_size
+        self.whole: list[list[int]] = [[] for _ in range(self.n)]
         self.aligned: dict[int, list] = {}
         self.rest: dict[int, list] = {}
 
@@ -117,13 +121,13 @@ class _Placement:
     def insert(self, doc: int, chunk: int, size: int) -> None:
         """Append ``size`` more tokens of ``doc`` to its tokens in ``chunk``: they see the
         tokens of chunks <= ``chunk``; the doc's tokens in later chunks each see ``size`` more."""
-        length = self.lengths[doc]
-        aligned = self.aligned.setdefault(doc, [0] * self.n)
-        rest = self.rest.setdefault(doc, [0] * self.n)
+        length, n = self.lengths[doc], self.n
+        aligned = self.aligned.setdefault(doc, [0] * n)
+        rest = self.rest.setdefault(doc, [0] * n)
         start = sum(aligned[:chunk + 1]) + sum(rest[:chunk + 1])
         self.work[self.rank_of(chunk)] += _piece_work(start, start + size, length, self.causal)
         if self.causal:
-            for later in range(chunk + 1, self.n):
+            for later in range(chunk + 1, n):
                 self.work[self.rank_of(later)] += size * (aligned[later] + rest[later])
         rest[chunk] += size
         self.room[chunk] -= size
@@ -133,11 +137,16 @@ class _Placement:
         over two neighbouring chunks (whose shared tile ids then stay close, see
         ``segments``), else over any chunks with room in increasing order."""
         size = self.remaining(doc)
-        ranks = sorted(range(len(self.work)), key=self.work.__getitem__)
-        for r in ranks:
+        for r in sorted(range(len(self.work)), key=self.work.__getitem__):
             fitting = [c for c in (r, self.n - 1 - r) if self.room[c] >= size]
             if fitting:  # the tighter fit keeps the larger hole for a larger document
-                self.insert(doc, min(fitting, key=self.room.__getitem__), size)
+                c = min(fitting, key=self.room.__getitem__)
+                if doc in self.rest:
+                    self.insert(doc, c, size)
+                else:
+                    self.whole[c].append(doc)
+                    self.room[c] -= size
+                    self.work[r] += _piece_work(0, size, size, self.causal)
                 return
         pairs = [c for c in range(self.n - 1) if self.room[c] + self.room[c + 1] >= size]
         if pairs:
@@ -154,27 +163,42 @@ class _Placement:
                 size -= part
 
     def segments(self) -> list:
-        """``(doc, start, size)`` of every segment, chunk by chunk: first the aligned pieces
-        (they stay tile-aligned), in document order, then the rest: documents that continue
-        from the previous chunk first and those continuing into the next one last, so that a
-        document split over neighbouring chunks sits at both sides of the chunk boundary."""
-        out = []
+        """``(chunk, doc, start, size)`` of every segment, chunk by chunk: first the aligned
+        pieces (they stay tile-aligned), in document order, then the rest: documents that
+        continue from the previous chunk first and those continuing into the next one last,
+        so that a document split over neighbouring chunks sits at both sides of the boundary."""
+        spread = sorted(self.rest)
         starts = {}
-        for doc in sorted(self.rest):
+        for doc in spread:
             sizes = [a + r for a, r in zip(self.aligned[doc], self.rest[doc])]
             starts[doc] = [sum(sizes[:c]) for c in range(self.n)]
+        out = []
         for c in range(self.n):
-            for doc in sorted(self.aligned):
-                if self.aligned[doc][c]:
-                    out.append((doc, starts[doc][c], self.aligned[doc][c]))
-
-            def tail_order(doc):
-                rest = self.rest[doc]
-                return (0 if any(rest[:c]) else 2 if any(rest[c + 1:]) else 1), doc
-
-            for doc in sorted((d for d in self.rest if self.rest[d][c]), key=tail_order):
-                out.append((doc, starts[doc][c] + self.aligned[doc][c], self.rest[doc][c]))
+            out += [(c, doc, starts[doc][c], self.aligned[doc][c]) for doc in spread if self.aligned[doc][c]]
+            tail = [(0 if any(self.rest[doc][:c]) else 2 if any(self.rest[doc][c + 1:]) else 1, doc,
+                     starts[doc][c] + self.aligned[doc][c], self.rest[doc][c]) for doc in spread if self.rest[doc][c]]
+            tail += [(1, doc, 0, self.lengths[doc]) for doc in self.whole[c]]
+            out += [(c, *segment[1:]) for segment in sorted(tail)]
         return out
+
+
+def _pour(docs: torch.Tensor, lengths: torch.Tensor, room: list) -> tuple[torch.Tensor, ...]:
+    """``(chunk, doc, start, size)`` of whole documents ``docs`` poured in order, as one line,
+    into the chunks' free ``room`` in chunk order: a document that reaches the end of a
+    chunk's room goes on in the next chunk with room. Vectorised."""
+    size = lengths[docs]
+    line_end = torch.cumsum(size, 0)
+    line_start = line_end - size
+    hole_end = torch.cumsum(torch.tensor(room, dtype=torch.int64), 0)
+    hole_start = hole_end - torch.tensor(room, dtype=torch.int64)
+    first = torch.searchsorted(hole_end, line_start, right=True)
+    count = torch.searchsorted(hole_end, line_end - 1, right=True) - first + 1
+    of = torch.repeat_interleave(torch.arange(len(docs)), count)  # the document of each piece
+    hole = first[of] + torch.arange(len(of)) - torch.repeat_interleave(torch.cumsum(count, 0) - count, count)
+    low = torch.maximum(line_start[of], hole_start[hole])
+    high = torch.minimum(line_end[of], hole_end[hole])
+    keep = high > low  # holes without room between two with room
+    return hole[keep], docs[of][keep], (low - line_start[of])[keep], (high - low)[keep]
 
 
 def balance_permutation(
@@ -227,19 +251,26 @@ def _balance(document_ids: torch.Tensor, world_size: int, layout: str, causal: b
     tokens, doc_starts, lengths = _documents(document_ids.detach().cpu().long())
     n_chunks = 2 * world_size
     place = _Placement(world_size, seq_len // n_chunks, tile, lengths.tolist(), causal)
-    is_long = (lengths >= n_chunks * tile).tolist()
-    for doc in range(len(lengths)):
-        if is_long[doc]:
-            place.cut(doc)
-    # What is left (short documents, the odd tokens of cut ones), the costliest first: the
-    # classic greedy for even loads. A cut document's rest costs ~ its length per token.
-    left = [(doc, place.remaining(doc)) for doc in range(len(lengths))]
-    cost = [size * (2 * place.lengths[doc] if is_long[doc] else size) for doc, size in left]
-    for i in sorted(range(len(left)), key=lambda i: -cost[i]):
-        if left[i][1]:
-            place.place(left[i][0])
-
-    seg_doc, seg_start, seg_size = (torch.tensor(col, dtype=torch.int64) for col in zip(*place.segments()))
+    is_long = lengths >= n_chunks * tile
+    for doc in is_long.nonzero().squeeze(1).tolist():
+        place.cut(doc)
+    # What is left - short documents, the odd tokens of cut ones - the costliest first onto
+    # the least-loaded rank (the classic greedy for even loads; a cut document's rest costs
+    # ~ its length per token). Documents shorter than a tile ("dust", cheap to attend) are
+    # poured into the room left afterwards, in order: a million of them take milliseconds.
+    is_dust = lengths < tile
+    left = []
+    for doc, long in zip((~is_dust).nonzero().squeeze(1).tolist(), is_long[~is_dust].tolist()):
+        size = place.remaining(doc)
+        if size:
+            left.append((size * (2 * place.lengths[doc] if long else size), doc))
+    for _, doc in sorted(left, key=lambda item: -item[0]):
+        place.place(doc)
+    placed = torch.tensor(place.segments(), dtype=torch.int64).view(-1, 4).unbind(1)
+    poured = _pour(is_dust.nonzero().squeeze(1), lengths, place.room)
+    chunk, seg_doc, seg_start, seg_size = (torch.cat(pair) for pair in zip(placed, poured))
+    order = torch.argsort(chunk, stable=True)  # per chunk: placed, then poured
+    seg_doc, seg_start, seg_size = seg_doc[order], seg_start[order], seg_size[order]
     source = doc_starts[seg_doc] + seg_start  # where each segment starts in `tokens`
     out_start = torch.cumsum(seg_size, 0) - seg_size
     perm = torch.repeat_interleave(source - out_start, seg_size) + torch.arange(seq_len)

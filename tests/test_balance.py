@@ -48,13 +48,14 @@ PATTERNS = ("runs", "repeated", "one", "singletons")
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8])
-def test_permutation_keeps_every_document_in_order(world_size):
+@pytest.mark.parametrize("tile", [2, 8])  # 8: many documents shorter than a tile (poured)
+def test_permutation_keeps_every_document_in_order(world_size, tile):
     seed = random.randrange(1 << 30)
     for i, pattern in enumerate(PATTERNS):
         g = torch.Generator().manual_seed(seed + i)
         seq = 2 * world_size * 24
         ids = random_ids(pattern, seq, g)
-        perm = balance_permutation(ids, world_size, tile=2)
+        perm = balance_permutation(ids, world_size, tile=tile)
         assert perm.dtype == torch.int64 and torch.equal(perm.sort().values, torch.arange(seq)), (seed, pattern)
         for doc in ids.unique():
             at = perm[ids[perm] == doc]  # original positions of the document, in balanced order
@@ -63,10 +64,10 @@ def test_permutation_keeps_every_document_in_order(world_size):
         chunk_of = torch.empty(seq, dtype=torch.int64)
         chunk_of[perm] = torch.arange(seq) // (seq // (2 * world_size))
         for doc, count in zip(*ids.unique(return_counts=True)):
-            if count >= 2 * world_size * 2:
+            if count >= 2 * world_size * tile:
                 assert chunk_of[ids == doc].unique().numel() == 2 * world_size, (seed, pattern, int(doc))
         # The renumbered ids of balance_documents describe the same documents.
-        new = balance_documents({"document_ids": ids[None]}, world_size=world_size, tile=2)["document_ids"][0]
+        new = balance_documents({"document_ids": ids[None]}, world_size=world_size, tile=tile)["document_ids"][0]
         pairs = torch.stack([ids[perm], new], 1).unique(dim=0)
         assert pairs[:, 0].unique().numel() == pairs[:, 1].unique().numel() == len(pairs) == ids.unique().numel()
 
