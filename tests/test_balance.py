@@ -150,6 +150,36 @@ def test_bad_input_is_named():
         balance_documents({"input_ids": torch.zeros(3, 16), "document_ids": ids[None]}, world_size=2)
 
 
+def test_module_hook_balances_where_it_applies():
+    from types import SimpleNamespace
+
+    from longctx import document_position_ids
+    from longctx.models.lit_module import CausalLMModule
+    from test_strategy import MODEL
+
+    with pytest.raises(ValueError, match="load_balance=True needs attention='document'"):
+        CausalLMModule(MODEL, attention="causal", load_balance=True)
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    lengths = torch.tensor([[300, 700, 150, 400, 498], [1000, 48, 500, 200, 300]])  # 700, 1000: cut
+    ids = torch.stack([torch.repeat_interleave(torch.arange(5), row) for row in lengths])
+    batch = {"input_ids": torch.randint(0, 64, (2, 2048), generator=g), "document_ids": ids}
+
+    def hook(layout, load_balance):
+        module = CausalLMModule(MODEL, load_balance=load_balance)
+        module._trainer = SimpleNamespace(strategy=SimpleNamespace(cp_size=2, layout=layout))
+        return module.on_after_batch_transfer(dict(batch), 0)
+
+    positions = document_position_ids(ids)  # computed on the packed order, then moved
+    want = balance_documents(dict(batch, position_ids=positions), world_size=2)
+    for got in (hook("zigzag", None), hook("zigzag", True)):
+        assert all(torch.equal(got[key], want[key]) for key in want) and set(got) == set(want)
+        assert not torch.equal(got["input_ids"], batch["input_ids"])
+    for got in (hook("contiguous", None), hook("zigzag", False)):
+        assert torch.equal(got["input_ids"], batch["input_ids"]) and torch.equal(got["position_ids"], positions)
+    with pytest.raises(ValueError, match="load balance needs layout='zigzag'"):
+        hook("contiguous", True)
+
+
 # ------------------------------------------------------------------ exactness over gloo
 
 
