@@ -14,7 +14,7 @@ import torch.distributed as dist
 from attention_reference import reference
 from dist_harness import run_distributed
 from longctx import (balance_documents, balance_permutation, ring_attention, shard_batch, shard_sequence,
-                     unshard_sequence)
+                     ulysses_attention, unshard_sequence)
 from longctx.layouts import document_work_per_rank
 from test_ring_attention import rel_err
 
@@ -183,20 +183,20 @@ def test_module_hook_balances_where_it_applies():
 # ------------------------------------------------------------------ exactness over gloo
 
 
-def _ring_full(q, k, v, dout, ids, group):
-    """Shard full (B, S, ...) inputs over ``group``, run the document-masked ring forward and
-    backward, and gather out, dq, dk, dv back to full sequences."""
+def _attend_full(attention, q, k, v, dout, ids, group):
+    """Shard full (B, S, ...) inputs over ``group``, run document-masked ``attention`` (ring or
+    Ulysses) forward and backward, and gather out, dq, dk, dv back to full sequences."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     shard = lambda t: shard_sequence(t, 1, rank=rank, world_size=world)  # noqa: E731
     ql, kl, vl = (shard(t).detach().requires_grad_() for t in (q, k, v))
-    out = ring_attention(ql, kl, vl, group=group, document_ids=shard(ids), backend="torch")
+    out = attention(ql, kl, vl, group=group, document_ids=shard(ids), backend="torch")
     out.backward(shard(dout))
     return [unshard_sequence(t.detach(), 1, group=group) for t in (out, ql.grad, kl.grad, vl.grad)]
 
 
 def _balanced_vs_unbalanced(rank, world, seed):
-    """P = 4 (everyone) and P = 2 (two pairs at once): the balanced ring, un-permuted, against
-    the unbalanced ring and the float64 reference; and a NaN in one V row."""
+    """P = 4 (everyone) and P = 2 (two pairs at once), ring and Ulysses: the balanced run,
+    un-permuted, against the unbalanced one and the float64 reference; and a NaN in one V row."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
     errors, nan_rows = [], []
     for group in (dist.group.WORLD, pairs[rank // 2]):
@@ -204,29 +204,30 @@ def _balanced_vs_unbalanced(rank, world, seed):
         g = torch.Generator().manual_seed(seed + world_size)  # the same on every rank of a group
         seq = 2 * world_size * 24
         ids = torch.stack([random_ids("runs", seq, g), random_ids("repeated", seq, g)])
-        q, k, v, dout = (torch.randn(2, seq, h, 8, generator=g) for h in (4, 2, 2, 4))
+        q, k, v, dout = (torch.randn(2, seq, h, 8, generator=g) for h in (8, 4, 4, 8))
         want = reference(q, k, v, dout, True, 8 ** -0.5, ids)
         want = [want[0], *want[2:]]
         batch = dict(document_ids=ids, q=q, k=k, v=v, dout=dout, index=torch.arange(seq).expand(2, seq))
         balanced = balance_documents(batch, world_size=world_size, tile=2)
         inverse = balanced["index"].argsort(1)
         assert not torch.equal(inverse, batch["index"])
-        plain = _ring_full(q, k, v, dout, ids, group)
-        got = _ring_full(*(balanced[key] for key in ("q", "k", "v", "dout", "document_ids")), group)
-        got = [torch.stack([t[b, inverse[b]] for b in range(2)]) for t in got]
-        for name, a, b, w in zip(("out", "dq", "dk", "dv"), got, plain, want):
-            errors.append((world_size, name, "vs float64", rel_err(a, w)))
-            errors.append((world_size, name, "vs unbalanced", rel_err(a, b)))
+        for attention in (ring_attention, ulysses_attention):
+            plain = _attend_full(attention, q, k, v, dout, ids, group)
+            got = _attend_full(attention, *(balanced[key] for key in ("q", "k", "v", "dout", "document_ids")), group)
+            got = [torch.stack([t[b, inverse[b]] for b in range(2)]) for t in got]
+            for name, a, b, w in zip(("out", "dq", "dk", "dv"), got, plain, want):
+                errors.append((world_size, attention.__name__, name, "vs float64", rel_err(a, w)))
+                errors.append((world_size, attention.__name__, name, "vs unbalanced", rel_err(a, b)))
         # NaN in one V row shows in every later query of its document, as unbalanced (the
         # torch backend's dense p @ v spreads it further, differently per block layout).
         row = int(torch.randint(0, seq, (1,), generator=g))
         bad_v = v.clone()
         bad_v[0, row, 0] = float("nan")
-        bad = dict(batch, v=bad_v)
-        balanced = balance_documents(bad, world_size=world_size, tile=2)
-        out_bal = _ring_full(*(balanced[key] for key in ("q", "k", "v", "dout", "document_ids")), group)[0]
+        balanced = balance_documents(dict(batch, v=bad_v), world_size=world_size, tile=2)
+        out_bal = _attend_full(ring_attention, *(balanced[key] for key in ("q", "k", "v", "dout", "document_ids")),
+                               group)[0]
         out_bal = out_bal[0, balanced["index"][0].argsort()]
-        out_plain = _ring_full(q, k, bad_v, dout, ids, group)[0][0]
+        out_plain = _attend_full(ring_attention, q, k, bad_v, dout, ids, group)[0][0]
         expected = (ids[0] == ids[0, row]) & (torch.arange(seq) >= row)
         nan_rows.append(tuple(bool(out.isnan().any(-1).any(-1)[expected].all()) for out in (out_bal, out_plain)))
     return errors, nan_rows
@@ -237,8 +238,8 @@ def test_ring_on_balanced_batch_equals_unbalanced_over_gloo():
     per_rank = run_distributed(_balanced_vs_unbalanced, 4, seed)
     for rank in (0, 2):  # P = 4 (both), and each pair's own P = 2 run
         errors, nan_rows = per_rank[rank]
-        assert len(errors) == 2 * 2 * 4
-        bad = [f"P={p} {name} {what}: {err:.2e}" for p, name, what, err in errors if not err < 1e-5]
+        assert len(errors) == 2 * 2 * 2 * 4
+        bad = [f"P={p} {impl} {name} {what}: {err:.2e}" for p, impl, name, what, err in errors if not err < 1e-5]
         assert not bad, f"seed={seed} rank {rank}:\n" + "\n".join(bad)
         assert nan_rows == [(True, True), (True, True)], (seed, nan_rows)
 
