@@ -45,6 +45,7 @@ from typing import Any, Mapping
 import torch
 
 from .layouts import check_layout, check_seq_len
+from .sharding import is_sharded
 
 TILE = 128  # the document kernels' tile (kernels/triton_document.py): pieces are cut in whole tiles
 
@@ -317,10 +318,9 @@ def balance_documents(batch: Mapping[str, Any], *, world_size: int, layout: str 
     ``world_size == 1`` returns ``batch`` itself.
 
     Only for document-masked attention (``ring_attention(document_ids=...)`` with these
-    permuted ids); the outputs of a model on the result are in permuted order.
+    permuted ids); the outputs of a model on the result are in permuted order. The
+    permutations are computed on the host (the ids are copied there once per batch).
     """
-    from .sharding import is_sharded
-
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not isinstance(batch, Mapping) or not isinstance(batch.get("document_ids"), torch.Tensor):
