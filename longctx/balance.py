@@ -106,7 +106,8 @@ class _Placement:
         length, tile, n = self.lengths[doc], self.tile, self.n
         units = length // tile
         sizes = [units // n * tile] * n
-        for c in sorted(range(n), key=lambda c: self.room[c], reverse=True)[:units % n]:
+        emptiest = sorted(range(n), key=lambda c: (-self.room[c], self.work[self.rank_of(c)]))
+        for c in emptiest[:units % n]:  # ties: the least-loaded rank's
             sizes[c] += tile
         sizes = [min(size, room // tile * tile) for size, room in zip(sizes, self.room)]
         self.aligned[doc], self.rest[doc] = sizes, [0] * n
