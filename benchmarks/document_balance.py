@@ -18,8 +18,12 @@ default; a window of one document is balanced already), reports before / after:
                    masked tiles;
   ring_cost_tiles  ring_cost counted in visited tiles, and ring_tiles the same unnormalised
                    (sum over steps of the slowest rank's tiles);
+  one_document_blocks, document_blocks
+                   ring blocks (rank x step) that the ring runs on the plain kernels (rows
+                   inside one document: cuDNN on GPUs) and on the Triton document kernels;
   modeled_speedup  ring_tiles before / after: the expected speed-up of the attention if a
-                   tile costs the same masked or not (the GPU run decides the rest);
+                   tile costs the same masked or not and on either kernel (the GPU run
+                   decides the rest);
 and the time of balance_permutation at S = 128K and 1M (one CPU thread, median of 7).
 Prints a table and writes benchmarks/results/document_balance.json (or --out).
 
@@ -47,7 +51,8 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]  # the checkout, and the sibling be
 from document_attention import MIXES, document_lengths, ids_from_lengths  # noqa: E402
 from longctx.balance import balance_documents, balance_permutation  # noqa: E402
 from longctx.kernels.triton_document import SKIP, FULL, tile_classes  # noqa: E402
-from longctx.layouts import check_seq_len, document_work_per_rank  # noqa: E402
+from longctx.layouts import check_seq_len, document_work_per_rank, shard_sequence  # noqa: E402
+from longctx.ring import _document_ranges, _ring_blocks  # noqa: E402
 
 TILE = 128
 WORLD_SIZES = (2, 4, 8)
@@ -101,6 +106,14 @@ def measure(ids: torch.Tensor, world_size: int) -> dict:
                masked_tiles=int((classes == SKIP + 1).sum()), full_tiles=int((classes == FULL).sum()),
                ring_cost_tiles=ring_cost(tiles))
     row["ring_tiles"] = row["ring_cost_tiles"] * tiles.sum().item() / world_size
+    # Ring blocks (rank, step) whose rows all lie in one document run on the plain kernels
+    # (cuDNN on GPUs), the others on the Triton document kernels: what the ring decides.
+    shards = [shard_sequence(ids[None], 1, rank=r, world_size=world_size) for r in range(world_size)]
+    ranges = torch.stack([_document_ranges(shard) for shard in shards])
+    blocks = [block for r in range(world_size)
+              for block in _ring_blocks(r, world_size, "zigzag", True, ids.numel() // world_size, ranges)]
+    row["one_document_blocks"] = sum(block is not None and not block[3] for block in blocks)
+    row["document_blocks"] = sum(block is not None and block[3] for block in blocks)
     assert pairs.sum(1).tolist() == document_work_per_rank(ids, world_size).tolist()
     return row
 
@@ -199,7 +212,7 @@ def main() -> None:
                   torch=torch.__version__, mixes={}, corpus={}, timing_ms={})
     print("means over the sequences; rank max/mean: max over them; speed-up: ring tiles before / after")
     print(f"{'data':24s} {'P':>2s}  {'rank max/mean':>14s}  {'ring cost':>13s}  {'ring cost, tiles':>16s}  "
-          f"{'masked tiles':>15s}  {'full tiles':>15s}  {'speed-up (min)':>14s}")
+          f"{'masked tiles':>15s}  {'full tiles':>15s}  {'one-doc blocks':>14s}  {'speed-up (min)':>14s}")
 
     def show(name, world_size, stats):
         b, a = stats["before"], stats["after"]
@@ -208,6 +221,7 @@ def main() -> None:
               f"{b['ring_cost_tiles']['mean']:7.3f} -> {a['ring_cost_tiles']['mean']:5.3f}  "
               f"{b['masked_tiles']['mean']:6.0f} -> {a['masked_tiles']['mean']:6.0f}  "
               f"{b['full_tiles']['mean']:6.0f} -> {a['full_tiles']['mean']:6.0f}  "
+              f"{b['one_document_blocks']['mean']:5.1f} -> {a['one_document_blocks']['mean']:4.1f}  "
               f"{stats['modeled_speedup']['mean']:5.2f} ({stats['modeled_speedup']['min']:.2f})", flush=True)
 
     for mix in MIXES:
