@@ -195,18 +195,18 @@ class CausalLMModule(L.LightningModule):
         balance_over = self._balance_over(batch)
         if self.rope_positions == "document":
             batch = {**batch, "position_ids": document_position_ids(batch["document_ids"])}
-        if balance_over > 1:
-            batch = balance_documents(batch, world_size=balance_over, layout=self._trainer.strategy.layout)
+        if balance_over is not None:
+            batch = balance_documents(batch, world_size=balance_over[0], layout=balance_over[1])
         return batch
 
-    def _balance_over(self, batch: Mapping[str, Any]) -> int:
-        """The CP size to balance ``batch`` for (``load_balance``), 1 for none."""
+    def _balance_over(self, batch: Mapping[str, Any]) -> Optional[tuple[int, str]]:
+        """(CP size, layout) to balance ``batch`` for (``load_balance``), None for none."""
         if self.load_balance is False or self.attention != "document" or self._trainer is None:
-            return 1
+            return None
         cp, layout = _cp_size(self._trainer), getattr(self._trainer.strategy, "layout", "zigzag")
-        if self.load_balance is None and (layout != "zigzag" or is_sharded(batch)):
-            return 1
-        return cp
+        if cp == 1 or (self.load_balance is None and (layout != "zigzag" or is_sharded(batch))):
+            return None
+        return cp, layout
 
     def _loss(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         docs = batch.get("document_ids") if self.attention == "document" else None
