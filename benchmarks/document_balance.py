@@ -24,6 +24,7 @@ default; a window of one document is balanced already), reports before / after:
   modeled_speedup  ring_tiles before / after: the expected speed-up of the attention if a
                    tile costs the same masked or not and on either kernel (the GPU run
                    decides the rest);
+  balanced         the share of sequences that balance_documents reordered (--min-gain);
 and the time of balance_permutation at S = 128K and 1M (one CPU thread, median of 7).
 Prints a table and writes benchmarks/results/document_balance.json (or --out).
 
@@ -49,7 +50,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]  # the checkout, and the sibling benchmark scripts
 
 from document_attention import MIXES, document_lengths, ids_from_lengths  # noqa: E402
-from longctx.balance import balance_documents, balance_permutation  # noqa: E402
+from longctx.balance import MIN_GAIN, balance_documents, balance_permutation  # noqa: E402
 from longctx.kernels.triton_document import SKIP, FULL, tile_classes  # noqa: E402
 from longctx.layouts import check_seq_len, document_work_per_rank, shard_sequence  # noqa: E402
 from longctx.ring import _document_ranges, _ring_blocks  # noqa: E402
@@ -118,10 +119,12 @@ def measure(ids: torch.Tensor, world_size: int) -> dict:
     return row
 
 
-def compare(ids: torch.Tensor, world_size: int) -> dict:
-    balanced = balance_documents({"document_ids": ids[None]}, world_size=world_size)["document_ids"][0]
-    before, after = measure(ids, world_size), measure(balanced, world_size)
-    return {"before": before, "after": after, "modeled_speedup": before["ring_tiles"] / after["ring_tiles"]}
+def compare(ids: torch.Tensor, world_size: int, min_gain: float) -> dict:
+    batch = {"document_ids": ids[None], "index": torch.arange(ids.numel())[None]}
+    balanced = balance_documents(batch, world_size=world_size, min_gain=min_gain)
+    before, after = measure(ids, world_size), measure(balanced["document_ids"][0], world_size)
+    return {"before": before, "after": after, "modeled_speedup": before["ring_tiles"] / after["ring_tiles"],
+            "balanced": float(not torch.equal(balanced["index"], batch["index"]))}
 
 
 def corpus_windows(seq_len: int) -> list:
@@ -148,7 +151,8 @@ def summarise(rows: list) -> dict:
     """Mean and max over the rows of every figure."""
     stats = lambda values: {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}  # noqa: E731
     out = {when: {k: stats([r[when][k] for r in rows]) for k in rows[0][when]} for when in ("before", "after")}
-    out["modeled_speedup"] = stats([r["modeled_speedup"] for r in rows])
+    for key in ("modeled_speedup", "balanced"):
+        out[key] = stats([r[key] for r in rows])
     return out
 
 
@@ -181,9 +185,11 @@ def ring_times(args) -> None:
     path = os.path.join(os.path.dirname(args.out), f"document_balance_ring_ws{world}_{gpu_tag()}.json")
     for mix in MIXES:
         ids = ids_from_lengths(document_lengths(mix, seq, 0), device="cpu")[0]
-        balanced = balance_documents({"document_ids": ids[None]}, world_size=world)["document_ids"][0]
+        # min_gain=1: every mix balanced, to see what balancing does to the time (the default
+        # leaves alone sequences whose pair count gains < 10%).
+        balanced = balance_documents({"document_ids": ids[None]}, world_size=world, min_gain=1.0)["document_ids"][0]
         row = dict(mix=mix, packed_ms=fwd_bwd_ms(ids), balanced_ms=fwd_bwd_ms(balanced),
-                   modeled_speedup=compare(ids, world)["modeled_speedup"])
+                   modeled_speedup=compare(ids, world, min_gain=1.0)["modeled_speedup"])
         row["speedup"] = row["packed_ms"] / row["balanced_ms"]
         report["rows"].append(row)
         log(f"[ring ws{world}] {mix}: packed {row['packed_ms']:.1f} ms, balanced {row['balanced_ms']:.1f} ms, "
@@ -202,17 +208,18 @@ def main() -> None:
     ap.add_argument("--no-corpus", action="store_true", help="skip the default-corpus windows")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT") or os.path.join(HERE, "results"),
                                                   "document_balance.json"))
+    ap.add_argument("--min-gain", type=float, default=MIN_GAIN, help="balance_documents(min_gain=)")
     ap.add_argument("--ring", action="store_true", help="time the GPU ring instead (under torchrun)")
     args = ap.parse_args()
     if args.ring:
         ring_times(args)
         return
     torch.set_num_threads(1)  # the timing: one core, as in a data-loading path beside training
-    report = dict(seq_len=args.seq, tile=TILE, host=platform.processor() or platform.machine(),
+    report = dict(seq_len=args.seq, tile=TILE, min_gain=args.min_gain, host=platform.processor() or platform.machine(),
                   torch=torch.__version__, mixes={}, corpus={}, timing_ms={})
     print("means over the sequences; rank max/mean: max over them; speed-up: ring tiles before / after")
     print(f"{'data':24s} {'P':>2s}  {'rank max/mean':>14s}  {'ring cost':>13s}  {'ring cost, tiles':>16s}  "
-          f"{'masked tiles':>15s}  {'full tiles':>15s}  {'one-doc blocks':>14s}  {'speed-up (min)':>14s}")
+          f"{'masked tiles':>15s}  {'full tiles':>15s}  {'one-doc blocks':>14s}  {'speed-up (min)':>14s}  balanced")
 
     def show(name, world_size, stats):
         b, a = stats["before"], stats["after"]
@@ -222,12 +229,13 @@ def main() -> None:
               f"{b['masked_tiles']['mean']:6.0f} -> {a['masked_tiles']['mean']:6.0f}  "
               f"{b['full_tiles']['mean']:6.0f} -> {a['full_tiles']['mean']:6.0f}  "
               f"{b['one_document_blocks']['mean']:5.1f} -> {a['one_document_blocks']['mean']:4.1f}  "
-              f"{stats['modeled_speedup']['mean']:5.2f} ({stats['modeled_speedup']['min']:.2f})", flush=True)
+              f"{stats['modeled_speedup']['mean']:5.2f} ({stats['modeled_speedup']['min']:.2f})  "
+              f"{stats['balanced']['mean']:4.0%}", flush=True)
 
     for mix in MIXES:
         for world_size in WORLD_SIZES:
-            rows = [compare(ids_from_lengths(document_lengths(mix, args.seq, seed), device="cpu")[0], world_size)
-                    for seed in range(args.seeds)]
+            rows = [compare(ids_from_lengths(document_lengths(mix, args.seq, seed), device="cpu")[0], world_size,
+                            args.min_gain) for seed in range(args.seeds)]
             report["mixes"][f"{mix} P={world_size}"] = dict(seeds=args.seeds, **summarise(rows))
             show(f"{mix} ({args.seeds} seeds)", world_size, report["mixes"][f"{mix} P={world_size}"])
     if not args.no_corpus:
@@ -235,7 +243,7 @@ def main() -> None:
         several = [w for w in windows if w.unique().numel() > 1]
         report["corpus"]["windows"], report["corpus"]["windows_with_several_documents"] = len(windows), len(several)
         for world_size in WORLD_SIZES:
-            stats = summarise([compare(w, world_size) for w in several])
+            stats = summarise([compare(w, world_size, args.min_gain) for w in several])
             report["corpus"][f"P={world_size}"] = stats
             show(f"stdlib ({len(several)} windows)", world_size, stats)
     for seq in (args.seq, 1 << 20):

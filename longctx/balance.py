@@ -24,6 +24,12 @@ of ``benchmarks/document_balance.py``):
   order (vectorised: ~0.5 s for a million length-1 documents, 2 ms for realistic 128K
   sequences, 20-30 ms at 1M).
 
+The ring runs in lock-step, so its time follows the busiest rank of every step (zigzag
+with documents: up to 2.3x the ideal at P = 8 on those mixes). ``min_gain`` (default 1.1)
+leaves a sequence as packed where balancing would shorten that by less, counted in
+visible pairs: a balanced sequence costs the kernels masked tiles and unmasked blocks
+inside one document, which the count does not see.
+
 Why it is exact: ``ring_attention(document_ids=...)`` lets query i see key j iff their ids
 are equal and (causal) j <= i in the sequence it is given. The permutation keeps every
 document's tokens in their original relative order (pieces in increasing chunk order), so
@@ -48,6 +54,10 @@ from .layouts import check_layout, check_seq_len
 from .sharding import is_sharded
 
 TILE = 128  # the document kernels' tile (kernels/triton_document.py): pieces are cut in whole tiles
+# Balance only where the ring's lock-step time in visible pairs drops by 10% or more: what
+# a balanced sequence costs the kernels (masked tiles: +2-6% at 128K; blocks inside one
+# document lose cuDNN) is not in that count. To be confirmed on GPUs.
+MIN_GAIN = 1.1
 
 
 def _documents(ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -74,11 +84,46 @@ def _documents(ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, to
     return tokens, starts[by_appearance], lengths[by_appearance]
 
 
+def _packed_sizes(tokens: torch.Tensor | None, starts: torch.Tensor, lengths: torch.Tensor,
+                  n_chunks: int) -> torch.Tensor:
+    """(documents, chunks) int64: each document's tokens per chunk in the packed order
+    (``_documents``' output)."""
+    seq_len = int(lengths.sum())
+    chunk = seq_len // n_chunks
+    if tokens is None:  # contiguous runs: overlap of [start, end) with every chunk
+        edges = torch.arange(n_chunks) * chunk
+        low = torch.maximum(starts[:, None], edges[None, :])
+        high = torch.minimum((starts + lengths)[:, None], edges[None, :] + chunk)
+        return (high - low).clamp(min=0)
+    by_entry = torch.argsort(starts)  # documents in the order their tokens sit in `tokens`
+    doc_of_entry = torch.repeat_interleave(by_entry, lengths[by_entry])
+    return torch.bincount(doc_of_entry * n_chunks + tokens // chunk,
+                          minlength=len(lengths) * n_chunks).view(-1, n_chunks)
+
+
 def _piece_work(start: int, end: int, length: int, causal: bool) -> int:
     """Visible (query, key) pairs of the queries at indices [start, end) of a document."""
     if causal:
         return (end * (end + 1) - start * (start + 1)) // 2
     return (end - start) * length
+
+
+def _ring_cost(sizes: torch.Tensor, world_size: int, causal: bool) -> float:
+    """The lock-step time of the zigzag ring, in visible pairs, over its ideal (all pairs / P):
+    sum over ring steps of the busiest rank's pairs, rank r attending to rank (r - step)'s
+    keys. ``sizes`` (documents, 2P): each document's tokens per chunk, in document order by
+    chunk (within a chunk the arrangement does not change the counts)."""
+    sizes = sizes.double()
+    gram = sizes.T @ sizes  # [a, b]: pairs of queries in chunk a and keys in chunk b, same document
+    if causal:  # keys in earlier chunks, and the earlier ones of the same chunk
+        gram = torch.tril(gram, -1) + torch.diag((sizes * (sizes + 1) / 2).sum(0))
+    n = sizes.shape[1]
+    rank = torch.minimum(torch.arange(n), n - 1 - torch.arange(n))
+    per_rank = torch.zeros(world_size, world_size, dtype=torch.float64)
+    per_rank.index_put_((rank[:, None].expand(n, n), rank[None, :].expand(n, n)), gram, accumulate=True)
+    ranks = torch.arange(world_size)
+    slowest = sum(per_rank[ranks, (ranks - step) % world_size].max() for step in range(world_size))
+    return float(slowest / (per_rank.sum() / world_size))
 
 
 class _Placement:
@@ -210,6 +255,7 @@ def balance_permutation(
     layout: str = "zigzag",
     causal: bool = True,
     tile: int = TILE,
+    min_gain: float = MIN_GAIN,
 ) -> torch.Tensor:
     """The token permutation (int64 ``(S,)``, on ``document_ids``' device) that balances the
     document-masked attention work of ``world_size`` zigzag ranks; ``full[..., perm]`` is the
@@ -219,16 +265,20 @@ def balance_permutation(
     document, as in ``ring_attention``. ``causal``: the work model (the attention's mask).
     ``tile``: the kernels' tile: documents shorter than ``2 * world_size * tile`` are not
     cut into 2P pieces, and pieces are cut in whole tiles.
+    ``min_gain``: the identity unless balancing shortens the ring's lock-step time (counted
+    in visible pairs) by at least this factor: below that the kernels' costs of a balanced
+    sequence (more masked tiles, no unmasked blocks inside one document) may eat the gain.
     ``world_size == 1`` gives the identity. ``balance_documents`` also renumbers the ids
     (``document_ids[perm]`` works too, with more masked tiles).
     """
-    return _balance(document_ids, world_size, layout, causal, tile)[0]
+    return _balance(document_ids, world_size, layout, causal, tile, min_gain)[0]
 
 
 def _balance(document_ids: torch.Tensor, world_size: int, layout: str, causal: bool,
-             tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+             tile: int, min_gain: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(perm, ids)``: the permutation and the permuted sequence's document ids renumbered
-    for the kernels' tile skip test (``_tile_friendly_ids``), both on the input's device."""
+    for the kernels' tile skip test (``_tile_friendly_ids``), both on the input's device;
+    ``(identity, document_ids)`` where balancing gains less than ``min_gain``."""
     if not isinstance(document_ids, torch.Tensor) or document_ids.dim() != 1:
         raise ValueError("document_ids must be a 1-D tensor of the full sequence's ids, got "
                          f"{getattr(document_ids, 'shape', type(document_ids).__name__)}")
@@ -246,12 +296,18 @@ def _balance(document_ids: torch.Tensor, world_size: int, layout: str, causal: b
         raise ValueError(f"tile must be a positive int, got {tile!r}")
     seq_len = document_ids.numel()
     check_seq_len(seq_len, world_size, layout)
+    if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) or not min_gain >= 1:
+        raise ValueError(f"min_gain must be a number >= 1, got {min_gain!r}")
     device = document_ids.device
+    unchanged = torch.arange(seq_len, device=device), document_ids
     if world_size == 1:
-        return torch.arange(seq_len, device=device), document_ids
+        return unchanged
 
     tokens, doc_starts, lengths = _documents(document_ids.detach().cpu().long())
     n_chunks = 2 * world_size
+    packed_cost = _ring_cost(_packed_sizes(tokens, doc_starts, lengths, n_chunks), world_size, causal)
+    if packed_cost < min_gain:  # not even a perfect balance would gain enough
+        return unchanged
     place = _Placement(world_size, seq_len // n_chunks, tile, lengths.tolist(), causal)
     is_long = lengths >= n_chunks * tile
     for doc in is_long.nonzero().squeeze(1).tolist():
@@ -272,7 +328,11 @@ def _balance(document_ids: torch.Tensor, world_size: int, layout: str, causal: b
     poured = _pour(is_dust.nonzero().squeeze(1), lengths, place.room)
     chunk, seg_doc, seg_start, seg_size = (torch.cat(pair) for pair in zip(placed, poured))
     order = torch.argsort(chunk, stable=True)  # per chunk: placed, then poured
-    seg_doc, seg_start, seg_size = seg_doc[order], seg_start[order], seg_size[order]
+    chunk, seg_doc, seg_start, seg_size = chunk[order], seg_doc[order], seg_start[order], seg_size[order]
+    balanced_sizes = torch.zeros(len(lengths) * n_chunks, dtype=torch.int64).index_add_(
+        0, seg_doc * n_chunks + chunk, seg_size).view(-1, n_chunks)
+    if packed_cost < min_gain * _ring_cost(balanced_sizes, world_size, causal):
+        return unchanged
     source = doc_starts[seg_doc] + seg_start  # where each segment starts in `tokens`
     out_start = torch.cumsum(seg_size, 0) - seg_size
     perm = torch.repeat_interleave(source - out_start, seg_size) + torch.arange(seq_len)
@@ -307,12 +367,13 @@ def _tile_friendly_ids(seg_doc: torch.Tensor, seg_start: torch.Tensor, seg_size:
 
 
 def balance_documents(batch: Mapping[str, Any], *, world_size: int, layout: str = "zigzag",
-                      tile: int = TILE) -> Any:
+                      tile: int = TILE, min_gain: float = MIN_GAIN) -> Any:
     """Balance a FULL-sequence batch for ``world_size`` zigzag CP ranks (before sharding).
 
     ``batch``: a mapping with integer ``document_ids`` ``(B, S)``; every tensor whose dim 1
     has length S (input_ids, labels, document_ids, position_ids, loss masks, ...) is
-    permuted along it, row b by ``balance_permutation(document_ids[b], world_size)``;
+    permuted along it, row b by ``balance_permutation(document_ids[b], world_size, tile=,
+    min_gain=)``;
     anything else passes through. Positions travel with their tokens: a batch without
     ``position_ids`` gets the global ``arange(S)`` first (the positions sharding would
     otherwise derive from the permuted layout would be wrong). Returns a new dict;
@@ -336,7 +397,7 @@ def balance_documents(batch: Mapping[str, Any], *, world_size: int, layout: str 
         return batch
     rows, seq_len = docs.shape
     perm, balanced_ids = (torch.stack(t) for t in zip(*(
-        _balance(row, world_size, layout, True, tile) for row in docs)))
+        _balance(row, world_size, layout, True, tile, min_gain) for row in docs)))
     row_index = torch.arange(rows, device=docs.device)[:, None]
     out = dict(batch)
     if "position_ids" not in out:
