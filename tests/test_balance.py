@@ -146,6 +146,20 @@ def test_balance_documents_moves_every_per_token_tensor():
     assert torch.equal(local["position_ids"], shard_sequence(perm, 1, rank=1, world_size=world_size))
 
 
+def test_min_gain_leaves_balanced_sequences_alone():
+    seq = 2 * 4 * 512
+    one = torch.full((seq,), 3)
+    tail_heavy = torch.cat([torch.zeros(seq // 4, dtype=torch.long), torch.ones(3 * seq // 4, dtype=torch.long)])
+    for ids, reordered in ((one, False), (tail_heavy, True)):
+        batch = {"document_ids": ids[None], "input_ids": torch.arange(seq)[None]}
+        out = balance_documents(batch, world_size=4)
+        assert torch.equal(out["input_ids"], batch["input_ids"]) != reordered
+        assert torch.equal(out["document_ids"], ids[None]) != reordered  # renumbered only when reordered
+    # A quarter and three quarters: zigzag's lock-step ring takes 1.6x the ideal, balanced 1.0.
+    assert ring_cost(tail_heavy, 4) > 1.5
+    assert torch.equal(balance_permutation(tail_heavy, 4, min_gain=2.0), torch.arange(seq))
+
+
 def test_bad_input_is_named():
     ids = torch.zeros(16, dtype=torch.long)
     with pytest.raises(ValueError, match="layout='zigzag'.*contiguous"):
@@ -158,6 +172,8 @@ def test_bad_input_is_named():
         balance_permutation(ids[None], 2)
     with pytest.raises(ValueError, match="world_size must be a positive int"):
         balance_permutation(ids, 0)
+    with pytest.raises(ValueError, match="min_gain must be a number >= 1, got 0.5"):
+        balance_permutation(ids, 2, min_gain=0.5)
     with pytest.raises(ValueError, match="'document_ids' tensor"):
         balance_documents({"input_ids": ids[None]}, world_size=2)
     with pytest.raises(ValueError, match="already sharded"):
