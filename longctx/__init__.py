@@ -9,6 +9,7 @@ import importlib.abc
 import importlib.util
 import sys
 
+from .balance import balance_documents, balance_permutation
 from .layouts import position_ids, shard_sequence, unshard_sequence
 from .loss import TokenWeightedAccumulator, causal_lm_loss, global_token_loss
 from .parallel import ContextParallelAttention, CPContext, ParallelDims, ParallelPlan, parallelize
@@ -27,6 +28,8 @@ __all__ = [
     "position_ids",
     "shard_batch",
     "document_position_ids",
+    "balance_documents",
+    "balance_permutation",
     "is_sharded",
     "CPContext",
     "ContextParallelAttention",

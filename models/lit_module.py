@@ -29,8 +29,9 @@ import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
+from longctx.balance import balance_documents
 from longctx.loss import TokenWeightedAccumulator
-from longctx.sharding import document_position_ids
+from longctx.sharding import document_position_ids, is_sharded
 from longctx.parallel import ParallelDims, ParallelPlan, parallelize
 
 from .config import GPTConfig
@@ -91,6 +92,13 @@ class CausalLMModule(L.LightningModule):
         rope_positions: ``"document"`` (RoPE positions restart at every document; the
             default with document masking) or ``"global"`` (positions in the packed
             sequence; the default with causal attention).
+        load_balance: reorder each batch's tokens so that the context-parallel ranks get
+            equal document-masked attention work (``longctx.balance_documents``: exact, same
+            loss and gradients). None (default): wherever it applies (document attention,
+            CP > 1, zigzag layout, batches with ``document_ids``); True: also raise where it
+            cannot (contiguous layout, batches sharded by the user); False: never. The
+            model then sees each batch in balanced order (positions, labels and ids travel
+            with their tokens).
         init_from: a Hugging Face directory or ``.gguf`` file to start from
             (``GPT.from_pretrained``); ``model`` then holds overrides (e.g. ``rope_theta``),
             not sizes.
@@ -115,6 +123,7 @@ class CausalLMModule(L.LightningModule):
         parallel: Union[ParallelPlan, Mapping[str, Any], None] = None,
         attention: str = "document",
         rope_positions: Optional[str] = None,
+        load_balance: Optional[bool] = None,
         init_from: Optional[str] = None,
         hf_model: Optional[str] = None,
         lr: float = 3e-4,
@@ -135,7 +144,11 @@ class CausalLMModule(L.LightningModule):
             rope_positions = "document" if attention == "document" else "global"
         if rope_positions not in ROPE_POSITIONS:
             raise ValueError(f"rope_positions must be one of {ROPE_POSITIONS}, got {rope_positions!r}")
+        if load_balance and attention != "document":
+            raise ValueError("load_balance=True needs attention='document': across documents the "
+                             "token order decides what each token attends to")
         self.attention, self.rope_positions = attention, rope_positions
+        self.load_balance = load_balance
         if isinstance(model, GPTConfig):
             model = model.to_dict()
         model = dict(model or {})
@@ -179,10 +192,24 @@ class CausalLMModule(L.LightningModule):
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         # Still the full sequences here (the strategy shards after this hook): positions that
-        # restart per document need the whole sequence.
-        if self.rope_positions == "document" and isinstance(batch, Mapping) and "document_ids" in batch:
+        # restart per document need the whole sequence, and so does the load balance.
+        if not (isinstance(batch, Mapping) and "document_ids" in batch):
+            return batch
+        balance_over = self._balance_over(batch)
+        if self.rope_positions == "document":
             batch = {**batch, "position_ids": document_position_ids(batch["document_ids"])}
+        if balance_over is not None:
+            batch = balance_documents(batch, world_size=balance_over[0], layout=balance_over[1])
         return batch
+
+    def _balance_over(self, batch: Mapping[str, Any]) -> Optional[tuple[int, str]]:
+        """(CP size, layout) to balance ``batch`` for (``load_balance``), None for none."""
+        if self.load_balance is False or self.attention != "document" or self._trainer is None:
+            return None
+        cp, layout = _cp_size(self._trainer), getattr(self._trainer.strategy, "layout", "zigzag")
+        if cp == 1 or (self.load_balance is None and (layout != "zigzag" or is_sharded(batch))):
+            return None
+        return cp, layout
 
     def _loss(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         docs = batch.get("document_ids") if self.attention == "document" else None

@@ -50,11 +50,11 @@ class _Record(L.Callback):
             self.losses.append(trainer.callback_metrics["train_loss"].item())
 
 
-def _fit(strategy, devices: int, loader: DataLoader, accumulate: int) -> dict:
+def _fit(strategy, devices: int, loader: DataLoader, accumulate: int, **module_kw) -> dict:
     from longctx.models.lit_module import CausalLMModule
 
     torch.manual_seed(0)
-    module = CausalLMModule(MODEL, parallel=PLAN, **OPTIM)
+    module = CausalLMModule(MODEL, parallel=PLAN, **OPTIM, **module_kw)
     rec = _Record()
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, precision="32-true",
