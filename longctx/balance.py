@@ -25,7 +25,7 @@ of ``benchmarks/document_balance.py``):
   sequences, 20-30 ms at 1M).
 
 The ring runs in lock-step, so its time follows the busiest rank of every step (zigzag
-with documents: up to 2.3x the ideal at P = 8 on those mixes). ``min_gain`` (default 1.1)
+with documents: up to 2.3x the ideal at P = 8 on those mixes). ``min_gain`` (default 1.2)
 leaves a sequence as packed where balancing would shorten that by less, counted in
 visible pairs: a balanced sequence costs the kernels masked tiles and unmasked blocks
 inside one document, which the count does not see.
@@ -54,10 +54,14 @@ from .layouts import check_layout, check_seq_len
 from .sharding import is_sharded
 
 TILE = 128  # the document kernels' tile (kernels/triton_document.py): pieces are cut in whole tiles
-# Balance only where the ring's lock-step time in visible pairs drops by 10% or more: what
-# a balanced sequence costs the kernels (masked tiles: +2-6% at 128K; blocks inside one
-# document lose cuDNN) is not in that count. To be confirmed on GPUs.
-MIN_GAIN = 1.1
+# Balance only where the ring's lock-step time in visible pairs drops by 20% or more: a
+# balanced sequence costs the kernels more per visible pair (documents cut into slivers over
+# every ring step, masked tiles, no cuDNN blocks inside one document), which that count does
+# not see (measured on an H200, benchmarks/NOTES.md).
+MIN_GAIN = 1.2
+# CausalLMModule's automatic choice also needs this many tokens per rank: below it the
+# per-block costs of a balanced ring outweigh its gain (measured, benchmarks/NOTES.md).
+AUTO_MIN_SHARD = 32 * 1024
 
 
 def _documents(ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:

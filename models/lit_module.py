@@ -29,7 +29,7 @@ import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
-from longctx.balance import balance_documents
+from longctx.balance import AUTO_MIN_SHARD, balance_documents
 from longctx.loss import TokenWeightedAccumulator
 from longctx.sharding import document_position_ids, is_sharded
 from longctx.parallel import ParallelDims, ParallelPlan, parallelize
@@ -94,8 +94,10 @@ class CausalLMModule(L.LightningModule):
             sequence; the default with causal attention).
         load_balance: reorder each batch's tokens so that the context-parallel ranks get
             equal document-masked attention work (``longctx.balance_documents``: exact, same
-            loss and gradients). None (default): wherever it applies (document attention,
-            CP > 1, zigzag layout, batches with ``document_ids``); True: also raise where it
+            loss and gradients). None (default): where it applies (document attention,
+            CP > 1, zigzag layout, batches with ``document_ids``) and measured to pay (at
+            least ``longctx.balance.AUTO_MIN_SHARD`` tokens per rank, and the sequence's
+            predicted gain at least ``min_gain``); True: every such batch, and raise where it
             cannot (contiguous layout, batches sharded by the user); False: never. The
             model then sees each batch in balanced order (positions, labels and ids travel
             with their tokens).
@@ -199,7 +201,8 @@ class CausalLMModule(L.LightningModule):
         if self.rope_positions == "document":
             batch = {**batch, "position_ids": document_position_ids(batch["document_ids"])}
         if balance_over is not None:
-            batch = balance_documents(batch, world_size=balance_over[0], layout=balance_over[1])
+            forced = {} if self.load_balance is None else {"min_gain": 1.0}
+            batch = balance_documents(batch, world_size=balance_over[0], layout=balance_over[1], **forced)
         return batch
 
     def _balance_over(self, batch: Mapping[str, Any]) -> Optional[tuple[int, str]]:
@@ -207,7 +210,10 @@ class CausalLMModule(L.LightningModule):
         if self.load_balance is False or self.attention != "document" or self._trainer is None:
             return None
         cp, layout = _cp_size(self._trainer), getattr(self._trainer.strategy, "layout", "zigzag")
-        if cp == 1 or (self.load_balance is None and (layout != "zigzag" or is_sharded(batch))):
+        if cp == 1:
+            return None
+        if self.load_balance is None and (layout != "zigzag" or is_sharded(batch)
+                                          or batch["document_ids"].shape[-1] // cp < AUTO_MIN_SHARD):
             return None
         return cp, layout
 
