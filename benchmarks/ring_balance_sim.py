@@ -36,6 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 from attention import gpu_tag  # noqa: E402
+from ring import time_in_group  # noqa: E402
 from document_attention import MIXES, document_lengths, ids_from_lengths  # noqa: E402
 from longctx import balance_documents, shard_sequence  # noqa: E402
 from longctx.kernels import attention_backward, attention_forward, resolve_backend  # noqa: E402
@@ -78,18 +79,8 @@ def rank_blocks(q, k, v, dout, ids, world, rank, ranges):
     return [make(step, block) for step, block in enumerate(blocks)]
 
 
-def time_ms(fn, reps=5):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def time_ms(fn):
+    return time_in_group(fn, None, warmup=1, iters=5)
 
 
 def main():
