@@ -10,13 +10,15 @@ runs, one after another on a single GPU, exactly the blocks each rank of a P-ran
 computes (``longctx.ring._ring_blocks``: the same skipping, the same plain-vs-document
 kernel choice, the same slices), forward and backward, and times every block alone with
 CUDA events (the lock-step estimate: launch and block-map costs fully exposed) and each
-rank's blocks back to back (the slowest rank: those costs overlap the GPU queue). Communication is left out (on
-NVLink the ring hides it behind the blocks; benchmarks/results/ring_ws2_h200.json).
+rank's blocks back to back (the slowest rank: those costs overlap the GPU queue).
+Communication is left out (on NVLink the ring hides it behind the blocks;
+benchmarks/results/ring_ws2_h200.json).
 Inputs: S = 128K tokens, bf16, H=16, D=128, the document mixes of
 benchmarks/document_attention.py, "packed" as they come, or balanced by
-``longctx.balance_documents`` before sharding: "default" as CausalLMModule does it (``min_gain=1.1``: a
-sequence whose lock-step ring would not shrink by 10% stays packed) and "forced"
-(``min_gain=1.0``). Also reported: the visible-pair imbalance
+``longctx.balance_documents`` before sharding: "default" with its default ``min_gain``
+(a sequence whose predicted lock-step gain is smaller stays packed; the committed
+results were taken at 1.1, the default is now 1.2; CausalLMModule also needs 32K tokens
+per rank) and "forced" (``min_gain=1.0``). Also reported: the visible-pair imbalance
 (``longctx.layouts.document_work_per_rank``), the lock-step ring time (sum over steps of
 the slowest rank's block, timed block by block) and the balancing's own time.
 Writes ring_balance_sim_<gpu>.json under $OUT (default benchmarks/results/).
