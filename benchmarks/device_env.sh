@@ -11,6 +11,15 @@ if [ -d .carry/wheels ]; then
   python -m pip install -q --no-deps --no-index .carry/wheels/*.whl >/tmp/longctx_wheels.log 2>&1 \
     || echo "[device_env] carried wheels did not install: $(tail -1 /tmp/longctx_wheels.log)"
 fi
+# FlashAttention-4 (optional "fa4" backend): its compiler wheel is over one call's carry, so
+# benchmarks/fa4_carry.sh stages it in two halves: call 1 carries .carry/fa4-1 and runs
+# `bash .carry/fa4-1/fa4_device.sh stash`; call 2 carries .carry/fa4-2 and sources this file,
+# which installs it into /tmp/fa4site. Later calls on the same (warm) machine need neither half.
+if [ -d /tmp/fa4site/flash_attn ]; then
+  export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+elif [ -f .carry/fa4-2/fa4_device.sh ]; then
+  source .carry/fa4-2/fa4_device.sh install || echo "[device_env] FlashAttention-4 not installed"
+fi
 if ! python -m pip install --no-deps --no-build-isolation -e . -q >/tmp/longctx_pip.log 2>&1 \
    || ! python -c "import longctx.models, longctx.kernels" 2>/dev/null; then
   echo "[device_env] editable install unavailable ($(tail -1 /tmp/longctx_pip.log)); staging a copy"

@@ -98,14 +98,20 @@ def record_error(row, exc):
 # ----------------------------------------------------------------------------- providers
 
 
-def ours_step(q, k, v, dout, ids, bwd_mode):
+def ours_step(q, k, v, dout, ids, bwd_mode, backend="triton"):
     def step():
         ta.BWD_MODE = bwd_mode
         docs = dict(q_document_ids=ids, k_document_ids=ids)
-        out, lse = attention_forward(q, k, v, causal=True, backend="triton", **docs)
+        out, lse = attention_forward(q, k, v, causal=True, backend=backend, **docs)
         return (out,) + tuple(attention_backward(dout, q, k, v, out, lse, causal=True,
-                                                 backend="triton", **docs))
+                                                 backend=backend, **docs))
     return step
+
+
+def _fa4_usable():
+    from longctx.kernels import fa4
+
+    return fa4.is_available("cuda")
 
 
 def dense_causal_step(q, k, v, dout, backend):
@@ -171,6 +177,8 @@ def section_check(report):
     steps = {"triton-doc": lambda: ours_step(q, k, v, dout, ids, "split"),
              "triton-doc-atomic": lambda: ours_step(q, k, v, dout, ids, "atomic"),
              "flex": lambda: flex_step(q, k, v, dout, ids)}
+    if _fa4_usable():
+        steps["fa4-doc"] = lambda: ours_step(q, k, v, dout, ids, "split", backend="fa4")
     for provider, make in steps.items():
         row = dict(provider=provider, shape=dict(S=S, Hq=Hq, Hkv=Hkv, D=D, documents=lengths))
         try:
@@ -208,6 +216,8 @@ def section_kernels(report, args):
         dense = {}
         plain = {"cudnn-causal": lambda: dense_causal_step(q, k, v, dout, "cudnn"),
                  "triton-causal": lambda: dense_causal_step(q, k, v, dout, "triton")}
+        if _fa4_usable():
+            plain["fa4-causal"] = lambda: dense_causal_step(q, k, v, dout, "fa4")
         for provider, make in plain.items():
             row = dict(provider=provider, S=S, Hq=Hq, Hkv=Hkv, D=D)
             try:
@@ -224,6 +234,8 @@ def section_kernels(report, args):
             steps = {"triton-doc": lambda: ours_step(q, k, v, dout, ids, "split"),
                      "triton-doc-atomic": lambda: ours_step(q, k, v, dout, ids, "atomic"),
                      "flex": lambda: flex_step(q, k, v, dout, ids)}
+            if _fa4_usable():
+                steps["fa4-doc"] = lambda: ours_step(q, k, v, dout, ids, "split", backend="fa4")
             timed = {}
             for provider, make in steps.items():
                 row = dict(provider=provider, mix=mix, S=S, Hq=Hq, Hkv=Hkv, D=D, **summary)

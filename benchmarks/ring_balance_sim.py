@@ -52,16 +52,17 @@ DEVICE = "cuda"
 VARIANTS = (("packed", None), ("default", {}), ("forced", dict(min_gain=1.0)))
 
 
-def rank_blocks(q, k, v, dout, ids, world, rank, ranges):
+def rank_blocks(q, k, v, dout, ids, world, rank, ranges, backends=None):
     """One callable per ring step: forward + backward of the block `rank` computes at that
-    step of a `world`-rank zigzag ring (a no-op for a skipped step)."""
+    step of a `world`-rank zigzag ring (a no-op for a skipped step). ``backends``: (plain,
+    document-masked) kernels instead of what "auto" picks."""
     s_local = q.shape[1] // world
     shards = [[shard_sequence(t, 1, rank=r, world_size=world, layout="zigzag") for t in (k, v, ids)]
               for r in range(world)]
     q_r, dout_r, ids_r = (shard_sequence(t, 1, rank=rank, world_size=world, layout="zigzag")
                           for t in (q, dout, ids))
-    plain = resolve_backend("auto", q_r, q_r, True)
-    masked = resolve_backend("auto", q_r, q_r, True, documents=True)
+    plain, masked = backends or (resolve_backend("auto", q_r, q_r, True),
+                                 resolve_backend("auto", q_r, q_r, True, documents=True))
 
     def make(step, block):
         if block is None:

@@ -6,15 +6,17 @@ blocks. They know nothing of process groups.
 
 Backends (``backend=``): ``"torch"`` (reference, any device), ``"triton"`` (our
 kernels; CUDA/ROCm, or the CPU under ``TRITON_INTERPRET=1``), ``"cudnn"`` and
-``"flash"`` (PyTorch's SDPA ops that return the LSE), and ``"auto"``.
+``"flash"`` (PyTorch's SDPA ops that return the LSE), ``"fa4"`` (FlashAttention-4, the
+optional ``longctx[fa4]``; sm90/sm100, fa4.py), and ``"auto"``.
 
 Document masking: ``q_document_ids`` / ``k_document_ids`` (int tensors ``(B, Sq)`` /
 ``(B, Sk)``, both or neither) restrict query i to keys j with the same id (and j <= i
 when ``causal``). A query row that sees no key in a block gets ``out = 0`` and
 ``lse = -inf`` (the ring's merge treats that as "no contribution"). Backends with ids:
-"triton" (triton_document.py: tiles of no shared document are skipped, tiles inside one
-document run unmasked) and "torch"; "auto" picks triton on GPUs, and "cudnn"/"flash" fall
-back to it with a warning (see resolve_backend). Callers that resolve the backend once
+"fa4" (documents as varlen runs), "triton" (triton_document.py: tiles of no shared document
+are skipped, tiles inside one document run unmasked) and "torch"; "auto" picks fa4, else
+triton, on GPUs, and "cudnn"/"flash" fall back to triton with a warning (see
+resolve_backend). fa4 hands a block whose ids are not runs it can express to triton. Callers that resolve the backend once
 for several blocks (the ring) pass ``documents=True`` to ``resolve_backend``.
 """
 from __future__ import annotations
@@ -34,13 +36,18 @@ __all__ = [
     "check_document_ids",
     "resolve_backend",
     "BACKENDS",
+    "VENDOR_BACKENDS",
 ]
 
-BACKENDS = ("torch", "triton", "cudnn", "flash")
+BACKENDS = ("torch", "triton", "cudnn", "flash", "fa4")
+# Kernels that write only the input dtype (an fp32 partial is a cast) and compute
+# delta = rowsum(dO * O) inside their backward from `out` (a given delta is ignored).
+VENDOR_BACKENDS = ("cudnn", "flash", "fa4")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Backend name -> module in this package. Modules are imported on first use so that a
 # machine without triton (or a torch without the vendor ops) can still use the others.
-_MODULES = {"torch": "reference", "triton": "triton_attention", "cudnn": "vendor", "flash": "vendor"}
+_MODULES = {"torch": "reference", "triton": "triton_attention", "cudnn": "vendor", "flash": "vendor",
+            "fa4": "fa4"}
 
 
 def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> None:
@@ -103,25 +110,35 @@ def backend_available(backend: str, device: torch.device) -> bool:
         mod = _module(backend)
     except ImportError:
         return False
-    if backend in ("cudnn", "flash"):
+    if backend in ("cudnn", "flash"):  # one module, two kernels
         return mod.is_available(device, backend)
     return mod.is_available(device)
+
+
+def _fa4_refusal(q: torch.Tensor) -> Optional[str]:
+    """Why "fa4" cannot run these inputs (device, install or shape), or None."""
+    try:
+        mod = _module("fa4")
+    except ImportError as error:  # numpy or torch pieces missing: report, never crash
+        return f"FlashAttention-4 backend does not import: {error}"
+    return mod.unavailable_reason(q.device) or mod.unsupported_shape(q.device, q.dtype, q.shape[-1])
 
 
 def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, causal: bool, *,
                     documents: bool = False) -> str:
     """The concrete backend for these inputs; ``"auto"`` picks from recorded measurements.
 
-    ``documents=True`` (the call carries document ids): "auto" picks "triton" on GPUs, and
-    an explicit "cudnn"/"flash" falls back to "triton" (or "torch" where triton is not
-    available) with a warning: PyTorch's vendor ops take no per-token mask, and a varlen
-    path would need host-side sequence boundaries (a sync) and could not express repeated
-    ids or the ring's off-diagonal blocks.
+    ``documents=True`` (the call carries document ids): "auto" picks "fa4" where it runs
+    (varlen runs), else "triton" on GPUs; an explicit "cudnn"/"flash" falls back to "triton"
+    (or "torch" where triton is not available) with a warning: PyTorch's vendor ops take no
+    per-token mask. An explicit "fa4" that cannot run here raises one line saying why.
     """
     if backend == "auto":
         if q.device.type == "cpu":
             return "torch"
         if documents:
+            if _fa4_refusal(q) is None:
+                return "fa4"
             # Triton covers D <= 256 in fp16/bf16/fp32; anything else takes the reference.
             fits = q.shape[-1] <= 256 and q.dtype != torch.float64
             return "triton" if fits and backend_available("triton", q.device) else "torch"
@@ -131,14 +148,23 @@ def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, causal: bool
         return backend if backend_available(backend, q.device) else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected 'auto' or one of {BACKENDS}")
+    if backend == "fa4":
+        why = _fa4_refusal(q)
+        if why is not None:
+            raise ValueError(f"attention backend 'fa4' cannot run here: {why}")
+        return backend
     if not backend_available(backend, q.device):
         raise ValueError(f"attention backend {backend!r} is not available on device {q.device}")
     if documents and backend in ("cudnn", "flash"):
-        fallback = "triton" if backend_available("triton", q.device) else "torch"
+        fallback = _document_fallback(q)
         warnings.warn(f"attention backend {backend!r} takes no document mask; document-masked "
                       f"blocks run on {fallback!r}", stacklevel=3)
         return fallback
     return backend
+
+
+def _document_fallback(q: torch.Tensor) -> str:
+    return "triton" if backend_available("triton", q.device) else "torch"
 
 
 def _scale(softmax_scale: Optional[float], head_dim: int) -> float:
@@ -168,7 +194,10 @@ def attention_forward(
     scale = _scale(softmax_scale, q.shape[-1])
     mod = _module(name)
     if docs[0] is not None:
-        return mod.forward(q, k, v, causal, scale, out_dtype, *docs)
+        result = mod.forward(q, k, v, causal, scale, out_dtype, *docs)
+        if result is None:  # fa4: ids that varlen runs cannot express
+            result = _module(_document_fallback(q)).forward(q, k, v, causal, scale, out_dtype, *docs)
+        return result
     if name in ("cudnn", "flash"):
         return mod.forward(q, k, v, causal, scale, out_dtype, which=name)
     return mod.forward(q, k, v, causal, scale, out_dtype)
@@ -206,7 +235,11 @@ def attention_backward(
     scale = _scale(softmax_scale, q.shape[-1])
     mod = _module(name)
     if docs[0] is not None:
-        return mod.backward(dout, q, k, v, out, lse, causal, scale, delta, grad_dtype, *docs)
+        grads = mod.backward(dout, q, k, v, out, lse, causal, scale, delta, grad_dtype, *docs)
+        if grads is None:  # fa4: ids that varlen runs cannot express (same test as forward)
+            grads = _module(_document_fallback(q)).backward(
+                dout, q, k, v, out, lse, causal, scale, delta, grad_dtype, *docs)
+        return grads
     if name in ("cudnn", "flash"):
         return mod.backward(dout, q, k, v, out, lse, causal, scale, delta, grad_dtype, which=name)
     return mod.backward(dout, q, k, v, out, lse, causal, scale, delta, grad_dtype)
@@ -217,7 +250,7 @@ def attention_delta(out: torch.Tensor, dout: torch.Tensor, *, backend: str) -> O
     or None where ``backend`` (already resolved) recomputes it inside its own kernel.
 
     The ring computes delta once per layer instead of once per block. The vendor kernels
-    ("cudnn", "flash") take ``out`` and ignore a given delta, so for them the (fp32,
+    (VENDOR_BACKENDS) take ``out`` and ignore a given delta, so for them the (fp32,
     several passes) computation would be pure memory traffic: it is skipped. Triton: one
     fused pass; "torch": the reference expression.
     """
@@ -225,7 +258,7 @@ def attention_delta(out: torch.Tensor, dout: torch.Tensor, *, backend: str) -> O
         raise ValueError(f"backend must be one of {BACKENDS} (resolved), got {backend!r}")
     if out.shape != dout.shape:
         raise ValueError(f"out shape {tuple(out.shape)} differs from dout shape {tuple(dout.shape)}")
-    if backend in ("cudnn", "flash"):
+    if backend in VENDOR_BACKENDS:
         return None
     if backend == "triton":
         return _module("triton").compute_delta(out, dout)

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from longctx.kernels import (attention_backward, attention_delta, attention_forward,
-                             check_attention_inputs, check_document_ids, resolve_backend)
+                             check_attention_inputs, check_document_ids, resolve_backend,
+                             VENDOR_BACKENDS)
 from longctx.kernels.merge import merge_partials_
 
 from .layouts import LAYOUTS, check_layout, check_seq_len, chunks_per_rank
@@ -144,7 +145,7 @@ def _partial_dtype(backend: str, acc_dtype: torch.dtype):
     """dtype block kernels return partials in. Our kernels write fp32 at no extra pass;
     the vendor kernels only produce the input dtype, and the merge/accumulate kernels
     upcast those while reading, so asking them for fp32 would only add a cast pass."""
-    return None if backend in ("cudnn", "flash") else acc_dtype
+    return None if backend in VENDOR_BACKENDS else acc_dtype
 
 
 # dtype <-> small integer for the cross-rank check (one table for activations and ids).
@@ -379,7 +380,7 @@ class _RingAttention(torch.autograd.Function):
         # delta = rowsum(dO * O) once per layer, not once per block (None where every block
         # runs on vendor kernels, which recompute it inside and ignore a given one).
         used = {backends[b[3]] for b in blocks if b is not None}
-        delta_backend = next((b for b in used if b not in ("cudnn", "flash")), next(iter(used)))
+        delta_backend = next((b for b in used if b not in VENDOR_BACKENDS), next(iter(used)))
         delta = attention_delta(out, dout, backend=delta_backend)
         dq = torch.empty(q.shape, dtype=acc_dtype, device=q.device)
         dq_fresh = True  # no block has written dq yet

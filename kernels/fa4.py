@@ -1,0 +1,294 @@
+"""FlashAttention-4 block kernels (backend ``"fa4"``): pip ``flash-attn-4``, CuTe DSL, sm90/sm100.
+
+Optional: ``pip install 'longctx[fa4]'``. Absent or on another GPU, ``backend="auto"`` never
+picks it and ``backend="fa4"`` raises one line saying why (``unavailable_reason``).
+
+Dense blocks (causal or full, GQA native: K/V are never expanded) go through FA4's forward
+with ``return_lse=True`` and its backward with the ring's final ``out``/``lse``, which is all
+a ring merge needs. The kernels write the input dtype only (like the other vendor kernels):
+fp32 partials are a cast, and the backward recomputes delta = rowsum(dO * O) itself.
+
+Document-masked blocks run as varlen: each batch row's query and key ids are cut into runs of
+equal ids on the host (one device->host copy of the ids per call), and every document present
+in both becomes one varlen segment (``cu_seqlens`` = where its runs start, ``seqused`` = their
+lengths). A diagonal (causal) block with equal query/key ids is a causal varlen call over all
+runs; an off-diagonal (full) block is a non-causal call over the documents the two sides
+share. Rows of documents the other side lacks get out = 0, lse = -inf, zero gradients
+(pre-filled buffers: FA4 leaves rows outside every segment untouched). Ids whose runs cannot
+be expressed as segments (a document in two separate runs, or shared documents in another
+order on the two sides) return None from ``plan_documents``; the caller then uses the Triton
+document kernels for that block.
+
+Compilation: FA4 compiles each kernel variant on its first call (seconds). The on-disk cache
+(``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED``, dir ``FLASH_ATTENTION_CUTE_DSL_CACHE_DIR``) is
+switched on by default here, under ``~/.cache/longctx/fa4``, so later processes load them;
+``compile_seconds`` records the first call of every variant in this process (also logged).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+# Read by flash_attn.cute when it is imported: set before the (lazy) import below.
+os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR",
+                      os.path.join(os.path.expanduser("~"), ".cache", "longctx", "fa4"))
+
+SUPPORTED_ARCH = (9, 10)  # compute capability majors: sm90 (H100/H200), sm100 (B200)
+INSTALL_HINT = "pip install 'longctx[fa4]'"
+# First-call wall time (compile + run) per kernel variant in this process, seconds.
+compile_seconds: dict = {}
+
+
+@functools.lru_cache(maxsize=1)
+def _interface():
+    """flash_attn.cute.interface, or the ImportError's text."""
+    try:
+        from flash_attn.cute import interface
+    except Exception as error:  # noqa: BLE001 - a broken install is "not available" too
+        return f"{type(error).__name__}: {error}"
+    return interface
+
+
+def unavailable_reason(device) -> Optional[str]:
+    """None where FA4 can run on ``device``; else why not, in one sentence."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"FlashAttention-4 runs on CUDA GPUs only, not on {device}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in SUPPORTED_ARCH:
+        return (f"FlashAttention-4 needs an sm90 or sm100 GPU (H100/H200/B200); "
+                f"{torch.cuda.get_device_name(device)} is sm{major}{minor}")
+    iface = _interface()
+    if isinstance(iface, str):
+        return f"FlashAttention-4 is not installed or does not import ({iface}): {INSTALL_HINT}"
+    return None
+
+
+def is_available(device) -> bool:
+    return unavailable_reason(device) is None
+
+
+def unsupported_shape(device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
+    """None where FA4 takes blocks of this dtype and head dim on ``device``; else why not."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"FlashAttention-4 takes float16/bfloat16 inputs, not {dtype}"
+    major = torch.cuda.get_device_capability(torch.device(device))[0] if torch.cuda.is_available() else 9
+    ok = 8 <= head_dim <= 256 if major == 9 else (8 <= head_dim <= 128 or head_dim == 256)
+    if not ok or head_dim % 8:
+        limits = "8..256" if major == 9 else "8..128 or 256"
+        return f"FlashAttention-4 on sm{major}0 takes head dims {limits} in multiples of 8, not {head_dim}"
+    return None
+
+
+def _timed_first_call(key, fn):
+    if key in compile_seconds:
+        return fn()
+    start = time.perf_counter()
+    result = fn()
+    torch.cuda.synchronize()
+    compile_seconds[key] = time.perf_counter() - start
+    log.info("FlashAttention-4 %s: first call (compile or cache load) %.1f s", key, compile_seconds[key])
+    return result
+
+
+def _variant(kind, q, k, causal, varlen):
+    return (kind, str(q.dtype).replace("torch.", ""), q.shape[-1], q.shape[2] // k.shape[2],
+            "causal" if causal else "full", "varlen" if varlen else "dense")
+
+
+def forward(q, k, v, causal, softmax_scale, out_dtype=None, q_doc=None, k_doc=None):
+    """(out (B, Sq, Hq, D), lse fp32 (B, Hq, Sq)); None if document ids are not varlen-able."""
+    iface = _interface()
+    if q_doc is not None:
+        plan = plan_documents(q_doc, k_doc, causal)
+        return None if plan is None else _forward_varlen(iface, q, k, v, softmax_scale, out_dtype, plan)
+    with torch.cuda.device(q.device):
+        out, lse = _timed_first_call(_variant("fwd", q, k, causal, False), lambda: iface._flash_attn_fwd(
+            q, k, v, softmax_scale=float(softmax_scale), causal=bool(causal), return_lse=True)[:2])
+    if out_dtype is not None and out_dtype != out.dtype:
+        out = out.to(out_dtype)
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dtype=None,
+             q_doc=None, k_doc=None):
+    """(dq, dk, dv) from the final out/lse; ``delta`` is ignored (FA4 computes it from out).
+    None if document ids are not varlen-able."""
+    if out is None:
+        raise ValueError("the 'fa4' backend needs `out` in backward (it computes delta itself)")
+    iface = _interface()
+    out, dout, lse = out.to(q.dtype), dout.to(q.dtype), lse.float().contiguous()
+    if q_doc is not None:
+        plan = plan_documents(q_doc, k_doc, causal)
+        if plan is None:
+            return None
+        grads = _backward_varlen(iface, dout, q, k, v, out, lse, softmax_scale, plan)
+    else:
+        with torch.cuda.device(q.device):
+            grads = _timed_first_call(_variant("bwd", q, k, causal, False), lambda: iface._flash_attn_bwd(
+                q, k, v, out, dout, lse, float(softmax_scale), bool(causal))[:3])
+    grad_dtype = grad_dtype or q.dtype
+    return tuple(g.to(grad_dtype) for g in grads)
+
+
+# ---------------------------------------------------------------- documents as varlen runs
+
+
+@dataclass
+class VarlenPlan:
+    """Varlen segments of one block over the flattened (B*S) rows of q and k.
+
+    ``seqused_*`` is None where the segments tile their side exactly (then ``cu_seqlens``
+    alone describes them); ``*_covered`` is None where every row is in a segment.
+    ``cu_seqlens_*`` is None where the two sides share no document (``empty``).
+    """
+
+    causal: bool
+    cu_seqlens_q: np.ndarray
+    cu_seqlens_k: np.ndarray
+    seqused_q: Optional[np.ndarray]
+    seqused_k: Optional[np.ndarray]
+    max_seqlen_q: int
+    max_seqlen_k: int
+    q_covered: Optional[np.ndarray]
+    k_covered: Optional[np.ndarray]
+
+    @property
+    def empty(self) -> bool:
+        return self.cu_seqlens_q is None
+
+    @property
+    def segments(self):
+        """(q_start, q_len, k_start, k_len) of every segment (for tests and emulation)."""
+        if self.empty:
+            return []
+        n = len(self.cu_seqlens_q) - 1
+        q_len = self.seqused_q if self.seqused_q is not None else np.diff(self.cu_seqlens_q)
+        k_len = self.seqused_k if self.seqused_k is not None else np.diff(self.cu_seqlens_k)
+        return [(int(self.cu_seqlens_q[i]), int(q_len[i]), int(self.cu_seqlens_k[i]), int(k_len[i]))
+                for i in range(n)]
+
+
+def _runs(ids: np.ndarray):
+    """(starts, ends, values) of the runs of equal ids in one row."""
+    cut = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+    starts = np.concatenate(([0], cut))
+    ends = np.concatenate((cut, [len(ids)]))
+    return starts, ends, ids[starts]
+
+
+def plan_documents(q_doc: torch.Tensor, k_doc: torch.Tensor, causal: bool) -> Optional[VarlenPlan]:
+    """Varlen segments for a document-masked block, or None where runs cannot express it.
+
+    Copies the ids to the host (one sync). Causal blocks must have equal query and key ids
+    (the diagonal block of a ring step or a whole local sequence): one causal segment per run.
+    """
+    q_ids = q_doc.detach().cpu().numpy()
+    k_ids = q_ids if k_doc is q_doc else k_doc.detach().cpu().numpy()
+    batch, sq = q_ids.shape
+    sk = k_ids.shape[1]
+    if causal:
+        if k_ids is not q_ids and not np.array_equal(q_ids, k_ids):
+            return None
+        starts, lens = [], []
+        for b in range(batch):
+            s, e, vals = _runs(q_ids[b])
+            if len(np.unique(vals)) != len(vals):
+                return None  # a document in two separate runs
+            starts.append(s + b * sq)
+            lens.append(e - s)
+        starts, lens = np.concatenate(starts), np.concatenate(lens)
+        cu = np.concatenate((starts, [batch * sq])).astype(np.int32)
+        longest = int(lens.max())
+        return VarlenPlan(True, cu, cu, None, None, longest, longest, None, None)
+    seg = []  # (q_start, q_len, k_start, k_len)
+    for b in range(batch):
+        qs, qe, qv = _runs(q_ids[b])
+        ks, ke, kv = _runs(k_ids[b])
+        if len(np.unique(qv)) != len(qv) or len(np.unique(kv)) != len(kv):
+            return None
+        k_index = {int(d): i for i, d in enumerate(kv)}
+        last_k = -1
+        for i, d in enumerate(qv):
+            j = k_index.get(int(d))
+            if j is None:
+                continue
+            if j < last_k:
+                return None  # shared documents in another order on the two sides
+            last_k = j
+            seg.append((qs[i] + b * sq, qe[i] - qs[i], ks[j] + b * sk, ke[j] - ks[j]))
+    if not seg:
+        return VarlenPlan(False, None, None, None, None, 0, 0, np.zeros(batch * sq, dtype=bool),
+                          np.zeros(batch * sk, dtype=bool))
+    seg = np.asarray(seg, dtype=np.int64)
+    q_covered = np.zeros(batch * sq, dtype=bool)
+    k_covered = np.zeros(batch * sk, dtype=bool)
+    for q0, ql, k0, kl in seg:
+        q_covered[q0:q0 + ql] = True
+        k_covered[k0:k0 + kl] = True
+    # cu_seqlens: each segment's start, then the end of the last one (FA4 reads a segment's
+    # rows from cu_seqlens[i] and its length from seqused[i]: gaps between segments are fine).
+    cu_q = np.concatenate((seg[:, 0], [seg[-1, 0] + seg[-1, 1]])).astype(np.int32)
+    cu_k = np.concatenate((seg[:, 2], [seg[-1, 2] + seg[-1, 3]])).astype(np.int32)
+    return VarlenPlan(False, cu_q, cu_k, seg[:, 1].astype(np.int32), seg[:, 3].astype(np.int32),
+                      int(seg[:, 1].max()), int(seg[:, 3].max()),
+                      None if q_covered.all() else q_covered, None if k_covered.all() else k_covered)
+
+
+def _device_plan(plan: VarlenPlan, device):
+    def put(a):
+        return None if a is None else torch.from_numpy(a).to(device, non_blocking=True)
+
+    return dict(cu_seqlens_q=put(plan.cu_seqlens_q), cu_seqlens_k=put(plan.cu_seqlens_k),
+                seqused_q=put(plan.seqused_q), seqused_k=put(plan.seqused_k),
+                max_seqlen_q=max(plan.max_seqlen_q, 1), max_seqlen_k=max(plan.max_seqlen_k, 1))
+
+
+def _flat(t):
+    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+
+
+def _forward_varlen(iface, q, k, v, softmax_scale, out_dtype, plan: VarlenPlan):
+    B, Sq, Hq, D = q.shape
+    if plan.empty:
+        out = torch.zeros(B, Sq, Hq, v.shape[-1], dtype=out_dtype or q.dtype, device=q.device)
+        return out, torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float32, device=q.device)
+    partial = plan.q_covered is not None
+    # Rows outside every segment keep these pre-filled values: no key -> out 0, lse -inf.
+    out = torch.zeros(B * Sq, Hq, v.shape[-1], dtype=q.dtype, device=q.device) if partial else None
+    lse = torch.full((Hq, B * Sq), float("-inf"), dtype=torch.float32, device=q.device) if partial else None
+    with torch.cuda.device(q.device):
+        out, lse = _timed_first_call(_variant("fwd", q, k, plan.causal, True), lambda: iface._flash_attn_fwd(
+            _flat(q), _flat(k), _flat(v), softmax_scale=float(softmax_scale), causal=plan.causal,
+            return_lse=True, out=out, lse=lse, **_device_plan(plan, q.device))[:2])
+    out = out.view(B, Sq, Hq, -1)
+    lse = lse.view(Hq, B, Sq).transpose(0, 1).contiguous()
+    if out_dtype is not None and out_dtype != out.dtype:
+        out = out.to(out_dtype)
+    return out, lse
+
+
+def _backward_varlen(iface, dout, q, k, v, out, lse, softmax_scale, plan: VarlenPlan):
+    B, Sq, Hq, D = q.shape
+    if plan.empty:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    lse_flat = lse.transpose(0, 1).reshape(Hq, B * Sq)
+    # Pre-zeroed gradients where some rows are in no segment: FA4 leaves those rows unwritten.
+    dq = torch.zeros_like(_flat(q)) if plan.q_covered is not None else None
+    dk = torch.zeros_like(_flat(k)) if plan.k_covered is not None else None
+    dv = torch.zeros_like(_flat(v)) if plan.k_covered is not None else None
+    with torch.cuda.device(q.device):
+        dq, dk, dv = _timed_first_call(_variant("bwd", q, k, plan.causal, True), lambda: iface._flash_attn_bwd(
+            _flat(q), _flat(k), _flat(v), _flat(out), _flat(dout), lse_flat, float(softmax_scale),
+            plan.causal, dq=dq, dk=dk, dv=dv, **_device_plan(plan, q.device))[:3])
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
