@@ -44,6 +44,12 @@ from longctx.ring import _document_ranges, _ring_blocks  # noqa: E402
 
 K = 1024
 DEV = "cuda"
+_SAVE = []  # the report writer, called after every row so that a time-out keeps what finished
+
+
+def save(report):
+    for write in _SAVE:
+        write(report)
 
 
 def rel(got, want):
@@ -51,7 +57,7 @@ def rel(got, want):
     if not torch.isfinite(got).all():
         return float("inf")
     if want.norm() < 1e-12:
-        return (got - want).abs().max().item()
+        return (got - want).abs().max().item() if got.numel() else 0.0
     return ((got - want).norm() / want.norm()).item()
 
 
@@ -113,12 +119,14 @@ def section_check(report):
                 row.update(ok=False, error=f"{type(e).__name__}: {e}"[:1500], tb=traceback.format_exc()[-3000:])
             rows.append(row)
             print(f"[check] {row}", flush=True)
+            save(report)
         if name == "causal_mha_d128":
             qn = bf[0].clone()
             qn[0, 17, 1, 5] = float("nan")
             out, lse = attention_forward(qn, bf[1], bf[2], causal=True, backend="fa4")
             nan_rows = torch.isnan(out[0]).any(-1).any(-1)
-            rows.append(dict(kind="nan", case=name, ok=bool(nan_rows[17] and torch.isnan(lse[0, 1, 17]))))
+            rows.append(dict(kind="nan", case=name, out_nan_rows=int(nan_rows.sum()), lse_17=lse[0, :, 17].tolist(),
+                             ok=bool(nan_rows[17] and torch.isnan(lse[0, 1, 17]))))
             print(f"[check] {rows[-1]}", flush=True)
     # Documents: the Triton document tests' id patterns at GPU-sized lengths, plus ring-like
     # off-diagonal blocks (keys of an earlier chunk, one document straddling the cut).
@@ -153,6 +161,7 @@ def section_check(report):
             row.update(ok=False, error=f"{type(e).__name__}: {e}"[:1500], tb=traceback.format_exc()[-3000:])
         rows.append(row)
         print(f"[check] {row}", flush=True)
+        save(report)
 
 
 # ------------------------------------------------------------------------------ ring
@@ -244,6 +253,7 @@ def section_ring(report):
                 row.update(ok=False, error=f"{type(e).__name__}: {e}"[:1500], tb=traceback.format_exc()[-3000:])
             rows.append(row)
             print(f"[ring] {row}", flush=True)
+            save(report)
     # P=2 at 128K: each rank's blocks back to back (the ring at P=2 runs at its blocks' rate).
     from ring_balance_sim import rank_blocks
 
@@ -311,6 +321,7 @@ def section_blocks(report, backends):
             row["fa4_vs_triton"] = round(row["triton"] / row["fa4"], 3)
         rows.append(row)
         print(f"[blocks] {row}", flush=True)
+        save(report)
 
 
 def section_select(report, backends):
@@ -326,6 +337,7 @@ def section_select(report, backends):
                         row.setdefault("errors", {})[backend] = f"{type(e).__name__}: {e}"[:300]
                 rows.append(row)
                 print(f"[select] {row}", flush=True)
+                save(report)
 
 
 def main():
@@ -342,6 +354,11 @@ def main():
                   capability=torch.cuda.get_device_capability(), date=time.strftime("%Y-%m-%d"),
                   fa4_cache=os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"), dtype="bfloat16",
                   timing="CUDA-event median of fwd+bwd through attention_forward/backward, after a first call")
+    def write(report):
+        report["compile"] = {" ".join(map(str, k)): round(v, 2) for k, v in fa4.compile_seconds.items()}
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    _SAVE.append(write)
     sections = dict(check=lambda: section_check(report), ring=lambda: section_ring(report),
                     blocks=lambda: section_blocks(report, args.backends),
                     select=lambda: section_select(report, args.backends))
@@ -353,9 +370,7 @@ def main():
             report.setdefault("section_errors", {})[name] = traceback.format_exc()[-4000:]
             print(traceback.format_exc(), flush=True)
         report.setdefault("section_s", {})[name] = round(time.time() - t0, 1)
-        report["compile"] = {" ".join(map(str, k)): round(v, 2) for k, v in fa4.compile_seconds.items()}
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+        write(report)
     print(f"wrote {path}", flush=True)
 
 

@@ -82,7 +82,8 @@ def unsupported_shape(device, dtype: torch.dtype, head_dim: int) -> Optional[str
     """None where FA4 takes blocks of this dtype and head dim on ``device``; else why not."""
     if dtype not in (torch.float16, torch.bfloat16):
         return f"FlashAttention-4 takes float16/bfloat16 inputs, not {dtype}"
-    major = torch.cuda.get_device_capability(torch.device(device))[0] if torch.cuda.is_available() else 9
+    device = torch.device(device)
+    major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 9
     ok = 8 <= head_dim <= 256 if major == 9 else (8 <= head_dim <= 128 or head_dim == 256)
     if not ok or head_dim % 8:
         limits = "8..256" if major == 9 else "8..128 or 256"
@@ -115,9 +116,23 @@ def forward(q, k, v, causal, softmax_scale, out_dtype=None, q_doc=None, k_doc=No
     with torch.cuda.device(q.device):
         out, lse = _timed_first_call(_variant("fwd", q, k, causal, False), lambda: iface._flash_attn_fwd(
             q, k, v, softmax_scale=float(softmax_scale), causal=bool(causal), return_lse=True)[:2])
+    out, lse = _keep_nan(out, lse, None)
     if out_dtype is not None and out_dtype != out.dtype:
         out = out.to(out_dtype)
     return out, lse
+
+
+def _keep_nan(out, lse, covered):
+    """NaN in q/k makes a row's scores NaN, and the kernel's max (fmax) can drop them and
+    report the row as one that sees no key (lse -inf). Every dense row and every row of a
+    varlen segment sees at least one key, so a non-finite lse there means NaN came in: mark
+    the row NaN in out and lse, as plain attention would, so that the ring's merge (which
+    treats lse -inf as "no contribution") cannot hide it. One pass over lse and out."""
+    bad = ~torch.isfinite(lse)
+    if covered is not None:
+        bad &= covered
+    lse = lse.masked_fill(bad, float("nan"))
+    return out.masked_fill(bad.transpose(1, 2).unsqueeze(-1), float("nan")), lse
 
 
 def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dtype=None,
@@ -273,6 +288,10 @@ def _forward_varlen(iface, q, k, v, softmax_scale, out_dtype, plan: VarlenPlan):
             return_lse=True, out=out, lse=lse, **_device_plan(plan, q.device))[:2])
     out = out.view(B, Sq, Hq, -1)
     lse = lse.view(Hq, B, Sq).transpose(0, 1).contiguous()
+    covered = None
+    if partial:
+        covered = torch.from_numpy(plan.q_covered).to(q.device, non_blocking=True).view(B, 1, Sq)
+    out, lse = _keep_nan(out, lse, covered)
     if out_dtype is not None and out_dtype != out.dtype:
         out = out.to(out_dtype)
     return out, lse

@@ -1,37 +1,19 @@
 """backend="auto": pick the attention kernel per device and shape from measurements.
 
-The table below is data, not logic: rows are scanned top to bottom and the first row
-whose conditions match gives an ordered preference list; the first backend in it that
-is available on the device wins. Refresh it from benchmarks/results/attention_*.json
-(written by benchmarks/attention.py) whenever the kernels or the GPU change.
+The preferences are data: kernels/selection_table.py, written by
+benchmarks/write_selection.py from a benchmarks/fa4_blocks.py run (re-run both whenever the
+kernels or the GPU change; never edit the table by hand). Rows are scanned top to bottom;
+the first row whose conditions match gives an ordered preference list, and the first backend
+in it that can run the call (device, installed package, head dim) wins.
 
-Current contents: measured on one H200 (benchmarks/results/attention_nvidia_h200.json,
-torch 2.11 / triton 3.6, bf16, B=1, H=16, fwd+bwd TFLOP/s):
-  S >= 4K, D in {64, 128}: cudnn 442-589 > triton 304-436 > flash 191-327 (both causal
-    and full); triton is 1.3-1.5x flash, 0.71-0.98x cudnn.
-  S = 1K: every kernel is launch/overhead bound (< 250 TFLOP/s); the flash wrapper was
-    fastest (D=64 and 128, causal and full).
-Other head dims / fp32 were not measured: flash covers D <= 256 in bf16/fp16, triton the
-rest. Note for the ring: vendor kernels return bf16/fp16 partials (out_dtype=fp32 is a
-cast), triton computes fp32 partials exactly.
-Calls with document ids do not use this table: only triton (and the reference) take the
-mask, see resolve_backend in __init__.py.
+Calls with document ids do not use this table: see resolve_backend in __init__.py.
 """
 from __future__ import annotations
 
 import torch
 
-_HALF = (torch.float16, torch.bfloat16)
+from .selection_table import TABLE
 
-# (dtypes, head_dims or None = any, min_seq_len, causal or None = either) -> preference.
-# min_seq_len applies to max(seq_len_q, seq_len_k): lets a row say e.g. "triton beats
-# cudnn from 4K tokens on" once measured.
-TABLE = [
-    (_HALF, (64, 128), 4096, None, ("cudnn", "triton", "flash")),
-    (_HALF, (64, 128), 0, None, ("flash", "cudnn", "triton")),
-    (_HALF, None, 0, None, ("flash", "triton")),
-    ((torch.float32,), None, 0, None, ("triton",)),
-]
 # Nothing matched, or nothing in the row is available: the reference always works.
 FALLBACK = "torch"
 
@@ -46,9 +28,21 @@ def _available(name: str, device: torch.device) -> bool:
             from . import vendor
 
             return vendor.is_available(device, name)
+        if name == "fa4":
+            from . import fa4
+
+            return fa4.is_available(device)
     except ImportError:
         return False
     return name == "torch"
+
+
+def _takes_shape(name: str, device, dtype, head_dim) -> bool:
+    if name != "fa4":
+        return True
+    from . import fa4
+
+    return fa4.unsupported_shape(device, dtype, head_dim) is None
 
 
 def choose_backend(device, dtype, head_dim, seq_len_q, seq_len_k, causal) -> str:
@@ -62,6 +56,6 @@ def choose_backend(device, dtype, head_dim, seq_len_q, seq_len_k, causal) -> str
         if seq < min_seq or (row_causal is not None and bool(causal) != row_causal):
             continue
         for name in preference:
-            if _available(name, device):
+            if _available(name, device) and _takes_shape(name, device, dtype, head_dim):
                 return name
     return FALLBACK

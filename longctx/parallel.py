@@ -110,7 +110,8 @@ class ParallelPlan:
             output too: norms, projections, RoPE and MLP are recomputed, never the ring).
         fuse_pointwise: RMSNorm, RoPE and the SwiGLU gate through ``torch.compile``.
         cp_attention: ``"ring"`` (any head count) or ``"ulysses"`` (``n_kv_head % cp == 0``).
-        attention_backend: block kernels: ``"auto"``, ``"triton"``, ``"cudnn"``, ``"flash"``,
+        attention_backend: block kernels: ``"auto"`` (measured fastest: FlashAttention-4
+            where installed on sm90/sm100), ``"fa4"``, ``"cudnn"``, ``"flash"``, ``"triton"``,
             ``"torch"``.
         loss_chunk_size: tokens per chunk of the chunked cross-entropy (fp32 logits of at
             most this many tokens exist at once).

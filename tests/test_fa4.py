@@ -193,3 +193,14 @@ def test_fa4_documents_vs_float64(kind, causal, B, Sq, Sk):
         assert _rel(a, b) < 2e-2, name
     empty = ~torch.isfinite(lse64)
     assert (lse[empty] == float("-inf")).all() and (out.transpose(1, 2)[empty] == 0).all()
+
+
+@pytest.mark.gpu
+@needs_fa4
+def test_fa4_nan_in_q_shows_in_its_row():
+    """The kernel's max may drop a NaN score row as "no key"; the backend marks it NaN."""
+    q, k, v = (torch.randn(1, 256, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q[0, 17, 1, 5] = float("nan")
+    out, lse = attention_forward(q, k, v, causal=True, backend="fa4")
+    assert torch.isnan(out[0, 17, 1]).all() and torch.isnan(lse[0, 1, 17])
+    assert torch.isfinite(out[0, :17]).all() and torch.isfinite(lse[0, 0]).all()

@@ -143,17 +143,26 @@ def test_choose_backend_table(monkeypatch):
     from longctx.kernels import selection
 
     assert selection.choose_backend("cpu", torch.bfloat16, 128, 4096, 4096, True) == "torch"
-    available = {"cudnn": False, "flash": True, "triton": True}
+    available = {"fa4": False, "cudnn": False, "flash": True, "triton": True}
     monkeypatch.setattr(selection, "_available", lambda name, device: available.get(name, False))
+    monkeypatch.setattr(selection, "_takes_shape", lambda name, device, dtype, d: d != 96 or name != "fa4")
     cuda = torch.device("cuda", 0)
-    # long blocks: cudnn first in the table, unavailable here -> triton
-    assert selection.choose_backend(cuda, torch.bfloat16, 128, 4096, 4096, True) == "triton"
-    assert selection.choose_backend(cuda, torch.bfloat16, 128, 1024, 1024, True) == "flash"
-    assert selection.choose_backend(cuda, torch.float32, 128, 4096, 4096, True) == "triton"
+
+    def first(dtype, d, seq, causal):
+        """What the table's rows say for this call, before availability."""
+        rows = [r for r in selection.TABLE if dtype in r[0] and (r[1] is None or d in r[1])
+                and seq >= r[2] and (r[3] is None or r[3] == causal)]
+        return rows[0][4]
+
+    for args in ((torch.bfloat16, 128, 4096, True), (torch.bfloat16, 64, 131072, True),
+                 (torch.float16, 64, 1024, False), (torch.float32, 128, 4096, True)):
+        want = next((n for n in first(*args) if available[n]), "torch")
+        assert selection.choose_backend(cuda, args[0], args[1], args[2], args[2], args[3]) == want
+    available.update(fa4=True, cudnn=True)
+    preference = first(torch.bfloat16, 128, 65536, True)
+    assert selection.choose_backend(cuda, torch.bfloat16, 128, 65536, 65536, True) == preference[0]
     assert selection.choose_backend(cuda, torch.float64, 128, 64, 64, False) == "torch"
-    available["cudnn"] = True
-    assert selection.choose_backend(cuda, torch.float16, 64, 512, 8192, False) == "cudnn"
-    available.update(cudnn=False, flash=False, triton=False)
+    available.update(fa4=False, cudnn=False, flash=False, triton=False)
     assert selection.choose_backend(cuda, torch.float16, 64, 8192, 8192, False) == "torch"
 
 
@@ -170,6 +179,7 @@ def test_attention_delta_dispatch():
     out, dout = torch.randn(2, 9, 4, 16, generator=g), torch.randn(2, 9, 4, 16, generator=g)
     assert attention_delta(out, dout, backend="cudnn") is None
     assert attention_delta(out, dout, backend="flash") is None
+    assert attention_delta(out, dout, backend="fa4") is None
     got = attention_delta(out, dout, backend="torch")
     want = (out.double() * dout.double()).sum(-1).transpose(1, 2)
     assert got.shape == (2, 4, 9) and got.dtype == torch.float32 and got.is_contiguous()
