@@ -14,8 +14,46 @@ import sys
 import pytest
 
 
+def _fix_interpreter_scalar_index() -> None:
+    """Make the interpreter's ``tensor.__index__`` accept its own scalars under numpy >= 2.5.
+
+    The interpreter holds a scalar (program_id, a scalar kernel argument, anything derived
+    from them) as a 1-element 1-D numpy array, and Triton 3.6 (and older) implements
+    ``__index__`` (a ``range()`` bound in a kernel: every ``for start_n in range(lo, hi,
+    BLOCK_N)`` with runtime bounds) as ``int(self.handle.data)``. numpy 2.5 turned that
+    conversion of an ndim > 0 array (deprecated since 1.25) into "TypeError: only
+    0-dimensional arrays can be converted to Python scalars" (triton-lang/triton#9171).
+    Newer Triton squeezes first; this installs the same ``int(data.squeeze())`` after the
+    interpreter's own per-launch patch (and is undone with it). No effect on compiled
+    kernels; arrays of more than one element still raise.
+    """
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "_longctx_scalar_index", False):
+        return
+
+    def index(self):
+        return int(self.handle.data.squeeze())
+
+    def patched(tensor, *args, **kwargs):
+        patch(tensor, *args, **kwargs)
+        scope = args[0] if args else kwargs.get("scope")
+        if scope is not None:  # restored with the interpreter's own patches after the launch
+            scope.set_attr(tensor, "__index__", index)
+        else:  # older triton patches tensor for good, without a scope
+            tensor.__index__ = index
+
+    patched._longctx_scalar_index = True
+    interpreter._patch_lang_tensor = patched
+
+
 def print_results(cases, run_case) -> None:
     """The worker side: run every case, report errors as results (the test shows them)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _fix_interpreter_scalar_index()
     results = {}
     for name in cases:
         try:
