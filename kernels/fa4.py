@@ -91,6 +91,13 @@ def unsupported_shape(device, dtype: torch.dtype, head_dim: int) -> Optional[str
     return None
 
 
+def cache_dir() -> Optional[str]:
+    """Where compiled kernels persist across processes (None: the cache is switched off)."""
+    if os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED") != "1":
+        return None
+    return os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR")
+
+
 def _timed_first_call(key, fn):
     if key in compile_seconds:
         return fn()

@@ -240,7 +240,9 @@ class CausalLMModule(L.LightningModule):
             "lr": torch.tensor(optimizer.param_groups[0]["lr"]),
             "tokens": torch.tensor(float(self._step_tokens)),
         }
-        if self._last_step_end is not None:
+        if self._last_step_end is None:
+            self._report_kernel_compile()
+        else:
             tps = self._step_tokens / max(now - self._last_step_end, 1e-9)
             metrics["tokens_per_s"] = torch.tensor(tps)
             peak = peak_flops(self.device)
@@ -257,6 +259,15 @@ class CausalLMModule(L.LightningModule):
         self.log_dict({k: v.float() for k, v in metrics.items()}, on_step=True, on_epoch=False)
         self._step_tokens = 0
         self._last_step_end = now
+
+    def _report_kernel_compile(self) -> None:
+        """After the first step: what FlashAttention-4's first-call compiles (or loads from its
+        on-disk cache) cost, since they make step 1 slower than the rest."""
+        from longctx.kernels import fa4
+
+        if fa4.compile_seconds:
+            self.print(f"FlashAttention-4: {len(fa4.compile_seconds)} kernel variants compiled or loaded "
+                       f"in {sum(fa4.compile_seconds.values()):.1f} s (cache: {fa4.cache_dir()})")
 
     # -- validation -------------------------------------------------------------------------
 

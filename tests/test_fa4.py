@@ -133,6 +133,14 @@ def test_unsupported_shapes_are_named():
     assert fa4.unsupported_shape("cpu", torch.bfloat16, 128) is None
 
 
+def test_compiled_kernels_are_cached_on_disk_by_default():
+    """Importing the backend switches FA4's on-disk kernel cache on (unless the user chose)."""
+    import os
+
+    if os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED") == "1":
+        assert fa4.cache_dir() == os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"]
+
+
 def test_parallel_plan_takes_fa4():
     from longctx import ParallelPlan
 
