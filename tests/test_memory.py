@@ -88,3 +88,24 @@ def test_check_fits_raises_one_line_naming_the_fix():
         check_fits(ONE_B, 512 * K, plan=ParallelPlan(activation_checkpointing="full", offload_activations=True),
                    gpu_total=None, host_total=8 * GiB)
     assert host_memory_bytes() > GiB
+
+
+def test_lightning_module_prints_the_prediction_before_the_first_step(capsys, monkeypatch):
+    import lightning as L
+    import torch
+
+    from longctx.models.lit_module import CausalLMModule
+
+    data = [{"input_ids": t[:-1], "labels": t[1:]} for t in torch.randint(0, 256, (2, 65))]
+    loader = torch.utils.data.DataLoader(data, batch_size=1)
+    module = CausalLMModule(dict(preset="tiny", vocab_size=256), parallel={"attention_backend": "torch"},
+                            attention="causal", warmup_steps=1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, loader)
+    assert "memory (predicted, per rank)" in capsys.readouterr().out
+    off = CausalLMModule(dict(preset="tiny", vocab_size=256), parallel={"attention_backend": "torch"},
+                         attention="causal", warmup_steps=1, memory_check=False)
+    L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False).fit(off, loader)
+    assert "memory (predicted" not in capsys.readouterr().out
