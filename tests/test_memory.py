@@ -109,3 +109,13 @@ def test_lightning_module_prints_the_prediction_before_the_first_step(capsys, mo
     L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False).fit(off, loader)
     assert "memory (predicted" not in capsys.readouterr().out
+
+
+def test_readme_memory_snippet_runs():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Memory: how long a sequence fits", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
