@@ -291,6 +291,8 @@ def summarize(records: list[dict], meta: dict) -> dict:
         at_best = [r for r in ok if r["s_total"] == best]
         if at_best:
             row["measured_peak_GiB_at_max"] = max(r["peak_alloc"] for r in at_best) / GiB
+            if at_best[0].get("predicted_alloc"):
+                row["memory_model_peak_GiB_at_max"] = at_best[0]["predicted_alloc"] / GiB
             row["measured_step_s_at_max"] = min(r["step_s"] for r in at_best)
         if ckpt:
             row["predicted_peak_GiB_at_1M"] = predict_peak(a, b, ONE_M, p) / GiB
@@ -490,8 +492,8 @@ class Job:
         torch.manual_seed(0)
         with self.device:  # initialise on the device: a CPU init of 350M weights takes seconds
             self.gpt = GPT(self.cfg)
-        parallelize(self.gpt, ParallelDims(cp=CPContext(dist.group.WORLD if self.p > 1 else None)),
-                    ParallelPlan(activation_checkpointing=self.ckpt, attention_backend=args.backend))
+        self.plan = ParallelPlan(activation_checkpointing=self.ckpt, attention_backend=args.backend)
+        parallelize(self.gpt, ParallelDims(cp=CPContext(dist.group.WORLD if self.p > 1 else None)), self.plan)
         net = LossOnly(self.gpt)
         # DDP as Lightning's strategy uses it (defaults: separate gradient buckets).
         self.net = (DDP(net, device_ids=None if self.dry else [self.device.index]) if self.p > 1 else net)
@@ -526,6 +528,14 @@ class Job:
         t = torch.tensor(vals, dtype=torch.float64, device=self.device)
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
         return t.tolist()
+
+    def predicted_alloc(self, s_total: int) -> int:
+        """longctx.memory's prediction of max_memory_allocated for this setup (autocast with fp32
+        weights, DDP over the P ranks; fp32 in the dry run)."""
+        from longctx.memory import estimate
+
+        return estimate(self.cfg, s_total, plan=self.plan, cp=self.p, data_parallel="ddp" if self.p > 1 else "none",
+                        precision="32-true" if self.dry else "bf16-mixed").allocated_bytes
 
     def affordable(self, est_s: float) -> bool:
         return time.time() + 1.3 * est_s + 10 < self.deadline
@@ -601,7 +611,11 @@ class Job:
             return None
         s_local = s_total // self.p
         rec = dict(kind="measure", phase=phase, s_total=s_total, s_local=s_local, peak_alloc=int(peak_a),
-                   peak_reserved=int(peak_r), step_s=dt, loss_finite=bad == 0.0)
+                   peak_reserved=int(peak_r), step_s=dt, loss_finite=bad == 0.0,
+                   predicted_alloc=self.predicted_alloc(s_total))
+        if self.rank == 0:
+            print(f"S={s_total}: peak allocated {peak_a / GiB:.2f} GiB measured, "
+                  f"{rec['predicted_alloc'] / GiB:.2f} GiB predicted (longctx.memory)", flush=True)
         if not history:
             self.write(rec)
         if snap is not None:
@@ -832,7 +846,9 @@ def drive(args) -> None:
     for r in summary["table"]:
         print(f"P={r['P']} ckpt={'on ' if r['checkpointing'] else 'off'} max={fmt_len(r.get('max_seq_len')):>6} "
               f"({r['status']}; predicted {fmt_len(r.get('predicted_max'))}, "
-              f"{(r.get('bytes_per_token_per_layer') or 0) / 1024:.1f} KiB/token/layer)")
+              f"{(r.get('bytes_per_token_per_layer') or 0) / 1024:.1f} KiB/token/layer; peak at max "
+              f"{r.get('measured_peak_GiB_at_max') or 0:.1f} GiB measured, "
+              f"{r.get('memory_model_peak_GiB_at_max') or 0:.1f} GiB longctx.memory)")
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -115,9 +115,16 @@ class ParallelPlan:
             ``"torch"``.
         loss_chunk_size: tokens per chunk of the chunked cross-entropy (fp32 logits of at
             most this many tokens exist at once).
-        offload_activations: keep the tensors saved for the backward in (pinned) host memory
-            instead of on the GPU. With ``activation_checkpointing="full"`` those are only the
-            block inputs: what still does not fit at 1M tokens per GPU.
+        offload_activations: keep the tensors blocks save for the backward in pinned host
+            memory instead of on the GPU (``longctx.offload``: copied out on a side stream,
+            prefetched one block ahead in the backward). ``False``/0: none; ``True``: every
+            block; an int n: the first n blocks only (choose it from
+            ``longctx.memory.estimate``: just what does not fit). With
+            ``activation_checkpointing="full"`` a block saves only its input.
+        mlp_tile_size: tokens per tile of the sequence-tiled MLP (``longctx.tiled``): no
+            (tokens x ffn) intermediate larger than ``mlp_tile_size x ffn`` exists, forward or
+            backward; exact. None (default): untiled. ``longctx.memory.estimate`` says when
+            the untiled MLP does not fit (it names this setting).
     """
 
     activation_checkpointing: str = "none"
@@ -125,7 +132,8 @@ class ParallelPlan:
     cp_attention: str = "ring"
     attention_backend: str = "auto"
     loss_chunk_size: int = 4096
-    offload_activations: bool = False
+    offload_activations: Union[bool, int] = False
+    mlp_tile_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         ac = self.activation_checkpointing
@@ -144,6 +152,12 @@ class ParallelPlan:
         n = self.loss_chunk_size
         if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
             raise ValueError(f"loss_chunk_size must be a positive int, got {n!r}")
+        from .offload import check_offload_setting
+
+        check_offload_setting(self.offload_activations)
+        t = self.mlp_tile_size
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t <= 0):
+            raise ValueError(f"mlp_tile_size must be a positive int or None, got {t!r}")
 
     @classmethod
     def from_dict(cls, d: Union["ParallelPlan", Mapping[str, Any], None]) -> "ParallelPlan":
@@ -257,6 +271,10 @@ def _apply_runtime_policy(model: nn.Module, plan: ParallelPlan) -> None:
         model.offload_activations = plan.offload_activations
     elif plan.offload_activations:
         raise ValueError(f"{type(model).__name__} does not support offload_activations")
+    if hasattr(model, "set_mlp_tile_size"):
+        model.set_mlp_tile_size(plan.mlp_tile_size)
+    elif plan.mlp_tile_size is not None:
+        raise ValueError(f"{type(model).__name__} does not support mlp_tile_size")
 
 
 def _apply_fsdp(model: nn.Module, dims: ParallelDims) -> None:

@@ -22,7 +22,6 @@ LightningModule.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from typing import Optional, Union
@@ -30,11 +29,12 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint
 
 from longctx.layouts import position_ids as layout_position_ids
+from longctx.offload import BlockOffloader, offload_count
 from longctx.parallel import CHECKPOINTING, ContextParallelAttention, CPContext
+from longctx.tiled import tiled_apply
 
 from .config import GPTConfig
 
@@ -202,15 +202,32 @@ class RingSelfAttention(nn.Module):
         return self.core(q, k, v, document_ids).flatten(2)
 
 
+def swiglu_mlp(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
+    return F.linear(swiglu_gate(F.linear(x, gate_w), F.linear(x, up_w)), down_w)
+
+
+def swiglu_mlp_fused(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
+    return F.linear(fused(swiglu_gate)(F.linear(x, gate_w), F.linear(x, up_w)), down_w)
+
+
 class SwiGLU(nn.Module):
+    """``tile_size`` (set by ``longctx.parallelize`` from ``ParallelPlan.mlp_tile_size``):
+    None computes all tokens at once; n computes n tokens at a time, forward and backward
+    (``longctx.tiled``): exact, and no (tokens x hidden) intermediate larger than n x hidden."""
+
     def __init__(self, n_embd: int, hidden: int):
         super().__init__()
         self.gate_proj = nn.Linear(n_embd, hidden, bias=False)
         self.up_proj = nn.Linear(n_embd, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, n_embd, bias=False)
         self.fuse_pointwise = False
+        self.tile_size: Optional[int] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tile_size is not None:
+            fn = swiglu_mlp_fused if self.fuse_pointwise else swiglu_mlp
+            return tiled_apply(fn, x, (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight),
+                               self.tile_size)
         gate = fused(swiglu_gate) if self.fuse_pointwise else swiglu_gate
         return self.down_proj(gate(self.gate_proj(x), self.up_proj(x)))
 
@@ -359,6 +376,14 @@ class GPT(nn.Module):
             if hasattr(m, "fuse_pointwise"):
                 m.fuse_pointwise = bool(enabled)
 
+    def set_mlp_tile_size(self, tile_size: Optional[int]) -> None:
+        """Tokens per tile of the sequence-tiled MLP (``longctx.tiled``); None: untiled."""
+        if tile_size is not None and (not isinstance(tile_size, int) or isinstance(tile_size, bool)
+                                      or tile_size <= 0):
+            raise ValueError(f"mlp_tile_size must be a positive int or None, got {tile_size!r}")
+        for block in self.blocks:
+            block.mlp.tile_size = tile_size
+
     def set_activation_checkpointing(self, mode: Union[bool, str]) -> None:
         """``"none"``, ``"full"`` (recompute whole blocks) or ``"selective"`` (never the ring)."""
         mode = {False: "none", True: "full"}.get(mode, mode) if isinstance(mode, bool) else mode
@@ -383,9 +408,20 @@ class GPT(nn.Module):
         c = self.config
         rope = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, c.rope_scaling)  # once for all blocks
         x = self.embed(input_ids)
-        offload = self.offload_activations and torch.is_grad_enabled()
-        with save_on_cpu(pin_memory=x.is_cuda) if offload else contextlib.nullcontext():
+        n_off = offload_count(self.offload_activations, len(self.blocks)) if torch.is_grad_enabled() else 0
+        if n_off == 0:
             for block in self.blocks:
+                x = block(x, rope=rope, document_ids=document_ids)
+            return self.norm(x)
+        # The first n_off blocks' saved tensors go to pinned host memory on a side stream and
+        # come back one block ahead of the backward (longctx.offload); the shared RoPE tables
+        # and document ids stay.
+        offloader = BlockOffloader(keep=(*rope, document_ids))
+        for i, block in enumerate(self.blocks):
+            if i > n_off:  # no hook needed: block n_off's marker already starts the prefetch
+                x = block(x, rope=rope, document_ids=document_ids)
+                continue
+            with offloader.block(i, i < n_off):
                 x = block(x, rope=rope, document_ids=document_ids)
         return self.norm(x)
 

@@ -116,6 +116,10 @@ class CausalLMModule(L.LightningModule):
         decay_steps: where the cosine reaches its floor; None = the Trainer's max_steps.
         seq_len: the full (unsharded) training sequence length, for FLOPs/MFU; None = read
             from the first batch.
+        memory_check: before the first training step, predict this rank's peak memory
+            (``longctx.memory.estimate``), print it (one line, rank 0) and raise a one-line
+            ``ValueError`` naming what to change when it would not fit the GPU or the host.
+            On CPU only the prediction is printed. False: neither.
     """
 
     def __init__(
@@ -136,6 +140,7 @@ class CausalLMModule(L.LightningModule):
         warmup_steps: int = 100,
         decay_steps: Optional[int] = None,
         seq_len: Optional[int] = None,
+        memory_check: bool = True,
     ) -> None:
         super().__init__()
         if warmup_steps < 0:
@@ -172,6 +177,8 @@ class CausalLMModule(L.LightningModule):
         self.hparams["parallel"] = self.plan.to_dict()
         self.config = self.model.config
         self.seq_len = seq_len
+        self.memory_check = memory_check
+        self._memory_checked = False
         self.acc = TokenWeightedAccumulator()
         # nan_strategy="disable": a NaN validation loss must show, not be dropped with a warning.
         self.val_loss = MeanMetric(nan_strategy="disable")
@@ -216,6 +223,35 @@ class CausalLMModule(L.LightningModule):
                                           or batch["document_ids"].shape[-1] // cp < AUTO_MIN_SHARD):
             return None
         return cp, layout
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.memory_check and not self._memory_checked and isinstance(batch, Mapping) and "input_ids" in batch:
+            self._memory_checked = True
+            self._check_memory(batch["input_ids"])
+
+    def _check_memory(self, input_ids: torch.Tensor) -> None:
+        """Predict this rank's peak (longctx.memory), print it on rank 0, refuse what cannot fit."""
+        from longctx.memory import check_fits, estimate, host_memory_bytes
+
+        trainer = self.trainer
+        cp = _cp_size(trainer)
+        dims = getattr(trainer.strategy, "parallel_dims", None)
+        precision = str(getattr(trainer, "precision", "32-true"))
+        kw = dict(plan=self.plan, cp=cp, dp=max(trainer.world_size // cp, 1),
+                  data_parallel=getattr(dims, "data_parallel", "none"), cpu_offload=bool(getattr(dims, "cpu_offload", False)),
+                  batch_size=int(input_ids.shape[0]),
+                  precision="32-true" if precision.startswith("32") or precision.startswith("64") else "bf16-mixed")
+        seq_len = int(input_ids.shape[1]) * cp  # the strategy has sharded the batch by now
+        try:
+            est = estimate(self.config, seq_len, **kw)
+        except (ValueError, AttributeError, TypeError):
+            return  # a model shape the memory model cannot read: no prediction, no check
+        if self.device.type == "cuda":
+            # The host holds every local rank's share (pinned offload buffers, offloaded state).
+            est = check_fits(self.config, seq_len, **kw, gpu_total=torch.cuda.mem_get_info(self.device)[1],
+                             host_total=host_memory_bytes(), host_ranks=max(int(trainer.num_devices), 1))
+        if trainer.global_rank == 0:
+            print(est.summary(), flush=True)
 
     def _loss(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         docs = batch.get("document_ids") if self.attention == "document" else None

@@ -1,0 +1,419 @@
+"""Per-rank memory model: how many tokens one GPU holds, and the check before the first step.
+
+``estimate(config, seq_len, plan=..., cp=..., dp=...)`` predicts the peak GPU bytes
+(``torch.cuda.max_memory_allocated`` plus what the allocator does not count) and the host
+bytes of one rank for one training step, itemised. The terms are counted from what the
+code allocates (models/gpt.py, longctx/ring.py, kernels/vendor.py, the chunked loss,
+``longctx.tiled``, ``longctx.offload``), per token of this rank's shard
+``T = batch x seq_len / cp``. Symbols: d = n_embd, q = n_head x head_dim,
+kv = n_kv_head x head_dim, F = intermediate size, V = vocabulary, L = layers,
+N = parameters, W = dp x cp, a = activation bytes (2 under bf16 autocast), r = residual
+stream bytes (2 under FSDP2 with bf16 parameters; 4 under autocast with fp32 parameters,
+where ``x + attn(x)`` promotes to fp32).
+
+Static, per rank (s = W under FSDP, 1 otherwise): fp32 parameters 4N/s, gradients 4N/s,
+AdamW moments 8N/s (``cpu_offload``: all three in host memory instead), DDP buckets 4N
+(W > 1), bf16 working copies (FSDP2: the root's embedding/head plus two unsharded blocks;
+autocast with fp32 weights: its cast cache, 2 bytes per matmul weight during the forward).
+
+Activations kept for the backward, per token per layer (``saved_block_inputs``):
+``full`` r·d (the block input only); ``selective`` r·d + a(2q + 2kv) + 4·Hq (q, k, v,
+attention output, fp32 LSE; + 2a·kv for the ring's kept K/V shard when cp > 1); ``none``
+everything the block's autograd saves (norms' fp32 copies, casts, attention, and
+4aF for the SwiGLU's gate, up, silu(gate), product; 3aF fused; r·d with a tiled MLP).
+``offload_activations`` moves the first n layers' share to (pinned) host memory and keeps
+one layer in flight on the GPU.
+
+The largest transient is one layer being recomputed and differentiated (its "none"
+tensors plus the backward's own: 2aF for the MLP's gradients, or per tile with
+``mlp_tile_size``; GQA expansion and dQ/dK/dV for attention, ring buffers when cp > 1),
+or one loss chunk: 12 bytes x V per token of ``loss_chunk_size`` (fp32 log-softmax, its
+gradient, the input gradient) plus the head's weight gradient. The peak is the largest of
+four moments: the loss backward, the last layer's backward (all saved inputs, few
+gradients), the first layer's (all gradients, one saved input), the optimizer step.
+Not in ``max_memory_allocated`` but on the device: CUDA context, cuDNN/NCCL workspaces
+(``cuda_context``, 1.5 GiB) and fragmentation (``allocator_slack``, 3% of the rest).
+
+``max_seq_len(config, gpu_bytes, plan=..., cp=...)`` is the longest sequence (a multiple
+of ``2 x cp``) whose estimate fits. ``check_fits`` raises ``ValueError`` with one line
+naming the change that would make it fit (checkpointing, mlp_tile_size, offload, CP size).
+``longctx`` never imports ``longctx.models``: the config is read duck-typed (GPTConfig or a
+Hugging Face Llama-style config).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+GiB = 2**30
+CUDA_CONTEXT_BYTES = int(1.5 * GiB)
+SLACK_FRACTION = 0.03
+HOST_BASELINE_BYTES = 3 * GiB  # Python, torch, CUDA libraries: resident before any tensor
+
+
+@dataclass
+class MemoryEstimate:
+    """Predicted peak per rank. ``items`` (name -> bytes) add up to ``gpu_bytes``;
+    ``host_items`` to ``host_bytes``. ``allocated_bytes`` is the part
+    ``torch.cuda.max_memory_allocated`` sees (``gpu_bytes`` less context and slack).
+    ``phase`` names the moment of the peak."""
+
+    gpu_bytes: int
+    host_bytes: int
+    items: dict = field(default_factory=dict)
+    host_items: dict = field(default_factory=dict)
+    allocated_bytes: int = 0
+    phase: str = ""
+    tokens_per_rank: int = 0
+    params: int = 0
+
+    def summary(self) -> str:
+        top = sorted(((v, k) for k, v in self.items.items()), reverse=True)[:4]
+        parts = ", ".join(f"{k} {v / GiB:.1f}" for v, k in top)
+        return (f"memory (predicted, per rank): GPU {self.gpu_bytes / GiB:.1f} GiB at {self.phase} ({parts} GiB), "
+                f"host {self.host_bytes / GiB:.1f} GiB; {self.tokens_per_rank:,} tokens per rank")
+
+
+@dataclass(frozen=True)
+class _Shape:
+    L: int
+    d: int
+    hq: int
+    hkv: int
+    hd: int
+    F: int
+    V: int
+    tied: bool
+
+    @property
+    def q(self) -> int:
+        return self.hq * self.hd
+
+    @property
+    def kv(self) -> int:
+        return self.hkv * self.hd
+
+    def layer_params(self) -> int:
+        return 2 * self.d * self.q + 2 * self.d * self.kv + 3 * self.d * self.F + 2 * self.d
+
+    def params(self) -> int:
+        return self.L * self.layer_params() + self.d + self.V * self.d * (1 if self.tied else 2)
+
+
+def _shape(config: Any) -> _Shape:
+    def get(*names, default=None):
+        for n in names:
+            v = getattr(config, n, None)
+            if v is not None:
+                return v
+        if default is not None:
+            return default
+        raise ValueError(f"config {type(config).__name__} has none of {names}")
+
+    d = int(get("n_embd", "hidden_size"))
+    hq = int(get("n_head", "num_attention_heads"))
+    hkv = int(get("n_kv_head", "num_key_value_heads", default=hq))
+    hd = int(get("head_dim", default=d // hq))
+    tied = bool(get("tie_embeddings", "tie_word_embeddings", default=False))
+    return _Shape(L=int(get("n_layer", "num_hidden_layers")), d=d, hq=hq, hkv=hkv, hd=hd,
+                  F=int(get("intermediate_size")), V=int(get("vocab_size")), tied=tied)
+
+
+def _plan(plan):
+    if plan is None or isinstance(plan, dict):
+        from .parallel import ParallelPlan
+
+        return ParallelPlan.from_dict(plan)
+    return plan
+
+
+def _offload_layers(setting, n_layer: int) -> int:
+    from .offload import offload_count
+
+    return offload_count(setting, n_layer)
+
+
+def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, data_parallel: str = "fsdp",
+             cpu_offload: bool = False, batch_size: int = 1, precision: str = "bf16-mixed",
+             attention_kernel: str = "auto") -> MemoryEstimate:
+    """Predicted peak GPU and host bytes of one rank for one training step (forward,
+    backward, AdamW step) of ``batch_size`` sequences of ``seq_len`` tokens.
+
+    ``plan``: a ``ParallelPlan`` (or a mapping of its fields; None: the defaults).
+    ``data_parallel``: ``"fsdp"`` (parameters, gradients, AdamW sharded over dp x cp),
+    ``"ddp"`` or ``"none"`` (replicated). ``precision``: ``"bf16-mixed"`` (fp32 masters,
+    bf16 compute) or ``"32-true"``. ``attention_kernel``: ``"auto"`` counts cuDNN's
+    backward (what "auto" runs for bf16 on H100/H200: GQA K/V expanded to every query
+    head); ``"triton"`` our kernels (GQA native; also what packed-document masks run).
+    """
+    for name, value in (("seq_len", seq_len), ("cp", cp), ("dp", dp), ("batch_size", batch_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if data_parallel not in ("fsdp", "ddp", "none"):
+        raise ValueError(f"data_parallel must be 'fsdp', 'ddp' or 'none', got {data_parallel!r}")
+    if attention_kernel not in ("auto", "triton"):
+        raise ValueError(f"attention_kernel must be 'auto' or 'triton', got {attention_kernel!r}")
+    if precision not in ("bf16-mixed", "32-true"):
+        raise ValueError(f"precision must be 'bf16-mixed' or '32-true', got {precision!r}")
+    if cpu_offload and data_parallel != "fsdp":
+        raise ValueError("cpu_offload needs data_parallel='fsdp'")
+    plan = _plan(plan)
+    s = _shape(config)
+    world = cp * dp
+    T = batch_size * -(-seq_len // cp)
+    mixed = precision == "bf16-mixed"
+    fsdp = data_parallel == "fsdp"
+    a = 2 if mixed else 4
+    r = 2 if (mixed and fsdp) else 4
+    d, q, kv, F, V, hq = s.d, s.q, s.kv, s.F, s.V, s.hq
+    fused = bool(plan.fuse_pointwise)
+    tile = plan.mlp_tile_size
+    tiled = tile is not None and tile < T
+    ckpt = plan.activation_checkpointing
+    N = s.params()
+    Nl = s.layer_params()
+    shard = world if fsdp else 1
+
+    # ---- one layer's tensors saved for the backward when nothing is checkpointed (per token)
+    norm = (r * d if r == 2 else 0) + 4 * d if not fused else 0  # fp32 normalised copy (+ bf16 one)
+    casts_attn = 3 * 2 * d if (r == 4 and a == 2) else r * d  # each linear saves its own bf16 cast
+    casts_mlp = 2 * 2 * d if (r == 4 and a == 2) else r * d
+    rope = 0  # RoPE's products save only the (shared) cos/sin tables
+    attn = a * (q + 2 * kv) + a * q + 4 * hq  # q, k, v, output, fp32 LSE
+    ring_kept = 2 * a * kv if cp > 1 else 0  # rank+1's K/V shard, kept for the backward
+    if tiled:
+        mlp, casts_mlp = 0, r * d  # the tiled function saves only its input
+    else:
+        mlp = (3 if fused else 4) * a * F
+    block_input = r * d
+    residual_mid = r * d
+    none_layer = (block_input + norm + casts_attn + rope + attn + ring_kept + residual_mid + norm
+                  + casts_mlp + mlp)
+    mlp_part = norm + casts_mlp + mlp  # freed once the MLP's backward is done
+    saved_layer = {
+        "full": block_input,
+        "selective": block_input + a * (q + 2 * kv) + a * q + 4 * hq + ring_kept,
+        "none": none_layer,
+    }[ckpt]
+
+    # ---- the backward's own transients in one layer
+    grad_io = 2 * r * d  # incoming and outgoing gradient of the residual stream
+    if tiled:
+        t = min(tile, T)
+        mlp_bwd_tokens = 0
+        mlp_bwd_fixed = t * ((3 if fused else 4) * a * F + 2 * a * F + 2 * a * d) + 3 * d * F * 4 + a * d * T
+    else:
+        # down_proj's input gradient, then the product's two: the product itself is freed by then
+        mlp_bwd_tokens, mlp_bwd_fixed = 2 * a * F, 0
+    group = hq // s.hkv
+    if mixed and group > 1 and attention_kernel == "auto":  # cuDNN (what "auto" runs on H100/H200) takes no GQA: K/V expanded
+        attn_bwd = 2 * a * q + 3 * a * q + 8 * q + 8 * kv
+    else:
+        attn_bwd = 3 * a * q + 4 * q + 8 * kv
+    if cp > 1:
+        attn_bwd += 4 * q + 2 * 2 * a * kv + 2 * 2 * 4 * kv + 4 * hq  # dQ fp32, K/V + dK/dV buffers
+        if plan.cp_attention == "ulysses":
+            attn_bwd += 2 * a * (2 * q + 2 * kv)
+    layer_live_mlp = (none_layer - block_input + grad_io + mlp_bwd_tokens) * T + mlp_bwd_fixed
+    layer_live_attn = (none_layer - block_input - mlp_part + grad_io + attn_bwd) * T
+    layer_live = max(layer_live_mlp, layer_live_attn)
+    if ckpt == "none":  # the layer's tensors are already counted in the saved ones
+        layer_live -= saved_layer * T
+
+    # ---- offload: the first n layers' saved tensors in host memory, one layer in flight
+    n_off = _offload_layers(plan.offload_activations, s.L)
+    per_layer_saved = saved_layer * T
+    in_flight = per_layer_saved if n_off else 0
+
+    # ---- loss: one chunk's fp32 logits, their log-softmax, gradients; hidden + its grad
+    c = min(plan.loss_chunk_size, T)
+    head_grad_tmp = (a + 4) * V * d if mixed else 4 * V * d
+    loss_chunk = 12 * V * c + a * V * c + head_grad_tmp
+    hidden = (r * d + 4 * d + r * d + r * d) * T  # final norm's input and copies, h, dh
+
+    # ---- static
+    params_b = 4 * N // shard
+    grads_b = 4 * N // shard
+    adam_b = 8 * N // shard
+    head_params = s.V * s.d * (1 if s.tied else 2) + s.d
+    if fsdp and mixed:
+        work = 2 * head_params + 2 * 2 * Nl  # unsharded bf16 root + current and prefetched block
+        work_bwd = work + 2 * (2 + 4) * Nl  # + unsharded gradients of two blocks (bf16 -> fp32)
+        work_fwd_end = work
+    elif mixed:
+        mm = N - head_params + V * d  # matmul weights (the tied head is cast once)
+        work_fwd_end = 2 * mm
+        work_bwd = 2 * mm if ckpt == "none" else 2 * (Nl + V * d)
+        work = work_bwd
+    else:
+        work = work_bwd = work_fwd_end = 0
+    ddp_buckets = 4 * N if (data_parallel == "ddp" and world > 1) else 0
+    # The embedding/head gradient exists from the loss backward on (FSDP2: unsharded, in the
+    # compute dtype, reduced at the end of the backward; else the fp32 .grad).
+    gpu_head_grad = (2 if mixed else 4) * head_params if fsdp else 4 * head_params
+    if cpu_offload:
+        gpu_static = {}
+        gpu_grads_all = gpu_head_grad
+    else:
+        gpu_static = {"params": params_b, "adamw_states": adam_b}
+        gpu_grads_all = grads_b + (gpu_head_grad if fsdp else 0)
+    if ddp_buckets:
+        gpu_static["ddp_buckets"] = ddp_buckets
+
+    saved_gpu_layers = s.L - n_off
+
+    def phase(name, saved_layers, grads, working, transient_name, transient, extra=None):
+        items = dict(gpu_static)
+        items["gradients"] = grads
+        items["bf16_working_weights"] = working
+        items["saved_block_inputs"] = saved_layers * per_layer_saved + in_flight
+        items["rope_tables"] = 4 * s.hd * T
+        items[transient_name] = transient
+        items.update(extra or {})
+        return name, {k: int(v) for k, v in items.items() if v}
+
+    last_saved_on_gpu = max(saved_gpu_layers, 1 if n_off == 0 else 0)
+    phases = [
+        phase("the loss backward", saved_gpu_layers, gpu_head_grad, work_fwd_end, "loss_chunk", loss_chunk,
+              {"final_hidden": hidden}),
+        phase("the last layer's backward", last_saved_on_gpu, gpu_head_grad, work_bwd, "layer_recompute_backward",
+              layer_live, {"residual_grad": r * d * T}),
+        phase("the first layer's backward", 1, gpu_grads_all, work_bwd, "layer_recompute_backward", layer_live,
+              {"residual_grad": r * d * T}),
+        phase("the optimizer step", 0, gpu_grads_all, 0, "optimizer_temporaries", 4 * N // shard if not cpu_offload
+              else 0),
+    ]
+    # the optimizer step holds no activations
+    phases[-1][1].pop("saved_block_inputs", None)
+    phases[-1][1].pop("rope_tables", None)
+    name, items = max(phases, key=lambda p: sum(p[1].values()))
+    allocated = sum(items.values())
+    items["allocator_slack"] = int(SLACK_FRACTION * allocated)
+    items["cuda_context"] = CUDA_CONTEXT_BYTES
+    gpu = sum(items.values())
+
+    host = {"process": HOST_BASELINE_BYTES}
+    if n_off:
+        host["offloaded_activations"] = n_off * _pow2(per_layer_saved)  # pinned, power-of-two blocks
+    if cpu_offload:
+        host["params_grads_adamw"] = (params_b + grads_b + adam_b)
+    return MemoryEstimate(gpu_bytes=int(gpu), host_bytes=int(sum(host.values())), items=items, host_items=host,
+                          allocated_bytes=int(allocated), phase=name, tokens_per_rank=T, params=N)
+
+
+def _pow2(n: int) -> int:
+    """PyTorch's pinned host allocator hands out power-of-two blocks."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def max_seq_len(config: Any, gpu_bytes: int, *, plan=None, cp: int = 1, dp: int = 1, data_parallel: str = "fsdp",
+                cpu_offload: bool = False, batch_size: int = 1, precision: str = "bf16-mixed",
+                host_bytes: Optional[int] = None, multiple: Optional[int] = None,
+                limit: int = 1 << 30) -> int:
+    """Longest sequence (a multiple of ``multiple``, default ``2 x cp``: zigzag) whose
+    estimate fits ``gpu_bytes`` per GPU (and ``host_bytes`` per rank, when given); 0 if
+    none does."""
+    step = multiple or 2 * cp
+    kw = dict(plan=plan, cp=cp, dp=dp, data_parallel=data_parallel, cpu_offload=cpu_offload,
+              batch_size=batch_size, precision=precision)
+
+    def fits(n: int) -> bool:
+        e = estimate(config, n * step, **kw)
+        return e.gpu_bytes <= gpu_bytes and (host_bytes is None or e.host_bytes <= host_bytes)
+
+    lo, hi = 0, 1  # fits(lo) (0: nothing), find hi that does not fit
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi * step > limit:
+            return lo * step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo * step
+
+
+# ---- the check before the first step -------------------------------------------------------
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this machine."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read the machine's memory size")
+
+
+def _fix(config, seq_len, kw, plan, gpu_total, host_total) -> str:
+    """The first single change (in order of cost) predicted to make the step fit."""
+    from .parallel import ParallelPlan
+
+    def ok(p=plan, **over):
+        e = estimate(config, seq_len, **{**kw, "plan": p, **over})
+        return e if e.gpu_bytes <= gpu_total and (host_total is None or e.host_bytes <= host_total) else None
+
+    def with_(**changes):
+        return ParallelPlan.from_dict({**dataclasses.asdict(plan), **changes})
+
+    tries = []
+    if plan.activation_checkpointing != "full":
+        tries.append(("activation_checkpointing='full'", with_(activation_checkpointing="full")))
+    full = with_(activation_checkpointing="full")
+    if plan.mlp_tile_size is None:
+        tries.append(("mlp_tile_size=8192" + ("" if plan.activation_checkpointing == "full"
+                                              else " with activation_checkpointing='full'"),
+                      ParallelPlan.from_dict({**dataclasses.asdict(full), "mlp_tile_size": 8192})))
+    tiled = ParallelPlan.from_dict({**dataclasses.asdict(full), "mlp_tile_size": plan.mlp_tile_size or 8192})
+    for p_name, p in tries:
+        e = ok(p)
+        if e:
+            return f"set ParallelPlan({p_name}) (predicted {e.gpu_bytes / GiB:.1f} GiB)"
+    n_layer = _shape(config).L
+    for n in range(1, n_layer + 1):
+        p = ParallelPlan.from_dict({**dataclasses.asdict(tiled), "offload_activations": n})
+        e = ok(p)
+        if e:
+            return (f"set ParallelPlan(activation_checkpointing='full', mlp_tile_size={tiled.mlp_tile_size}, "
+                    f"offload_activations={n}) (predicted {e.gpu_bytes / GiB:.1f} GiB GPU, "
+                    f"{e.host_bytes / GiB:.1f} GiB host)")
+    cp = kw["cp"]
+    for bigger in (2 * cp, 4 * cp, 8 * cp, 16 * cp, 32 * cp):
+        e = ok(tiled, cp=bigger)
+        if e:
+            return (f"use a context-parallel size of {bigger} (with activation_checkpointing='full', "
+                    f"mlp_tile_size={tiled.mlp_tile_size}: predicted {e.gpu_bytes / GiB:.1f} GiB per GPU)")
+    return "shorten the sequence or use more GPUs"
+
+
+def check_fits(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, data_parallel: str = "fsdp",
+               cpu_offload: bool = False, batch_size: int = 1, precision: str = "bf16-mixed",
+               gpu_total: Optional[int] = None, host_total: Optional[int] = None,
+               host_ranks: int = 1) -> MemoryEstimate:
+    """Estimate, then raise ``ValueError`` (one line, naming what to change) when the
+    prediction exceeds ``gpu_total`` bytes per GPU or ``host_total`` bytes of host memory
+    shared by ``host_ranks`` ranks. A total of None is not checked (e.g. no GPU)."""
+    plan = _plan(plan)
+    kw = dict(cp=cp, dp=dp, data_parallel=data_parallel, cpu_offload=cpu_offload, batch_size=batch_size,
+              precision=precision)
+    est = estimate(config, seq_len, plan=plan, **kw)
+    per_rank_host = None if host_total is None else host_total // max(host_ranks, 1)
+    too_big = []
+    if gpu_total is not None and est.gpu_bytes > gpu_total:
+        too_big.append(f"GPU {est.gpu_bytes / GiB:.1f} GiB > {gpu_total / GiB:.1f} GiB")
+    if per_rank_host is not None and est.host_bytes > per_rank_host:
+        too_big.append(f"host {est.host_bytes / GiB:.1f} GiB > {per_rank_host / GiB:.1f} GiB per rank")
+    if too_big:
+        fix = _fix(config, seq_len, kw, plan, gpu_total if gpu_total is not None else float("inf"), per_rank_host)
+        raise ValueError(
+            f"predicted not to fit: {seq_len:,} tokens at cp={cp} need {' and '.join(too_big)} "
+            f"(peak at {est.phase}); {fix}, or pass memory_check=False to try anyway"
+        )
+    return est

@@ -1,0 +1,121 @@
+"""longctx.memory: the per-rank memory model, max_seq_len and the fit check (pure arithmetic)."""
+from __future__ import annotations
+
+import pytest
+
+from longctx import ParallelPlan
+from longctx.memory import GiB, check_fits, estimate, host_memory_bytes, max_seq_len
+from longctx.models import GPTConfig
+
+K = 1024
+ONE_B = GPTConfig.from_preset("llama3.2-1b")
+
+
+def test_items_add_up_and_the_config_is_duck_typed():
+    e = estimate(ONE_B, 128 * K, plan=ParallelPlan(activation_checkpointing="full"))
+    assert sum(e.items.values()) == e.gpu_bytes and sum(e.host_items.values()) == e.host_bytes
+    assert e.allocated_bytes == e.gpu_bytes - e.items["allocator_slack"] - e.items["cuda_context"]
+    assert e.params == ONE_B.num_params() and e.tokens_per_rank == 128 * K
+    assert "GiB" in e.summary() and e.phase
+
+    class HFLike:  # a Hugging Face Llama config's names
+        num_hidden_layers, hidden_size, num_attention_heads, num_key_value_heads = 16, 2048, 32, 8
+        head_dim, intermediate_size, vocab_size, tie_word_embeddings = 64, 8192, 128256, True
+
+    assert estimate(HFLike(), 128 * K, plan={"activation_checkpointing": "full"}).gpu_bytes == e.gpu_bytes
+
+
+def test_grows_with_sequence_and_layers_and_checkpointing_orders():
+    full = ParallelPlan(activation_checkpointing="full")
+    sizes = [estimate(ONE_B, s, plan=full).gpu_bytes for s in (32 * K, 64 * K, 128 * K, 256 * K)]
+    assert sizes == sorted(sizes) and len(set(sizes)) == 4
+    deeper = estimate(ONE_B.replace(n_layer=32), 128 * K, plan=full).items["saved_block_inputs"]
+    assert deeper == 2 * estimate(ONE_B, 128 * K, plan=full).items["saved_block_inputs"]
+    by_mode = {m: estimate(ONE_B, 64 * K, plan=ParallelPlan(activation_checkpointing=m)).gpu_bytes
+               for m in ("none", "selective", "full")}
+    assert by_mode["full"] < by_mode["selective"] < by_mode["none"]
+    # the tiled MLP and the offload only ever lower the GPU peak; the offload raises host memory
+    tiled = estimate(ONE_B, 512 * K, plan=ParallelPlan(activation_checkpointing="full", mlp_tile_size=8192))
+    assert tiled.gpu_bytes < estimate(ONE_B, 512 * K, plan=full).gpu_bytes
+    off = estimate(ONE_B, 512 * K, plan=ParallelPlan(activation_checkpointing="full", mlp_tile_size=8192,
+                                                    offload_activations=8))
+    assert off.gpu_bytes < tiled.gpu_bytes and off.host_bytes > tiled.host_bytes
+    assert off.host_items["offloaded_activations"] == 8 * 512 * K * 2048 * 2  # bf16 block inputs, pinned
+
+
+def test_fsdp_divides_the_state_by_the_world_and_cp_divides_tokens():
+    plan = ParallelPlan(activation_checkpointing="full")
+    one = estimate(ONE_B, 128 * K, plan=plan, cp=1, dp=1)
+    eight = estimate(ONE_B, 128 * K, plan=plan, cp=2, dp=4)
+    assert eight.items["adamw_states"] == one.items["adamw_states"] // 8
+    assert eight.items["params"] == one.items["params"] // 8
+    assert eight.tokens_per_rank == 64 * K
+    ddp = estimate(ONE_B, 128 * K, plan=plan, cp=2, dp=4, data_parallel="ddp", precision="bf16-mixed")
+    assert ddp.items.get("adamw_states") == 8 * ONE_B.num_params() and ddp.items["ddp_buckets"] > 0
+    off = estimate(ONE_B, 128 * K, plan=plan, cpu_offload=True)
+    assert "adamw_states" not in off.items and off.host_items["params_grads_adamw"] == 16 * ONE_B.num_params()
+    with pytest.raises(ValueError, match="cpu_offload"):
+        estimate(ONE_B, 128 * K, data_parallel="ddp", cpu_offload=True)
+    with pytest.raises(ValueError, match="seq_len"):
+        estimate(ONE_B, 0)
+
+
+def test_max_seq_len_is_monotone_and_fits():
+    plan = ParallelPlan(activation_checkpointing="full")
+    lens = [max_seq_len(ONE_B, g * GiB, plan=plan) for g in (40, 80, 140)]
+    assert 0 < lens[0] < lens[1] < lens[2]
+    for g, n in zip((40, 80, 140), lens):
+        assert estimate(ONE_B, n, plan=plan).gpu_bytes <= g * GiB < estimate(ONE_B, n + 2, plan=plan).gpu_bytes
+    assert max_seq_len(ONE_B, 140 * GiB, plan=plan, cp=4) > 3 * lens[2]
+    assert max_seq_len(ONE_B, 1 * GiB, plan=plan) == 0
+    tiled = ParallelPlan(activation_checkpointing="full", mlp_tile_size=8192)
+    assert max_seq_len(ONE_B, 140 * GiB, plan=tiled) > lens[2]
+
+
+def test_check_fits_raises_one_line_naming_the_fix():
+    plan = ParallelPlan(activation_checkpointing="full")
+    est = check_fits(ONE_B, 128 * K, plan=plan, gpu_total=140 * GiB, host_total=125 * GiB)
+    assert est.gpu_bytes < 140 * GiB
+    with pytest.raises(ValueError) as err:
+        check_fits(ONE_B, 512 * K, plan=plan, gpu_total=80 * GiB)
+    msg = str(err.value)
+    assert "\n" not in msg and "mlp_tile_size" in msg and "memory_check=False" in msg, msg
+    with pytest.raises(ValueError, match="activation_checkpointing='full'"):
+        check_fits(ONE_B, 128 * K, plan=ParallelPlan(activation_checkpointing="none"), gpu_total=80 * GiB)
+    with pytest.raises(ValueError, match="context-parallel size"):
+        check_fits(ONE_B, 4096 * K, plan=plan, gpu_total=80 * GiB, host_total=16 * GiB)
+    with pytest.raises(ValueError, match="host"):
+        check_fits(ONE_B, 512 * K, plan=ParallelPlan(activation_checkpointing="full", offload_activations=True),
+                   gpu_total=None, host_total=8 * GiB)
+    assert host_memory_bytes() > GiB
+
+
+def test_lightning_module_prints_the_prediction_before_the_first_step(capsys, monkeypatch):
+    import lightning as L
+    import torch
+
+    from longctx.models.lit_module import CausalLMModule
+
+    data = [{"input_ids": t[:-1], "labels": t[1:]} for t in torch.randint(0, 256, (2, 65))]
+    loader = torch.utils.data.DataLoader(data, batch_size=1)
+    module = CausalLMModule(dict(preset="tiny", vocab_size=256), parallel={"attention_backend": "torch"},
+                            attention="causal", warmup_steps=1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, loader)
+    assert "memory (predicted, per rank)" in capsys.readouterr().out
+    off = CausalLMModule(dict(preset="tiny", vocab_size=256), parallel={"attention_backend": "torch"},
+                         attention="causal", warmup_steps=1, memory_check=False)
+    L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False).fit(off, loader)
+    assert "memory (predicted" not in capsys.readouterr().out
+
+
+def test_readme_memory_snippet_runs():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Memory: how long a sequence fits", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
