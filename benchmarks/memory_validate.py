@@ -15,11 +15,9 @@ allocator sees) and the host RSS high-water mark during the step (sampled every 
 against ``estimate(...).host_bytes``.
 
 Cases, cheapest first; an out-of-memory error is recorded and the next case runs. The
-128K cases are plain causal (cuDNN, as train.py's Llama-3.2-1B config). The longer ones
-use packed documents of 16K tokens (document-masked Triton kernels: attention work
-linear in the length, so each step takes seconds; their memory is the same except for
-the attention kernel's own buffers, which the estimate is told: ``attention_kernel=
-"triton"``). ``1b-128k-ab`` times 3 steps after a warm-up (the measured step), untiled vs tiled MLP +
+128K cases are plain causal (backend "auto", as train.py's Llama-3.2-1B config). The longer ones
+use packed documents of 16K tokens (document-masked kernels, FlashAttention-4 varlen where
+installed: attention work linear in the length, so each step takes seconds). ``1b-128k-ab`` times 3 steps after a warm-up (the measured step), untiled vs tiled MLP +
 offload of every block (the issue's limit: <= 10% slower).
 
 Rows (JSON list, rewritten after every case): $OUT/memory_validate.json (OUT default ./out).
@@ -159,7 +157,7 @@ class Setup:
     def predict(self, plan: ParallelPlan):
         return estimate(self.cfg, self.case["seq_len"], plan=plan, cp=1, dp=1, data_parallel="fsdp",
                         precision="bf16-mixed" if self.cuda else "32-true",
-                        attention_kernel="triton" if self.case.get("docs") else "auto")
+                        attention_kernel="auto")
 
 
 def measured_step(setup: Setup, plan: ParallelPlan) -> dict:
@@ -272,7 +270,7 @@ def main(argv=None):
                 setup_pred = estimate(GPTConfig.from_dict(case["model"]), case["seq_len"],
                                       plan=ParallelPlan(**case["plan"]), data_parallel="fsdp",
                                       precision="bf16-mixed" if cuda else "32-true",
-                                      attention_kernel="triton" if case.get("docs") else "auto")
+                                      attention_kernel="auto")
                 new[0].update(predicted_gpu=setup_pred.allocated_bytes, predicted_gpu_with_context=setup_pred.gpu_bytes,
                               predicted_host=setup_pred.host_bytes)
             except Exception:  # noqa: BLE001 - a diagnostic only

@@ -135,6 +135,17 @@ def _offload_layers(setting, n_layer: int) -> int:
     return offload_count(setting, n_layer)
 
 
+def _auto_attention_kernel() -> str:
+    """The dense kernel backend="auto" runs for bf16 on this machine's first GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "triton"
+    from longctx.kernels import fa4
+
+    return "fa4" if fa4.is_available("cuda") else "cudnn"
+
+
 def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, data_parallel: str = "fsdp",
              cpu_offload: bool = False, batch_size: int = 1, precision: str = "bf16-mixed",
              attention_kernel: str = "auto") -> MemoryEstimate:
@@ -144,17 +155,20 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     ``plan``: a ``ParallelPlan`` (or a mapping of its fields; None: the defaults).
     ``data_parallel``: ``"fsdp"`` (parameters, gradients, AdamW sharded over dp x cp),
     ``"ddp"`` or ``"none"`` (replicated). ``precision``: ``"bf16-mixed"`` (fp32 masters,
-    bf16 compute) or ``"32-true"``. ``attention_kernel``: ``"auto"`` counts cuDNN's
-    backward (what "auto" runs for bf16 on H100/H200: GQA K/V expanded to every query
-    head); ``"triton"`` our kernels (GQA native; also what packed-document masks run).
+    bf16 compute) or ``"32-true"``. ``attention_kernel``: the block kernels' backward
+    buffers differ: ``"cudnn"`` expands GQA K/V to every query head, ``"fa4"`` and
+    ``"triton"`` take GQA natively; ``"auto"`` is what ``backend="auto"`` runs here
+    (FlashAttention-4 where installed on this machine's GPU, else cuDNN on GPUs).
     """
     for name, value in (("seq_len", seq_len), ("cp", cp), ("dp", dp), ("batch_size", batch_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if data_parallel not in ("fsdp", "ddp", "none"):
         raise ValueError(f"data_parallel must be 'fsdp', 'ddp' or 'none', got {data_parallel!r}")
-    if attention_kernel not in ("auto", "triton"):
-        raise ValueError(f"attention_kernel must be 'auto' or 'triton', got {attention_kernel!r}")
+    if attention_kernel not in ("auto", "fa4", "triton", "cudnn"):
+        raise ValueError(f"attention_kernel must be 'auto', 'fa4', 'triton' or 'cudnn', got {attention_kernel!r}")
+    if attention_kernel == "auto":
+        attention_kernel = _auto_attention_kernel()
     if precision not in ("bf16-mixed", "32-true"):
         raise ValueError(f"precision must be 'bf16-mixed' or '32-true', got {precision!r}")
     if cpu_offload and data_parallel != "fsdp":
@@ -208,7 +222,7 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
         # down_proj's input gradient, then the product's two: the product itself is freed by then
         mlp_bwd_tokens, mlp_bwd_fixed = 2 * a * F, 0
     group = hq // s.hkv
-    if mixed and group > 1 and attention_kernel == "auto":  # cuDNN (what "auto" runs on H100/H200) takes no GQA: K/V expanded
+    if mixed and group > 1 and attention_kernel == "cudnn":  # cuDNN takes no GQA: K/V expanded
         attn_bwd = 2 * a * q + 3 * a * q + 8 * q + 8 * kv
     else:
         attn_bwd = 3 * a * q + 4 * q + 8 * kv
