@@ -284,9 +284,9 @@ def test_block_map_compression():
 
 
 def test_backend_resolution_with_document_ids(monkeypatch):
-    """auto with ids picks triton on a GPU (the reference where triton cannot take the
-    shape); explicit cudnn/flash fall back to triton with a warning naming the reason;
-    CPU auto stays on the reference."""
+    """auto with ids picks fa4 on a GPU where it runs, else triton (the reference where triton
+    cannot take the shape); explicit cudnn/flash fall back to triton with a warning naming
+    the reason; CPU auto stays on the reference."""
     import types
 
     import longctx.kernels as kernels
@@ -300,6 +300,9 @@ def test_backend_resolution_with_document_ids(monkeypatch):
                                      shape=(1, 8, 2, head_dim))
 
     g = on_gpu(128)
+    monkeypatch.setattr(kernels, "_fa4_refusal", lambda q: None)
+    assert kernels.resolve_backend("auto", g, g, True, documents=True) == "fa4"
+    monkeypatch.setattr(kernels, "_fa4_refusal", lambda q: "FlashAttention-4 is not installed")
     assert kernels.resolve_backend("auto", g, g, True, documents=True) == "triton"
     assert kernels.resolve_backend("auto", on_gpu(512), on_gpu(512), True, documents=True) == "torch"
     f64 = on_gpu(64, torch.float64)

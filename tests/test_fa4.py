@@ -154,8 +154,12 @@ needs_fa4 = pytest.mark.skipif(not fa4.is_available("cuda"),
 
 
 def _rel(got, want):
+    """Norm-relative error; absolute where the true value is zero up to float64 rounding
+    (e.g. dQ of one-token documents: one visible key, so the softmax gradient vanishes)."""
     got, want = got.double(), want.double()
     assert torch.isfinite(got).all()
+    if want.norm() < 1e-9 * want.numel() ** 0.5:
+        return (got - want).abs().max().item()
     return ((got - want).norm() / want.norm()).item()
 
 
@@ -184,12 +188,14 @@ def test_fa4_dense_vs_float64(Sq, Sk, Hq, Hkv, D, causal):
 def test_fa4_documents_vs_float64(kind, causal, B, Sq, Sk):
     """Through the seam: varlen where the ids allow it, the Triton fallback elsewhere."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"gpu{kind}{causal}{Sq}".encode()))
-    q_ids, k_ids = _ids(kind, B, Sq * 8, Sk * 8, gen)
+    if kind != "mix":  # GPU-sized blocks (the "mix" ids are a fixed list of 70)
+        Sq, Sk = Sq * 8, Sk * 8
+    q_ids, k_ids = _ids(kind, B, Sq, Sk, gen)
     if causal:
         k_ids = q_ids
     q_ids, k_ids = q_ids.cuda(), k_ids.cuda()
-    q, dout = (torch.randn(B, Sq * 8, 4, 64, generator=gen).cuda() for _ in range(2))
-    k, v = (torch.randn(B, Sk * 8, 2, 64, generator=gen).cuda() for _ in range(2))
+    q, dout = (torch.randn(B, Sq, 4, 64, generator=gen).cuda() for _ in range(2))
+    k, v = (torch.randn(B, Sk, 2, 64, generator=gen).cuda() for _ in range(2))
     docs = dict(q_document_ids=q_ids, k_document_ids=k_ids, causal=causal)
     out64, lse64 = attention_forward(q.double(), k.double(), v.double(), backend="torch", **docs)
     want = (out64, *attention_backward(dout.double(), q.double(), k.double(), v.double(), out64, lse64,
