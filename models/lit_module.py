@@ -35,6 +35,7 @@ from longctx.sharding import document_position_ids, is_sharded
 from longctx.parallel import ParallelDims, ParallelPlan, parallelize
 
 from .config import GPTConfig
+from .checkpoint_import import load_pretrained
 from .gpt import GPT
 
 # Dense bf16 tensor-core peaks (FLOP/s) by device-name substring; first match wins. The one
@@ -102,7 +103,7 @@ class CausalLMModule(L.LightningModule):
             model then sees each batch in balanced order (positions, labels and ids travel
             with their tokens).
         init_from: a Hugging Face directory or ``.gguf`` file to start from
-            (``GPT.from_pretrained``); ``model`` then holds overrides (e.g. ``rope_theta``),
+            (``load_pretrained``); ``model`` then holds overrides (e.g. ``rope_theta``),
             not sizes.
         hf_model: a local Hugging Face causal-LM directory (Llama, Qwen2, Mistral, ...) to
             train instead of a ``GPT``, through ``longctx.hf``'s ring attention; a directory
@@ -162,7 +163,7 @@ class CausalLMModule(L.LightningModule):
 
             self.model = HFCausalLM.from_pretrained(hf_model, cp_attention=self.plan.cp_attention)
         elif init_from is not None:
-            self.model = GPT.from_pretrained(init_from, **model)
+            self.model = load_pretrained(init_from, **model)
         else:
             self.model = GPT(GPTConfig.from_dict(model))
         # Saved with the checkpoint: the resolved config, so the checkpoint alone rebuilds
