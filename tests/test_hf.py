@@ -295,7 +295,7 @@ def test_refuses_attention_sinks():
 def test_refuses_other_implementations_and_layouts():
     reference, model = model_pair("llama", RING)
     _raises("LlamaForCausalLM runs attn_implementation='sdpa'", set_context_parallel_group, reference, None)
-    _raises("unknown layout 'zig'", set_context_parallel_group, model, None, layout="zig")
+    _raises("layout must be one of zigzag, contiguous, got 'zig'", set_context_parallel_group, model, None, layout="zig")
 
 
 @pytest.mark.skipif(DOCUMENT_IDS[RING], reason="ring_attention takes document_ids: tested sharded")
