@@ -41,6 +41,11 @@ def cli_class(description: str, short_flags: dict[str, str]):
     from .strategy import ContextParallelStrategy
     from .training import RunOptions
 
+    # Trainer options a run needs bounded (Lightning's own types allow an endless -1,
+    # zero micro-batches, ...): typed here, so the parser refuses the rest.
+    bounded = {"max_steps": PositiveInt, "accumulate_grad_batches": PositiveInt, "num_nodes": PositiveInt,
+               "log_every_n_steps": Optional[PositiveInt], "gradient_clip_val": Optional[NonNegativeFloat]}
+
     class HelpFormatter(RawDescriptionHelpFormatter, DefaultHelpFormatter):
         """Keeps the epilog's table of short flags as written."""
 
@@ -64,10 +69,6 @@ def cli_class(description: str, short_flags: dict[str, str]):
             pass  # seeded from data.seed once the options passed their checks
 
         def add_core_arguments_to_parser(self, parser) -> None:
-            # Trainer options a run needs bounded (Lightning's own types allow an endless -1,
-            # zero micro-batches, ...): typed here, so the parser refuses the rest.
-            bounded = {"max_steps": PositiveInt, "accumulate_grad_batches": PositiveInt, "num_nodes": PositiveInt,
-                       "log_every_n_steps": Optional[PositiveInt], "gradient_clip_val": Optional[NonNegativeFloat]}
             parser.add_class_arguments(Trainer, "trainer", skip=set(TRAINER_DERIVED) | set(bounded),
                                        fail_untyped=False, instantiate=False, sub_configs=True)
             defaults = inspect.signature(Trainer.__init__).parameters
@@ -101,6 +102,10 @@ def cli_class(description: str, short_flags: dict[str, str]):
 
         def parse_arguments(self, parser, args) -> None:
             self.config = parser.parse_args(args)  # (LightningCLI's own warns when sys.argv is also set)
+            for name in bounded:  # jsonargparse's restricted numbers subclass int/float: YAML cannot dump them
+                value = self.config.trainer[name]
+                if value is not None:
+                    self.config.trainer[name] = float(value) if isinstance(value, float) else int(value)
 
         def instantiate_classes(self) -> None:
             pass
