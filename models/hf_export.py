@@ -3,13 +3,13 @@
 ``save_hf_checkpoint(model, path)`` writes ``config.json`` (LlamaConfig fields, written by
 the installed transformers' own ``LlamaConfig``) and ``model.safetensors`` with Hugging
 Face names from the import's table (``checkpoint_import.hf_tensor_name``), so that
-``LlamaForCausalLM.from_pretrained(path)`` and ``GPT.from_pretrained(path)`` both load it
+``LlamaForCausalLM.from_pretrained(path)`` and ``load_pretrained(path)`` both load it
 with the same logits.
 
 RoPE: plain and ``linear`` scaling map to Llama's ``default`` and ``linear`` rope types.
 Static ``ntk`` scaling is a change of base only, so it is written as a ``default`` rope
 with the scaled base (the same expression ``gpt.rope_inv_freq`` uses: identical
-frequencies); ``GPT.from_pretrained`` then reads ``rope_theta`` = that base and no scaling.
+frequencies); ``load_pretrained`` then reads ``rope_theta`` = that base and no scaling.
 """
 from __future__ import annotations
 

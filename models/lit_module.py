@@ -20,10 +20,12 @@ accumulation rescale below leaves alone.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import resource
 import time
-from typing import Any, Mapping, Optional, Union
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional, Union, get_args
 
 import lightning as L
 import torch
@@ -33,8 +35,10 @@ from longctx.balance import AUTO_MIN_SHARD, balance_documents
 from longctx.loss import TokenWeightedAccumulator
 from longctx.sharding import document_position_ids, is_sharded
 from longctx.parallel import ParallelDims, ParallelPlan, parallelize
+from longctx.validation import check_choice, check_number, qualified
 
 from .config import GPTConfig
+from .checkpoint_import import check_checkpoint_spec, load_pretrained
 from .gpt import GPT
 
 # Dense bf16 tensor-core peaks (FLOP/s) by device-name substring; first match wins. The one
@@ -59,8 +63,9 @@ def peak_flops(device: torch.device) -> Optional[float]:
     return peak_bf16_flops(torch.cuda.get_device_name(device))
 
 
-ATTENTION = ("document", "causal")
-ROPE_POSITIONS = ("document", "global")
+Attention = Literal["document", "causal"]
+RopePositions = Literal["document", "global"]
+ATTENTION, ROPE_POSITIONS = get_args(Attention), get_args(RopePositions)
 
 
 def lr_lambda(warmup_steps: int, decay_steps: int, min_lr_ratio: float):
@@ -102,7 +107,7 @@ class CausalLMModule(L.LightningModule):
             model then sees each batch in balanced order (positions, labels and ids travel
             with their tokens).
         init_from: a Hugging Face directory or ``.gguf`` file to start from
-            (``GPT.from_pretrained``); ``model`` then holds overrides (e.g. ``rope_theta``),
+            (``load_pretrained``); ``model`` then holds overrides (e.g. ``rope_theta``),
             not sizes.
         hf_model: a local Hugging Face causal-LM directory (Llama, Qwen2, Mistral, ...) to
             train instead of a ``GPT``, through ``longctx.hf``'s ring attention; a directory
@@ -127,8 +132,8 @@ class CausalLMModule(L.LightningModule):
         model: Union[GPTConfig, Mapping[str, Any], None] = None,
         *,
         parallel: Union[ParallelPlan, Mapping[str, Any], None] = None,
-        attention: str = "document",
-        rope_positions: Optional[str] = None,
+        attention: Attention = "document",
+        rope_positions: Optional[RopePositions] = None,
         load_balance: Optional[bool] = None,
         init_from: Optional[str] = None,
         hf_model: Optional[str] = None,
@@ -143,17 +148,12 @@ class CausalLMModule(L.LightningModule):
         memory_check: bool = True,
     ) -> None:
         super().__init__()
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-        if attention not in ATTENTION:
-            raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+        _check_arguments(dict(model=model, parallel=parallel, attention=attention, rope_positions=rope_positions,
+                              load_balance=load_balance, init_from=init_from, hf_model=hf_model, lr=lr,
+                              min_lr_ratio=min_lr_ratio, weight_decay=weight_decay, betas=betas, eps=eps,
+                              warmup_steps=warmup_steps, decay_steps=decay_steps, seq_len=seq_len))
         if rope_positions is None:
             rope_positions = "document" if attention == "document" else "global"
-        if rope_positions not in ROPE_POSITIONS:
-            raise ValueError(f"rope_positions must be one of {ROPE_POSITIONS}, got {rope_positions!r}")
-        if load_balance and attention != "document":
-            raise ValueError("load_balance=True needs attention='document': across documents the "
-                             "token order decides what each token attends to")
         self.attention, self.rope_positions = attention, rope_positions
         self.load_balance = load_balance
         if isinstance(model, GPTConfig):
@@ -161,13 +161,11 @@ class CausalLMModule(L.LightningModule):
         model = dict(model or {})
         self.plan = ParallelPlan.from_dict(parallel)
         if hf_model is not None:
-            if model or init_from is not None:
-                raise ValueError("hf_model takes the model from its directory: give no `model` sizes or init_from")
             from .hf_lm import HFCausalLM
 
             self.model = HFCausalLM.from_pretrained(hf_model, cp_attention=self.plan.cp_attention)
         elif init_from is not None:
-            self.model = GPT.from_pretrained(init_from, **model)
+            self.model = load_pretrained(init_from, **model)
         else:
             self.model = GPT(GPTConfig.from_dict(model))
         # Saved with the checkpoint: the resolved config, so the checkpoint alone rebuilds
@@ -185,6 +183,14 @@ class CausalLMModule(L.LightningModule):
         self._val_started: Optional[float] = None
         self._step_tokens = 0
         self._last_step_end: Optional[float] = None
+
+    @classmethod
+    def check_arguments(cls, **kwargs: Any) -> None:
+        """Raise what the constructor would for these arguments, building no model (train.py
+        checks a run's options with it before any data work)."""
+        bound = inspect.signature(cls.__init__).bind(None, **kwargs)
+        bound.apply_defaults()
+        _check_arguments({k: v for k, v in bound.arguments.items() if k != "self"})
 
     def configure_model(self) -> None:
         # Lightning calls this once the processes exist and before the strategy wraps or
@@ -366,6 +372,42 @@ class CausalLMModule(L.LightningModule):
         if diff:
             detail = ", ".join(f"{k}: checkpoint {a} vs model {b}" for k, (a, b) in diff.items())
             raise ValueError(f"checkpoint was saved from a different model shape ({detail})")
+
+
+def _check_arguments(args: Mapping[str, Any]) -> None:
+    """Every value of CausalLMModule's arguments, refused before anything is built."""
+    check_choice("attention", args["attention"], ATTENTION)
+    if args["rope_positions"] is not None:
+        check_choice("rope_positions", args["rope_positions"], ROPE_POSITIONS)
+    if args["load_balance"] and args["attention"] != "document":
+        raise ValueError("load_balance=True needs attention='document': across documents the "
+                         "token order decides what each token attends to")
+    check_number("lr", args["lr"], low=0, low_open=True)
+    check_number("min_lr_ratio", args["min_lr_ratio"], low=0, high=1)
+    check_number("weight_decay", args["weight_decay"], low=0)
+    check_number("eps", args["eps"], low=0, low_open=True)
+    betas = args["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+    check_number("warmup_steps", args["warmup_steps"], low=0, integer=True)
+    check_number("decay_steps", args["decay_steps"], low=1, integer=True, optional=True,
+                 hint=" (null: the Trainer's max_steps)")
+    check_number("seq_len", args["seq_len"], low=1, integer=True, optional=True)
+    try:
+        ParallelPlan.from_dict(args["parallel"])
+    except ValueError as e:  # named as the option it came from: parallel.cp_attention
+        raise ValueError(qualified("parallel", ParallelPlan.__dataclass_fields__, str(e))) from None
+    model, init_from, hf_model = args["model"], args["init_from"], args["hf_model"]
+    if hf_model is not None:
+        if model or init_from is not None:
+            raise ValueError("hf_model takes the model from its directory: give no `model` sizes or init_from")
+        if not (Path(hf_model) / "config.json").is_file():
+            raise ValueError(f"hf_model {hf_model}: no config.json there (a local Hugging Face model directory)")
+    elif init_from is not None:
+        check_checkpoint_spec("init_from", init_from)
+    elif not isinstance(model, GPTConfig):
+        GPTConfig.from_dict(dict(model or {}))  # unknown keys and bad sizes
 
 
 def _cp_size(trainer: "L.Trainer") -> int:

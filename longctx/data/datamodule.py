@@ -23,13 +23,14 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Literal, Optional, Sequence, Union, get_args
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from ..layouts import check_layout, check_seq_len
+from ..layouts import Layout, check_layout, check_seq_len
+from ..validation import check_choice
 from .cache import PathLike, default_cache_dir, read_json
 from .packing import PackedSequenceDataset, load_split, pack_corpus, packed_meta, tokenize_corpus
 from .sampler import ContextParallelSampler, ResumableDataLoader
@@ -39,6 +40,7 @@ from .tokenizer import MIN_SPM_VOCAB, SentencePieceTokenizer, TextTokenizer, as_
 logger = logging.getLogger("longctx.data")
 
 _STATE_VERSION = 1
+TokenizerModelType = Literal["bpe", "unigram"]
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -113,8 +115,8 @@ class LongDocumentDataModule(L.LightningDataModule):
         num_workers: int = 0,
         max_documents: Optional[int] = None,
         context_parallel_size: Optional[int] = None,
-        layout: str = "zigzag",
-        tokenizer_model_type: str = "bpe",
+        layout: Layout = "zigzag",
+        tokenizer_model_type: TokenizerModelType = "bpe",
         tokenizer_train_chars: int = 4_000_000,
         mask_cross_document_labels: bool = True,
         include_tests: bool = False,
@@ -143,8 +145,7 @@ class LongDocumentDataModule(L.LightningDataModule):
                 raise ValueError(
                     f"vocab_size must be an int >= {MIN_SPM_VOCAB} to train a tokenizer, got {vocab_size!r}"
                 )
-            if tokenizer_model_type not in ("bpe", "unigram"):
-                raise ValueError(f"tokenizer_model_type must be 'bpe' or 'unigram', got {tokenizer_model_type!r}")
+            check_choice("tokenizer_model_type", tokenizer_model_type, get_args(TokenizerModelType))
             _positive_int("tokenizer_train_chars", tokenizer_train_chars)
         elif isinstance(tokenizer, (str, os.PathLike)) and not Path(tokenizer).exists():
             raise FileNotFoundError(f"tokenizer path {str(tokenizer)!r} does not exist")

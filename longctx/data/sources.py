@@ -23,60 +23,21 @@ from __future__ import annotations
 import glob
 import logging
 import os
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 # No network at run time: only local packaged builders are used below, and this keeps
 # `datasets` from reaching the Hub should anything try (effective if set before import).
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from .cache import PathLike, files_fingerprint, stable_hash  # noqa: E402
+from .corpus import Corpus, SourceStats, decode_utf8, report_stats  # noqa: E402
+from .stdlib_corpus import stdlib_corpus  # noqa: E402
 
 logger = logging.getLogger("longctx.data")
 
 TABLE_EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 _READER_VERSION = 1  # part of every corpus fingerprint: bump when reading changes
-_REPLACEMENT = "\ufffd"
-_REPLACEMENT_UTF8 = _REPLACEMENT.encode("utf-8")
-
-
-@dataclass
-class SourceStats:
-    documents: int = 0
-    files: int = 0
-    skipped_empty: int = 0
-    skipped_binary: int = 0
-    decode_replacements: int = 0
-    files_with_replacements: int = 0
-    ignored_files: list = field(default_factory=list)
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["ignored_files"] = len(self.ignored_files)
-        return d
-
-
-@dataclass
-class Corpus:
-    """A document source: a cheap ``fingerprint`` and an expensive, memoised ``load()``.
-
-    ``load()`` returns ``(datasets.Dataset with a "text" column, SourceStats)``; the
-    first call reads the source, later ones reuse the result until ``release()``.
-    """
-
-    name: str
-    fingerprint: str
-    loader: Callable[[], "tuple[object, SourceStats]"] = field(repr=False)
-    _loaded: Optional[tuple] = field(default=None, repr=False, compare=False)
-
-    def load(self) -> "tuple[object, SourceStats]":
-        if self._loaded is None:
-            self._loaded = self.loader()
-        return self._loaded  # type: ignore[return-value]
-
-    def release(self) -> None:
-        self._loaded = None
 
 
 def resolve_corpus(
@@ -91,8 +52,6 @@ def resolve_corpus(
     if max_documents is not None and (not isinstance(max_documents, int) or max_documents < 1):
         raise ValueError(f"max_documents must be a positive int or None, got {max_documents!r}")
     if path is None or (isinstance(path, str) and (path == "stdlib" or path.startswith("stdlib:"))):
-        from .stdlib_corpus import stdlib_corpus
-
         packages = None
         if isinstance(path, str) and path.startswith("stdlib:"):
             packages = [p for p in path[len("stdlib:"):].split(",") if p]
@@ -151,16 +110,6 @@ def _is_saved_dataset(p: Path) -> bool:
     )
 
 
-def decode_utf8(raw: bytes) -> tuple[str, int]:
-    """``raw`` decoded as UTF-8 with invalid bytes replaced by U+FFFD, and how many were replaced."""
-    try:
-        return raw.decode("utf-8"), 0
-    except UnicodeDecodeError:
-        text = raw.decode("utf-8", errors="replace")
-        # Genuine U+FFFD characters already in the file are not replacements.
-        return text, text.count(_REPLACEMENT) - raw.count(_REPLACEMENT_UTF8)
-
-
 def load_text_files(files: Sequence[Path], *, max_documents: Optional[int] = None):
     """One document per file (UTF-8 with replacement); empty and binary files skipped and counted."""
     from datasets import Dataset
@@ -186,7 +135,7 @@ def load_text_files(files: Sequence[Path], *, max_documents: Optional[int] = Non
             stats.files_with_replacements += 1
         texts.append(text)
     stats.documents = len(texts)
-    _report(stats, str(files[0]) + (f" (+{len(files) - 1} more files)" if len(files) > 1 else ""))
+    report_stats(stats, str(files[0]) + (f" (+{len(files) - 1} more files)" if len(files) > 1 else ""))
     return Dataset.from_dict({"text": texts}), stats
 
 
@@ -253,19 +202,5 @@ def _finish_table(ds, stats: SourceStats, max_documents, where: str):
     if len(keep) != len(ds):
         ds = ds.select(keep, keep_in_memory=True)
     stats.documents = len(ds)
-    _report(stats, where)
+    report_stats(stats, where)
     return ds, stats
-
-
-def _report(stats: SourceStats, where: str) -> None:
-    if stats.documents == 0:
-        raise ValueError(
-            f"corpus {where!r} holds no text: {stats.files} files read, {stats.skipped_empty} empty, "
-            f"{stats.skipped_binary} binary"
-        )
-    if stats.skipped_empty or stats.skipped_binary:
-        logger.warning("corpus %s: skipped %d empty and %d binary documents/files", where,
-                       stats.skipped_empty, stats.skipped_binary)
-    if stats.decode_replacements:
-        logger.warning("corpus %s: %d invalid UTF-8 sequences in %d files were replaced by U+FFFD", where,
-                       stats.decode_replacements, stats.files_with_replacements)

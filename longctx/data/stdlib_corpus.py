@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .cache import files_fingerprint, stable_hash
+from .corpus import Corpus, SourceStats, decode_utf8, report_stats
 
 TOPLEVEL = "<toplevel>"
 _TEST_DIRS = {"test", "tests", "idle_test"}
@@ -85,8 +86,6 @@ def build_default_corpus(
     """The default corpus as a ``datasets.Dataset`` (columns ``text``, ``name``) and its ``SourceStats``."""
     from datasets import Dataset
 
-    from .sources import SourceStats, _report, decode_utf8
-
     root = root or stdlib_root()
     docs = stdlib_documents(packages, include_tests=include_tests, root=root)
     if max_documents is not None:
@@ -108,7 +107,7 @@ def build_default_corpus(
             names.append(name)
             texts.append("\n".join(parts))
     stats.documents = len(texts)
-    _report(stats, f"stdlib {root}")
+    report_stats(stats, f"stdlib {root}")
     return Dataset.from_dict({"text": texts, "name": names}), stats
 
 
@@ -118,9 +117,7 @@ def stdlib_corpus(
     include_tests: bool = False,
     max_documents: Optional[int] = None,
 ):
-    """The default corpus as a ``sources.Corpus`` (cheap fingerprint from file metadata)."""
-    from .sources import Corpus
-
+    """The default corpus as a ``Corpus`` (cheap fingerprint from file metadata)."""
     root = stdlib_root()
     docs = stdlib_documents(packages, include_tests=include_tests, root=root)  # validates names now
     if max_documents is not None:

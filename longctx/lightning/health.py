@@ -61,13 +61,16 @@ Outside Lightning, call ``guard.observe_loss(loss)`` before each backward and
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Literal, Optional, get_args
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-POLICIES = ("skip", "stop")
+from ..validation import check_choice
+
+Policy = Literal["skip", "stop"]
+POLICIES = get_args(Policy)
 
 
 class NonFiniteError(FloatingPointError):
@@ -139,10 +142,9 @@ class NonFiniteGuard(Callback):
             the optimizer step).
     """
 
-    def __init__(self, policy: str = "stop", max_skips: Optional[int] = None,
+    def __init__(self, policy: Policy = "stop", max_skips: Optional[int] = None,
                  group: Optional[dist.ProcessGroup] = None) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        check_choice("policy", policy, POLICIES)
         if max_skips is not None and (isinstance(max_skips, bool) or not isinstance(max_skips, int)
                                       or max_skips < 1):
             raise ValueError(f"max_skips must be None or an int >= 1, got {max_skips!r}")

@@ -45,13 +45,12 @@ step, with a checkpoint if it fits in ``stop_grace_period`` seconds, and exits w
 """
 from __future__ import annotations
 
-import math
 import os
 import signal
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional, get_args
 
 import torch
 import torch.distributed as dist
@@ -64,40 +63,31 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from ..layouts import check_layout
+from ..layouts import Layout, check_layout
 from ..parallel import CPContext, ParallelDims, parallelize
 from ..ring_comm import new_ring_group
+from ..validation import check_choice, check_number
 from ..watchdog import RankWatchdog
 from .launcher import ReapingScriptLauncher, exit_with_launcher
 from .preemption import DEFAULT_GRACE_PERIOD, SignalStop, StoppedBySignal
 from .checkpoint_io import AtomicCheckpointIO, load_sharded_checkpoint, save_sharded_checkpoint
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
-DATA_PARALLEL = ("auto", "fsdp", "ddp")
+DataParallel = Literal["auto", "fsdp", "ddp"]
+DATA_PARALLEL = get_args(DataParallel)
 # "auto" shards once the replicated training state would fill this share of a GPU.
 AUTO_FSDP_MEMORY_SHARE = 0.25
 BYTES_PER_PARAMETER = 16  # fp32 weights + gradients + AdamW's two moments
 DDP_BUCKET_BYTES = 4  # DDP's flat fp32 gradient buckets (a second copy of the gradients)
 
 
-def _check_cp_size(context_parallel_size: Optional[int]) -> None:
-    if context_parallel_size is None:
-        return
-    if isinstance(context_parallel_size, bool) or not isinstance(context_parallel_size, int):
-        raise TypeError(
-            f"context_parallel_size must be an int, got {type(context_parallel_size).__name__} "
-            f"{context_parallel_size!r}"
-        )
-    if context_parallel_size < 1:
-        raise ValueError(f"context_parallel_size must be >= 1, got {context_parallel_size}")
-
-
-def _check_divisible(world_size: int, cp_size: int) -> None:
+def _check_divisible(world_size: int, cp_size: int, devices: Optional[int] = None, nodes: Optional[int] = None) -> None:
     if world_size % cp_size != 0:
+        how = f" ({devices} devices x {nodes} nodes)" if devices is not None else ""
         raise ValueError(
-            f"world size {world_size} (devices x nodes) is not divisible by "
-            f"context_parallel_size {cp_size}; use a CP size that divides it "
-            f"(data-parallel size = world size / CP size)"
+            f"context_parallel_size {cp_size} does not divide the world of {world_size} processes{how}; use a "
+            f"CP size that divides it, or a number of processes that is a multiple of {cp_size} "
+            "(data-parallel size = world size / CP size)"
         )
 
 
@@ -135,8 +125,8 @@ class ContextParallelStrategy(ModelParallelStrategy):
     def __init__(
         self,
         context_parallel_size: Optional[int] = None,
-        data_parallel: str = "auto",
-        layout: str = "zigzag",
+        data_parallel: DataParallel = "auto",
+        layout: Layout = "zigzag",
         cpu_offload: bool = False,
         timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         failure_timeout: Optional[float] = 120.0,
@@ -144,15 +134,17 @@ class ContextParallelStrategy(ModelParallelStrategy):
         process_group_backend: Optional[str] = None,
         **ddp_kwargs: Any,
     ) -> None:
-        if failure_timeout is not None and not (math.isfinite(failure_timeout) and failure_timeout > 0):
-            raise ValueError(f"failure_timeout must be positive, finite seconds or None, got {failure_timeout}")
-        if isinstance(stop_grace_period, bool) or not isinstance(stop_grace_period, (int, float)) or not (
-                math.isfinite(stop_grace_period) and stop_grace_period > 0):
-            raise ValueError(f"stop_grace_period must be positive, finite seconds, got {stop_grace_period!r}")
-        _check_cp_size(context_parallel_size)
+        # Every value refused here, before the Trainer exists; the world size is checked
+        # when it is known (_configure_launcher, before any process starts).
+        check_number("context_parallel_size", context_parallel_size, low=1, integer=True, optional=True,
+                     hint=" (null: the whole world)")
+        check_choice("data_parallel", data_parallel, DATA_PARALLEL)
         check_layout(layout)
-        if data_parallel not in DATA_PARALLEL:
-            raise ValueError(f"data_parallel must be one of {DATA_PARALLEL}, got {data_parallel!r}")
+        if timeout is not None and not timeout.total_seconds() > 0:
+            raise ValueError(f"timeout must be > 0 (h:mm:ss), got {timeout}")
+        check_number("failure_timeout", failure_timeout, low=0, low_open=True, optional=True,
+                     hint=" seconds (null: no watchdog)")
+        check_number("stop_grace_period", stop_grace_period, low=0, low_open=True, hint=" seconds")
         if cpu_offload and data_parallel == "ddp":
             raise ValueError("cpu_offload=True needs data_parallel='fsdp' (FSDP2 offloads the shards)")
         super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend,
@@ -245,7 +237,8 @@ class ContextParallelStrategy(ModelParallelStrategy):
         # Runs in the Trainer constructor, before any process is launched: a bad CP size
         # fails here once, in the launching process, instead of in every worker.
         if self._cp_size_arg is not None and self.parallel_devices is not None:
-            _check_divisible(self.num_nodes * self.num_processes, self._cp_size_arg)
+            _check_divisible(self.num_nodes * self.num_processes, self._cp_size_arg, self.num_processes,
+                             self.num_nodes)
         exit_with_launcher()  # in a process rank 0 launched: never outlive it
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = ReapingScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes,

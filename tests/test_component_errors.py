@@ -1,0 +1,78 @@
+"""Each class refuses its own bad values, built directly from Python, with the message
+train.py prints for the same value (train.py only adds the option's section)."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from test_train_errors import _error, cache, train  # noqa: F401 (fixtures)
+
+from longctx.layouts import check_seq_len
+from longctx.lightning import ContextParallelStrategy, NonFiniteGuard
+from longctx.lightning.training import RunOptions
+from longctx.models.lit_module import CausalLMModule
+
+# (class, its arguments, the option train.py says it of, the command line giving that value)
+CASES = [
+    (CausalLMModule.check_arguments, dict(lr=-1.0), "model", ["--lr", "-1"]),
+    (CausalLMModule.check_arguments, dict(min_lr_ratio=2.0), "model", ["--model.min_lr_ratio", "2"]),
+    (CausalLMModule.check_arguments, dict(weight_decay=-0.1), "model", ["--model.weight_decay", "-0.1"]),
+    (CausalLMModule.check_arguments, dict(warmup_steps=-1), "model", ["--warmup-steps", "-1"]),
+    (CausalLMModule.check_arguments, dict(decay_steps=0), "model", ["--decay-steps", "0"]),
+    (CausalLMModule.check_arguments, dict(init_from="nowhere/model"), "model", ["--init-from", "nowhere/model"]),
+    (CausalLMModule.check_arguments, dict(parallel={"cp_attention": "ulises"}), "model",
+     ["--model.parallel.cp_attention", "ulises"]),
+    (ContextParallelStrategy, dict(failure_timeout=float("nan")), "strategy", ["--failure-timeout", ".nan"]),
+    (ContextParallelStrategy, dict(stop_grace_period=0.0), "strategy", ["--stop-grace-period", "0"]),
+    (ContextParallelStrategy, dict(timeout=timedelta(0)), "strategy", ["--strategy.timeout", "0:00:00"]),
+    (ContextParallelStrategy, dict(context_parallel_size=0), "strategy", ["--context-parallel", "0"]),
+    (RunOptions, dict(val_every=-1), "run", ["--val-every", "-1"]),
+    (RunOptions, dict(val_batches=0), "run", ["--run.val_batches", "0"]),
+    (RunOptions, dict(checkpoint_every=-5), "run", ["--checkpoint-every", "-5"]),
+]
+
+
+@pytest.mark.parametrize("build,kwargs,section,argv", CASES, ids=[" ".join(c[3]) for c in CASES])
+def test_class_and_cli_say_the_same(train, capsys, cache, build, kwargs, section, argv):  # noqa: F811
+    with pytest.raises(ValueError) as refused:
+        build(**kwargs)
+    assert _error(train, argv, capsys, cache) == f"train.py: error: {section}.{refused.value}"
+
+
+# A value outside a Literal: jsonargparse refuses it on the command line (and --help lists
+# the choices); the class, built directly, refuses it in the same words.
+CHOICES = [
+    (ContextParallelStrategy, dict(layout="diagonal"), "strategy", ["--layout", "diagonal"]),
+    (ContextParallelStrategy, dict(data_parallel="zero3"), "strategy", ["--data-parallel", "zero3"]),
+    (CausalLMModule.check_arguments, dict(attention="sliding"), "model", ["--attention", "sliding"]),
+    (NonFiniteGuard, dict(policy="never"), "nonfinite", ["--nonfinite.policy", "never"]),
+    (RunOptions, dict(keep_checkpoints=2), "run", ["--run.keep_checkpoints", "2"]),
+]
+
+
+@pytest.mark.parametrize("build,kwargs,section,argv", CHOICES, ids=[" ".join(c[3]) for c in CHOICES])
+def test_choices_said_alike(train, capsys, cache, build, kwargs, section, argv):  # noqa: F811
+    with pytest.raises(ValueError) as refused:
+        build(**kwargs)
+    assert _error(train, argv, capsys, cache) == f"train.py: error: {section}.{refused.value}"
+
+
+def test_module_refuses_before_building_a_model():
+    # The new user's case: no train.py, the class itself says no.
+    with pytest.raises(ValueError, match=r"lr must be a number > 0, got -1.0"):
+        CausalLMModule({"preset": "tiny"}, lr=-1.0)
+    with pytest.raises(ValueError, match=r"min_lr_ratio must be a number in \[0, 1\], got 2.0"):
+        CausalLMModule({"preset": "tiny"}, min_lr_ratio=2.0)
+
+
+def test_world_checks_where_the_world_is_known(train, capsys, cache):  # noqa: F811
+    import lightning as L
+
+    with pytest.raises(ValueError) as refused:
+        L.Trainer(accelerator="cpu", devices=2, strategy=ContextParallelStrategy(context_parallel_size=3), logger=False)
+    line = _error(train, ["--context-parallel", "3", "--devices", "2"], capsys, cache)
+    assert line == f"train.py: error: strategy.{refused.value}"
+    with pytest.raises(ValueError) as refused:
+        check_seq_len(502, 2, "zigzag")
+    assert _error(train, ["--seq-len", "502"], capsys, cache) == f"train.py: error: data: {refused.value}"
