@@ -407,11 +407,57 @@ def _fix(config, seq_len, kw, plan, gpu_total, host_total) -> str:
     return "shorten the sequence or use more GPUs"
 
 
+DEFAULT_MLP_TILE = 8192  # tokens per MLP tile where tiling is switched on for memory
+
+
+def fitting_plan(config: Any, seq_len: int, *, plan=None, gpu_total: int, host_total: Optional[int] = None,
+                 **kw) -> Optional[Any]:
+    """The cheapest plan predicted to fit: ``plan`` itself, else with the MLP tiled
+    (``DEFAULT_MLP_TILE``), else tiled with the saved inputs of the first n blocks offloaded
+    to host memory for the smallest such n. Only settings ``plan`` leaves at their defaults
+    (untiled, no offload) are changed; None where even every block offloaded does not fit.
+    ``kw``: the rest of ``estimate``'s arguments (cp, dp, data_parallel, ...)."""
+    plan = _plan(plan)
+
+    def gpu_ok(p):
+        return estimate(config, seq_len, plan=p, **kw).gpu_bytes <= gpu_total
+
+    def fits(p):
+        e = estimate(config, seq_len, plan=p, **kw)
+        return e.gpu_bytes <= gpu_total and (host_total is None or e.host_bytes <= host_total)
+
+    if fits(plan):
+        return plan
+    tiled = plan if plan.mlp_tile_size is not None else dataclasses.replace(plan, mlp_tile_size=DEFAULT_MLP_TILE)
+    if tiled is not plan and fits(tiled):
+        return tiled
+    if plan.offload_activations is not False:
+        return None  # the user chose how much to offload
+    n_layer = _shape(config).L
+    if not gpu_ok(dataclasses.replace(tiled, offload_activations=n_layer)):
+        return None
+    # GPU bytes fall as n grows (host bytes rise): the smallest n whose GPU side fits, by
+    # bisection, then its host side.
+    low, high = 1, n_layer
+    while low < high:
+        mid = (low + high) // 2
+        if gpu_ok(dataclasses.replace(tiled, offload_activations=mid)):
+            high = mid
+        else:
+            low = mid + 1
+    chosen = dataclasses.replace(tiled, offload_activations=low)
+    return chosen if fits(chosen) else None
+
+
+class PredictedOutOfMemory(ValueError):
+    """A run the memory model predicts not to fit (train.py prints it as one line, exit code 2)."""
+
+
 def check_fits(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, data_parallel: str = "fsdp",
                cpu_offload: bool = False, batch_size: int = 1, precision: str = "bf16-mixed",
                gpu_total: Optional[int] = None, host_total: Optional[int] = None,
                host_ranks: int = 1) -> MemoryEstimate:
-    """Estimate, then raise ``ValueError`` (one line, naming what to change) when the
+    """Estimate, then raise ``PredictedOutOfMemory`` (a ValueError: one line, naming what to change) when the
     prediction exceeds ``gpu_total`` bytes per GPU or ``host_total`` bytes of host memory
     shared by ``host_ranks`` ranks. A total of None is not checked (e.g. no GPU)."""
     plan = _plan(plan)
@@ -426,7 +472,7 @@ def check_fits(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1
         too_big.append(f"host {est.host_bytes / GiB:.1f} GiB > {per_rank_host / GiB:.1f} GiB per rank")
     if too_big:
         fix = _fix(config, seq_len, kw, plan, gpu_total if gpu_total is not None else float("inf"), per_rank_host)
-        raise ValueError(
+        raise PredictedOutOfMemory(
             f"predicted not to fit: {seq_len:,} tokens at cp={cp} need {' and '.join(too_big)} "
             f"(peak at {est.phase}); {fix}, or pass memory_check=False to try anyway"
         )

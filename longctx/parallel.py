@@ -226,7 +226,7 @@ def parallelize(model: nn.Module, dims: Optional[ParallelDims] = None,
     if not cores:
         _hand_over_to_hf(model, dims.cp, plan)
 
-    _apply_runtime_policy(model, plan)
+    apply_run_settings(model, plan)
     if dims.data_parallel == "fsdp":
         _apply_fsdp(model, dims)
     model._longctx_parallelized = True
@@ -255,7 +255,10 @@ def _hand_over_to_hf(model: nn.Module, cp: CPContext, plan: ParallelPlan) -> Non
         )
 
 
-def _apply_runtime_policy(model: nn.Module, plan: ParallelPlan) -> None:
+def apply_run_settings(model: nn.Module, plan: ParallelPlan) -> None:
+    """The plan's settings that change how the model runs, not its layout (checkpointing,
+    fusion, loss chunk, offload, MLP tiling): attributes only, so they may be applied again
+    after wrapping (CausalLMModule does, where the memory prediction asks for it)."""
     ac = plan.activation_checkpointing
     if hasattr(model, "set_activation_checkpointing"):
         model.set_activation_checkpointing(ac)

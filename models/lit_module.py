@@ -122,9 +122,12 @@ class CausalLMModule(L.LightningModule):
         seq_len: the full (unsharded) training sequence length, for FLOPs/MFU; None = read
             from the first batch.
         memory_check: before the first training step, predict this rank's peak memory
-            (``longctx.memory.estimate``), print it (one line, rank 0) and raise a one-line
-            ``ValueError`` naming what to change when it would not fit the GPU or the host.
-            On CPU only the prediction is printed. False: neither.
+            (``longctx.memory.estimate``) and print it (one line, rank 0). Where it would not
+            fit the GPU and the plan leaves the MLP untiled and nothing offloaded, the MLP is
+            tiled and the saved inputs of the fewest blocks predicted to fit go to host memory
+            (``longctx.memory.fitting_plan``; printed); what still cannot fit raises a
+            one-line ``ValueError`` naming what to change. On CPU only the prediction is
+            printed. False: none of this.
     """
 
     def __init__(
@@ -237,7 +240,8 @@ class CausalLMModule(L.LightningModule):
 
     def _check_memory(self, input_ids: torch.Tensor) -> None:
         """Predict this rank's peak (longctx.memory), print it on rank 0, refuse what cannot fit."""
-        from longctx.memory import check_fits, estimate, host_memory_bytes
+        from longctx.memory import check_fits, estimate, fitting_plan, host_memory_bytes
+        from longctx.parallel import apply_run_settings
 
         trainer = self.trainer
         cp = _cp_size(trainer)
@@ -254,8 +258,18 @@ class CausalLMModule(L.LightningModule):
             return  # a model shape the memory model cannot read: no prediction, no check
         if self.device.type == "cuda":
             # The host holds every local rank's share (pinned offload buffers, offloaded state).
-            est = check_fits(self.config, seq_len, **kw, gpu_total=torch.cuda.mem_get_info(self.device)[1],
-                             host_total=host_memory_bytes(), host_ranks=max(int(trainer.num_devices), 1))
+            totals = dict(gpu_total=torch.cuda.mem_get_info(self.device)[1], host_total=host_memory_bytes())
+            host_ranks = max(int(trainer.num_devices), 1)
+            plan = fitting_plan(self.config, seq_len, **kw, gpu_total=totals["gpu_total"],
+                                host_total=totals["host_total"] // host_ranks)
+            if plan is not None and plan != self.plan:
+                apply_run_settings(self.model, plan)
+                if trainer.global_rank == 0:
+                    print(f"memory: {est.gpu_bytes / 2**30:.1f} GiB predicted does not fit; running with "
+                          f"mlp_tile_size={plan.mlp_tile_size}, offload_activations={plan.offload_activations}",
+                          flush=True)
+                self.plan = kw["plan"] = plan
+            est = check_fits(self.config, seq_len, **kw, **totals, host_ranks=host_ranks)
         if trainer.global_rank == 0:
             print(est.summary(), flush=True)
 

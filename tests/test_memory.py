@@ -119,3 +119,47 @@ def test_readme_memory_snippet_runs():
     section = readme.split("## Memory: how long a sequence fits", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     exec(compile(code, "README.md", "exec"), {})
+
+
+def test_train_fit_renders_a_refused_run_as_one_line_rc2(capsys):
+    """train.py's fit step: the memory model's refusal before step 1 is one line, exit code 2."""
+    import types
+
+    from longctx.lightning.training import fit
+    from longctx.memory import PredictedOutOfMemory
+
+    def refuse(*args, **kwargs):
+        raise PredictedOutOfMemory("predicted not to fit: 1,048,576 tokens at cp=1 need GPU 200.0 GiB > 139.8 GiB")
+
+    trainer = types.SimpleNamespace(fit=refuse, strategy=types.SimpleNamespace(received_signal=None))
+    assert fit(trainer, None, None, None) == (None, 2)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("train.py: error: predicted not to fit") and "\n" not in err
+
+
+def test_fitting_plan_takes_the_cheapest_change_that_fits():
+    """Untouched where it fits; the MLP tiled next; then the fewest offloaded blocks; None
+    where nothing fits; settings the user chose are not changed."""
+    from longctx import ParallelPlan
+    from longctx.memory import GiB, estimate, fitting_plan
+    from longctx.models import GPTConfig
+
+    cfg = GPTConfig.from_dict(dict(preset="llama3.2-1b"))
+    seq, kw = 1 << 20, dict(cp=1, dp=1, data_parallel="fsdp", attention_kernel="fa4")
+    full = ParallelPlan(activation_checkpointing="full")
+    need = estimate(cfg, seq, plan=full, **kw).gpu_bytes
+    assert fitting_plan(cfg, seq, plan=full, gpu_total=need, **kw) == full
+    tiled = fitting_plan(cfg, seq, plan=full, gpu_total=need - 1, **kw)
+    assert tiled.mlp_tile_size is not None and estimate(cfg, seq, plan=tiled, **kw).gpu_bytes < need
+    tight = estimate(cfg, seq, plan=tiled, **kw).gpu_bytes - 1
+    chosen = fitting_plan(cfg, seq, plan=full, gpu_total=tight, **kw)
+    n = chosen.offload_activations
+    assert isinstance(n, int) and 1 <= n <= cfg.n_layer
+    assert estimate(cfg, seq, plan=chosen, **kw).gpu_bytes <= tight
+    if n > 1:  # one block fewer would not fit: the smallest n
+        fewer = ParallelPlan.from_dict({**chosen.to_dict(), "offload_activations": n - 1})
+        assert estimate(cfg, seq, plan=fewer, **kw).gpu_bytes > tight
+    assert fitting_plan(cfg, seq, plan=full, gpu_total=1 * GiB, **kw) is None
+    assert fitting_plan(cfg, seq, plan=full, gpu_total=tight, host_total=1 * GiB, **kw) is None
+    chosen_by_user = ParallelPlan(activation_checkpointing="full", mlp_tile_size=4096, offload_activations=2)
+    assert fitting_plan(cfg, seq, plan=chosen_by_user, gpu_total=tight, **kw) in (None, chosen_by_user)

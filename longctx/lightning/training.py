@@ -122,7 +122,10 @@ def describe_run(trainer: Any, module: Any, *, seq_len: int, batch_size: int, ou
 
 def fit(trainer: Any, module: Any, datamodule: Any, resume: Optional[Path]) -> tuple[Optional[Any], Optional[int]]:
     """``trainer.fit``; a SIGTERM stop is an outcome, not an error: (the ``StoppedBySignal``
-    or None, None), or (None, exit code) where another rank left first during the stop."""
+    or None, None), or (None, exit code) where another rank left first during the stop, or
+    (None, 2) with one line printed where the memory model refused the run before step 1."""
+    from longctx.memory import PredictedOutOfMemory
+
     from .preemption import StoppedBySignal, signal_name
 
     strategy = trainer.strategy
@@ -130,6 +133,9 @@ def fit(trainer: Any, module: Any, datamodule: Any, resume: Optional[Path]) -> t
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume) if resume else None)
     except StoppedBySignal as stop:  # SIGTERM (preemption, timeout): every rank stopped at one step
         return stop, None
+    except PredictedOutOfMemory as error:  # CausalLMModule's check before the first step
+        print(f"train.py: error: {error}", file=sys.stderr, flush=True)  # one line by construction
+        return None, 2
     except Exception as error:
         if strategy.received_signal is None:
             raise
