@@ -40,7 +40,10 @@ SMALL = [
 def cache_env(tmp_path_factory) -> dict:
     env = dict(os.environ)
     env["LONGCTX_CACHE_DIR"] = str(tmp_path_factory.mktemp("longctx-cache"))
-    env.pop("LOCAL_RANK", None)
+    # A process group an earlier test made in this process leaves its rendezvous variables
+    # (MASTER_PORT pointing at a store that may still listen): train.py must pick its own.
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
     return env
 
 

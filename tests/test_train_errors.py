@@ -172,7 +172,8 @@ def test_error_as_a_command(tmp_path):
     """The whole path as a user runs it: rc 2 and a single stderr line, imports included
     (~7 s on an idle 2-core machine; the bound leaves room for a CI that shares its cores)."""
     env = {**os.environ, "LONGCTX_CACHE_DIR": str(tmp_path)}
-    env.pop("LOCAL_RANK", None)
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)  # an earlier in-process test's rendezvous: not this run's
     start = time.monotonic()
     proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--context-parallel", "3", "--devices", "2"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

@@ -126,3 +126,5 @@ def test_readme_fsdp_snippet_trains():
     assert trainer.global_step == 2
     assert all(isinstance(p, DTensor) for p in module.parameters())
     assert module.model.blocks[0].activation_checkpointing == "full"
+    if torch.distributed.is_initialized():  # the one-process group lives in pytest's process
+        torch.distributed.destroy_process_group()
