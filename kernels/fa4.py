@@ -134,12 +134,13 @@ def _keep_nan(out, lse, covered):
     report the row as one that sees no key (lse -inf). Every dense row and every row of a
     varlen segment sees at least one key, so a non-finite lse there means NaN came in: mark
     the row NaN in out and lse, as plain attention would, so that the ring's merge (which
-    treats lse -inf as "no contribution") cannot hide it. One pass over lse and out."""
+    treats lse -inf as "no contribution") cannot hide it."""
     bad = ~torch.isfinite(lse)
     if covered is not None:
         bad &= covered
-    lse = lse.masked_fill(bad, float("nan"))
-    return out.masked_fill(bad.transpose(1, 2).unsqueeze(-1), float("nan")), lse
+    # In place: both were just written by the kernel (no extra out-sized buffer).
+    lse.masked_fill_(bad, float("nan"))
+    return out.masked_fill_(bad.transpose(1, 2).unsqueeze(-1), float("nan")), lse
 
 
 def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dtype=None,
