@@ -210,6 +210,14 @@ def _runs(ids: np.ndarray):
     return starts, ends, ids[starts]
 
 
+def _cover(starts: np.ndarray, lengths: np.ndarray, n: int) -> np.ndarray:
+    """Boolean mask of the n rows inside any of the (disjoint) ranges [start, start + length)."""
+    edges = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(edges, starts, 1)
+    np.add.at(edges, starts + lengths, -1)
+    return np.cumsum(edges[:-1]) > 0
+
+
 def plan_documents(q_doc: torch.Tensor, k_doc: torch.Tensor, causal: bool) -> Optional[VarlenPlan]:
     """Varlen segments for a document-masked block, or None where runs cannot express it.
 
@@ -234,31 +242,24 @@ def plan_documents(q_doc: torch.Tensor, k_doc: torch.Tensor, causal: bool) -> Op
         cu = np.concatenate((starts, [batch * sq])).astype(np.int32)
         longest = int(lens.max())
         return VarlenPlan(True, cu, cu, None, None, longest, longest, None, None)
-    seg = []  # (q_start, q_len, k_start, k_len)
+    segs = []  # per batch row: (q_start, q_len, k_start, k_len) columns
     for b in range(batch):
         qs, qe, qv = _runs(q_ids[b])
         ks, ke, kv = _runs(k_ids[b])
         if len(np.unique(qv)) != len(qv) or len(np.unique(kv)) != len(kv):
             return None
-        k_index = {int(d): i for i, d in enumerate(kv)}
-        last_k = -1
-        for i, d in enumerate(qv):
-            j = k_index.get(int(d))
-            if j is None:
-                continue
-            if j < last_k:
-                return None  # shared documents in another order on the two sides
-            last_k = j
-            seg.append((qs[i] + b * sq, qe[i] - qs[i], ks[j] + b * sk, ke[j] - ks[j]))
-    if not seg:
+        _, qi, ki = np.intersect1d(qv, kv, assume_unique=True, return_indices=True)
+        order = np.argsort(qi)  # segments in query order
+        qi, ki = qi[order], ki[order]
+        if np.any(np.diff(ki) < 0):
+            return None  # shared documents in another order on the two sides
+        segs.append(np.stack([qs[qi] + b * sq, qe[qi] - qs[qi], ks[ki] + b * sk, ke[ki] - ks[ki]], 1))
+    seg = np.concatenate(segs).astype(np.int64)
+    if not len(seg):
         return VarlenPlan(False, None, None, None, None, 0, 0, np.zeros(batch * sq, dtype=bool),
                           np.zeros(batch * sk, dtype=bool))
-    seg = np.asarray(seg, dtype=np.int64)
-    q_covered = np.zeros(batch * sq, dtype=bool)
-    k_covered = np.zeros(batch * sk, dtype=bool)
-    for q0, ql, k0, kl in seg:
-        q_covered[q0:q0 + ql] = True
-        k_covered[k0:k0 + kl] = True
+    q_covered = _cover(seg[:, 0], seg[:, 1], batch * sq)
+    k_covered = _cover(seg[:, 2], seg[:, 3], batch * sk)
     # cu_seqlens: each segment's start, then the end of the last one (FA4 reads a segment's
     # rows from cu_seqlens[i] and its length from seqused[i]: gaps between segments are fine).
     cu_q = np.concatenate((seg[:, 0], [seg[-1, 0] + seg[-1, 1]])).astype(np.int32)
