@@ -277,6 +277,7 @@ def prepare(argv: list[str]) -> Prepared:
     strategy = build(("strategy",), lambda: ContextParallelStrategy(**cfg.strategy.as_dict()))
     trainer = build(("strategy", "trainer"), lambda: build_trainer(cfg.trainer.as_dict(), strategy, run, out,
                                                                    [guard], on_train_start=write_config))
+    build(("model",), lambda: CausalLMModule.check_arguments(**cfg.model.as_dict(), device=trainer.strategy.root_device))
     # The data module checks its sequence length against the CP size the strategy resolved.
     datamodule = build(("data",), lambda: LongDocumentDataModule(**{
         **cfg.data.as_dict(), "context_parallel_size": strategy.cp_size,

@@ -35,6 +35,7 @@ __all__ = [
     "check_attention_inputs",
     "check_document_ids",
     "resolve_backend",
+    "backend_refusal",
     "BACKENDS",
     "VENDOR_BACKENDS",
 ]
@@ -113,6 +114,22 @@ def backend_available(backend: str, device: torch.device) -> bool:
     if backend in ("cudnn", "flash"):  # one module, two kernels
         return mod.is_available(device, backend)
     return mod.is_available(device)
+
+
+def backend_refusal(backend: str, device) -> Optional[str]:
+    """Why ``backend`` cannot run on ``device`` at all (install, GPU), or None. "auto" never
+    refuses: it picks among what runs."""
+    if backend == "auto":
+        return None
+    if backend not in BACKENDS:
+        return f"unknown attention backend {backend!r}; expected 'auto' or one of {BACKENDS}"
+    device = torch.device(device)
+    if backend == "fa4":
+        try:
+            return _module("fa4").unavailable_reason(device)
+        except ImportError as error:
+            return f"FlashAttention-4 backend does not import: {error}"
+    return None if backend_available(backend, device) else f"attention backend {backend!r} is not available on {device}"
 
 
 def _fa4_refusal(q: torch.Tensor) -> Optional[str]:

@@ -159,6 +159,15 @@ class ParallelPlan:
         if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t <= 0):
             raise ValueError(f"mlp_tile_size must be a positive int or None, got {t!r}")
 
+    def check_device(self, device) -> None:
+        """Raise ``ValueError`` (one line) where ``attention_backend`` cannot run on ``device``
+        (e.g. "fa4" without FlashAttention-4 or off an sm90/sm100 GPU), before any step."""
+        from longctx.kernels import backend_refusal
+
+        why = backend_refusal(self.attention_backend, device)
+        if why is not None:
+            raise ValueError(f"parallel.attention_backend {self.attention_backend!r} cannot run on {device}: {why}")
+
     @classmethod
     def from_dict(cls, d: Union["ParallelPlan", Mapping[str, Any], None]) -> "ParallelPlan":
         if d is None:

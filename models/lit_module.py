@@ -188,12 +188,18 @@ class CausalLMModule(L.LightningModule):
         self._last_step_end: Optional[float] = None
 
     @classmethod
-    def check_arguments(cls, **kwargs: Any) -> None:
+    def check_arguments(cls, *, device: Optional[Any] = None, **kwargs: Any) -> None:
         """Raise what the constructor would for these arguments, building no model (train.py
-        checks a run's options with it before any data work)."""
+        checks a run's options with it before any data work); with ``device``, also what the
+        first fit on it would (the plan's kernels, ``ParallelPlan.check_device``)."""
         bound = inspect.signature(cls.__init__).bind(None, **kwargs)
         bound.apply_defaults()
         _check_arguments({k: v for k, v in bound.arguments.items() if k != "self"})
+        if device is not None:
+            ParallelPlan.from_dict(bound.arguments["parallel"]).check_device(device)
+
+    def on_fit_start(self) -> None:
+        self.plan.check_device(self.device)
 
     def configure_model(self) -> None:
         # Lightning calls this once the processes exist and before the strategy wraps or

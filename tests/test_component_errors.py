@@ -23,6 +23,9 @@ CASES = [
     (CausalLMModule.check_arguments, dict(init_from="nowhere/model"), "model", ["--init-from", "nowhere/model"]),
     (CausalLMModule.check_arguments, dict(parallel={"cp_attention": "ulises"}), "model",
      ["--model.parallel.cp_attention", "ulises"]),
+    # Checked where the device is known (train.py: once the Trainer exists, before any data work).
+    (CausalLMModule.check_arguments, dict(parallel={"attention_backend": "fa4"}, device="cpu"), "model",
+     ["--model.parallel.attention_backend", "fa4", "--accelerator", "cpu"]),
     (ContextParallelStrategy, dict(failure_timeout=float("nan")), "strategy", ["--failure-timeout", ".nan"]),
     (ContextParallelStrategy, dict(stop_grace_period=0.0), "strategy", ["--stop-grace-period", "0"]),
     (ContextParallelStrategy, dict(timeout=timedelta(0)), "strategy", ["--strategy.timeout", "0:00:00"]),

@@ -141,10 +141,14 @@ def test_compiled_kernels_are_cached_on_disk_by_default():
         assert fa4.cache_dir() == os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"]
 
 
-def test_parallel_plan_takes_fa4():
+def test_parallel_plan_takes_fa4_and_checks_it_against_the_device():
     from longctx import ParallelPlan
 
     assert ParallelPlan(attention_backend="fa4").attention_backend == "fa4"
+    with pytest.raises(ValueError, match="^parallel.attention_backend 'fa4' cannot run on cpu: .*CUDA"):
+        ParallelPlan(attention_backend="fa4").check_device("cpu")
+    ParallelPlan(attention_backend="auto").check_device("cpu")  # auto picks what runs
+    ParallelPlan(attention_backend="torch").check_device("cpu")
 
 
 # ----------------------------------------------------------------------------- GPU
