@@ -73,6 +73,10 @@ def cases(smoke: bool) -> list[dict]:
              plan=tiled_off, docs=True),
         dict(case="8b-width-4layers-512k-tiled-offload-docs", model=dict(EIGHT_B, n_layer=4), seq_len=512 * K,
              plan=tiled_off, docs=True),
+        # One 8B-width layer at 512K: the recompute-and-backward transient nearly alone (the
+        # term that decides whether the 8B fits at 512K per rank; NOTES).
+        dict(case="8b-width-1layer-512k-tiled-docs", model=dict(EIGHT_B, n_layer=1), seq_len=512 * K,
+             plan=dict(activation_checkpointing="full", mlp_tile_size=8192), docs=True),
     ]
 
 
