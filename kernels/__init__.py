@@ -127,18 +127,14 @@ def backend_refusal(backend: str, device) -> Optional[str]:
     if backend == "fa4":
         try:
             return _module("fa4").unavailable_reason(device)
-        except ImportError as error:
+        except ImportError as error:  # numpy or torch pieces missing: report, never crash
             return f"FlashAttention-4 backend does not import: {error}"
     return None if backend_available(backend, device) else f"attention backend {backend!r} is not available on {device}"
 
 
 def _fa4_refusal(q: torch.Tensor) -> Optional[str]:
     """Why "fa4" cannot run these inputs (device, install or shape), or None."""
-    try:
-        mod = _module("fa4")
-    except ImportError as error:  # numpy or torch pieces missing: report, never crash
-        return f"FlashAttention-4 backend does not import: {error}"
-    return mod.unavailable_reason(q.device) or mod.unsupported_shape(q.device, q.dtype, q.shape[-1])
+    return backend_refusal("fa4", q.device) or _module("fa4").unsupported_shape(q.device, q.dtype, q.shape[-1])
 
 
 def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, causal: bool, *,

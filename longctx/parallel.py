@@ -155,9 +155,9 @@ class ParallelPlan:
         from .offload import check_offload_setting
 
         check_offload_setting(self.offload_activations)
-        t = self.mlp_tile_size
-        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t <= 0):
-            raise ValueError(f"mlp_tile_size must be a positive int or None, got {t!r}")
+        from .tiled import check_tile_size
+
+        check_tile_size(self.mlp_tile_size)
 
     def check_device(self, device) -> None:
         """Raise ``ValueError`` (one line) where ``attention_backend`` cannot run on ``device``

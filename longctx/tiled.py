@@ -22,9 +22,16 @@ written from the description.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
+
+from .validation import check_number
+
+
+def check_tile_size(value: Any) -> None:
+    """``mlp_tile_size``: tokens per tile, a positive int, or None (untiled)."""
+    check_number("mlp_tile_size", value, low=1, integer=True, optional=True, hint=" (None: untiled)")
 
 
 def _autocast_state(device_type: str):
@@ -89,8 +96,9 @@ def tiled_apply(fn: Callable[..., torch.Tensor], x: torch.Tensor, weights: Seque
     """``fn(x, *weights)`` computed over tiles of ``tile_size`` tokens (all leading dims of
     ``x`` flattened), exact, holding one tile's intermediates at a time, forward and
     backward. ``fn`` must act on each token independently (an MLP, not attention)."""
-    if not isinstance(tile_size, int) or isinstance(tile_size, bool) or tile_size <= 0:
-        raise ValueError(f"mlp_tile_size must be a positive int or None, got {tile_size!r}")
+    check_tile_size(tile_size)
+    if tile_size is None:
+        return fn(x, *weights)
     if x.reshape(-1, x.shape[-1]).shape[0] <= tile_size:
         return fn(x, *weights)  # one tile: nothing to save
     return _Tiled.apply(fn, tile_size, x, *weights)

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from longctx.layouts import position_ids as layout_position_ids
 from longctx.offload import BlockOffloader, offload_count
 from longctx.parallel import CHECKPOINTING, ContextParallelAttention, CPContext
-from longctx.tiled import tiled_apply
+from longctx.tiled import check_tile_size, tiled_apply
 
 from .config import GPTConfig
 
@@ -377,9 +377,7 @@ class GPT(nn.Module):
 
     def set_mlp_tile_size(self, tile_size: Optional[int]) -> None:
         """Tokens per tile of the sequence-tiled MLP (``longctx.tiled``); None: untiled."""
-        if tile_size is not None and (not isinstance(tile_size, int) or isinstance(tile_size, bool)
-                                      or tile_size <= 0):
-            raise ValueError(f"mlp_tile_size must be a positive int or None, got {tile_size!r}")
+        check_tile_size(tile_size)
         for block in self.blocks:
             block.mlp.tile_size = tile_size
 

@@ -136,9 +136,16 @@ def test_unsupported_shapes_are_named():
 def test_compiled_kernels_are_cached_on_disk_by_default():
     """Importing the backend switches FA4's on-disk kernel cache on (unless the user chose)."""
     import os
+    import subprocess
+    import sys
 
-    if os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED") == "1":
-        assert fa4.cache_dir() == os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASH_ATTENTION_CUTE_DSL_CACHE")}
+    code = "from longctx.kernels import fa4; print(fa4.cache_dir())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().endswith(os.path.join(".cache", "longctx", "fa4"))
+    env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "0"  # the user's choice stands
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None"
 
 
 def test_parallel_plan_takes_fa4_and_checks_it_against_the_device():
