@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .layouts import check_layout
-from .ring import ring_attention
+from .ring import check_head_chunks, ring_attention
 from .ulysses import ulysses_attention
 
 CP_ATTENTION = ("ring", "ulysses")
@@ -65,19 +65,25 @@ class ContextParallelAttention(nn.Module):
     ``kind`` is ``"ring"`` or ``"ulysses"``; ``backend`` goes to the block kernels.
     """
 
-    def __init__(self, n_head: int, n_kv_head: int, *, kind: str = "ring", backend: str = "auto"):
+    def __init__(self, n_head: int, n_kv_head: int, *, kind: str = "ring", backend: str = "auto",
+                 head_chunks: int = 1):
         super().__init__()
         self.n_head, self.n_kv_head = n_head, n_kv_head
         self.cp = CPContext()
-        self.kind, self.backend = "ring", backend
-        self.configure(kind=kind)
+        self.kind, self.backend, self.head_chunks = "ring", backend, 1
+        self.configure(kind=kind, head_chunks=head_chunks)
 
     def configure(self, *, cp: Optional[CPContext] = None, kind: Optional[str] = None,
-                  backend: Optional[str] = None) -> None:
+                  backend: Optional[str] = None, head_chunks: Optional[int] = None) -> None:
         cp = self.cp if cp is None else cp
         kind = self.kind if kind is None else kind
+        head_chunks = self.head_chunks if head_chunks is None else head_chunks
         if kind not in CP_ATTENTION:
             raise ValueError(f"cp_attention must be one of {CP_ATTENTION}, got {kind!r}")
+        check_head_chunks(head_chunks, self.n_kv_head)
+        if kind == "ulysses" and head_chunks != 1:
+            raise ValueError("attention_head_chunks applies to cp_attention='ring'; Ulysses already runs its "
+                             "heads in groups (longctx.ulysses.PIPELINE_CHUNKS)")
         if kind == "ulysses" and self.n_kv_head % cp.size != 0:
             # Fail at hand-over, not at the first step on every rank.
             raise ValueError(
@@ -85,7 +91,7 @@ class ContextParallelAttention(nn.Module):
                 f"n_kv_head={self.n_kv_head} is not a multiple of its size {cp.size}; "
                 "use cp_attention='ring' or a CP size dividing n_kv_head"
             )
-        self.cp, self.kind = cp, kind
+        self.cp, self.kind, self.head_chunks = cp, kind, head_chunks
         if backend is not None:
             self.backend = backend
 
@@ -93,11 +99,14 @@ class ContextParallelAttention(nn.Module):
                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         attention = ulysses_attention if self.kind == "ulysses" else ring_attention
         extra = {} if document_ids is None else {"document_ids": document_ids}
+        if self.head_chunks != 1:
+            extra["head_chunks"] = self.head_chunks
         return attention(q, k, v, group=self.cp.group, causal=True, layout=self.cp.layout,
                          backend=self.backend, **extra)
 
     def extra_repr(self) -> str:
-        return f"kind={self.kind!r}, backend={self.backend!r}, cp_size={self.cp.size}, layout={self.cp.layout!r}"
+        return (f"kind={self.kind!r}, backend={self.backend!r}, cp_size={self.cp.size}, layout={self.cp.layout!r}"
+                + (f", head_chunks={self.head_chunks}" if self.head_chunks != 1 else ""))
 
 
 @dataclass
@@ -125,6 +134,12 @@ class ParallelPlan:
             (tokens x ffn) intermediate larger than ``mlp_tile_size x ffn`` exists, forward or
             backward; exact. None (default): untiled. ``longctx.memory.estimate`` says when
             the untiled MLP does not fit (it names this setting).
+        attention_head_chunks: ring attention runs over ``n_kv_head / attention_head_chunks``
+            key/value heads (with their query heads) at a time, forward and backward: the
+            same result, with the block kernels' and the ring's fp32 accumulators and
+            messages that many times smaller (a full ring pass per chunk). Must divide
+            ``n_kv_head``; 1 (default): all heads at once. For very long shards per rank,
+            where ``longctx.memory.estimate`` shows the attention backward's buffers.
     """
 
     activation_checkpointing: str = "none"
@@ -134,6 +149,7 @@ class ParallelPlan:
     loss_chunk_size: int = 4096
     offload_activations: Union[bool, int] = False
     mlp_tile_size: Optional[int] = None
+    attention_head_chunks: int = 1
 
     def __post_init__(self) -> None:
         ac = self.activation_checkpointing
@@ -158,6 +174,7 @@ class ParallelPlan:
         from .tiled import check_tile_size
 
         check_tile_size(self.mlp_tile_size)
+        check_head_chunks(self.attention_head_chunks)
 
     def check_device(self, device) -> None:
         """Raise ``ValueError`` (one line) where ``attention_backend`` cannot run on ``device``
@@ -231,7 +248,8 @@ def parallelize(model: nn.Module, dims: Optional[ParallelDims] = None,
 
     cores = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
     for core in cores:
-        core.configure(cp=dims.cp, kind=plan.cp_attention, backend=plan.attention_backend)
+        core.configure(cp=dims.cp, kind=plan.cp_attention, backend=plan.attention_backend,
+                       head_chunks=plan.attention_head_chunks)
     if not cores:
         _hand_over_to_hf(model, dims.cp, plan)
 
@@ -253,6 +271,9 @@ def _hand_over_to_hf(model: nn.Module, cp: CPContext, plan: ParallelPlan) -> Non
                     f"{type(m).__name__} was loaded with attn_implementation={impl!r} but the plan asks for "
                     f"cp_attention={plan.cp_attention!r}"
                 )
+            if plan.attention_head_chunks != 1:
+                raise ValueError(f"attention_head_chunks={plan.attention_head_chunks} is not supported for "
+                                 f"Hugging Face models ({type(m).__name__}); leave it at 1")
             from . import hf
 
             hf.set_context_parallel_group(m, cp.group, layout=cp.layout, backend=plan.attention_backend)

@@ -287,169 +287,256 @@ def _check_group_agrees(table: torch.Tensor, name: str) -> None:
     )
 
 
+def check_head_chunks(chunks, n_kv_head: Optional[int] = None) -> None:
+    """``attention_head_chunks``: a positive int dividing the key/value head count."""
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise ValueError(f"attention_head_chunks must be a positive int, got {chunks!r}")
+    if n_kv_head is not None and n_kv_head % chunks:
+        raise ValueError(f"attention_head_chunks={chunks} must divide the {n_kv_head} key/value heads "
+                         "(each chunk takes whole GQA groups)")
+
+
+def _head_groups(n_head: int, n_kv_head: int, chunks: int) -> list[tuple[slice, slice]]:
+    """(query heads, key/value heads) of each of ``chunks`` groups of whole GQA groups."""
+    kv_per, group = n_kv_head // chunks, n_head // n_kv_head
+    return [(slice(c * kv_per * group, (c + 1) * kv_per * group), slice(c * kv_per, (c + 1) * kv_per))
+            for c in range(chunks)]
+
+
+def _heads(t: torch.Tensor, index: slice, whole: bool) -> torch.Tensor:
+    """``t``'s heads ``index`` (dim 2) as a dense tensor: a copy of one group's share, so
+    the kernels and the ring's messages see the layout they see without chunks."""
+    return t if whole else t[:, :, index].contiguous()
+
+
+def _by_head_groups(q, k, v, chunks, run):
+    """``run(q_heads, k_heads, v_heads, group_index) -> (out, lse, *kept)`` for each head
+    group, one after the other; outputs written into full-size ``out``/``lse``. One
+    group's buffers (the kernels' and the ring's fp32 accumulators, messages) exist at a
+    time, so their peak is 1/chunks of attention over all heads at once."""
+    if chunks == 1:
+        out, lse, *kept = run(q, k, v, 0)
+        return out, lse, [kept]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = None
+    kept = []
+    for g, (hs, ks) in enumerate(_head_groups(q.shape[2], k.shape[2], chunks)):
+        out_g, lse_g, *kept_g = run(_heads(q, hs, False), _heads(k, ks, False), _heads(v, ks, False), g)
+        if lse is None:
+            lse = torch.empty((*lse_g.shape[:1], q.shape[2], *lse_g.shape[2:]), dtype=lse_g.dtype,
+                              device=lse_g.device)
+        out[:, :, hs] = out_g
+        lse[:, hs] = lse_g
+        kept.append(kept_g)
+        del out_g, lse_g
+    return out, lse, kept
+
+
+def _grads_by_head_groups(dout, q, k, v, out, lse, chunks, run):
+    """``run(dout_h, q_h, k_h, v_h, out_h, lse_h, group_index) -> (dq_h, dk_h, dv_h)`` per
+    head group, written into full-size gradients (see ``_by_head_groups``)."""
+    if chunks == 1:
+        return run(dout, q, k, v, out, lse, 0)
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    for g, (hs, ks) in enumerate(_head_groups(q.shape[2], k.shape[2], chunks)):
+        grads = run(_heads(dout, hs, False), _heads(q, hs, False), _heads(k, ks, False), _heads(v, ks, False),
+                    _heads(out, hs, False), lse[:, hs].contiguous(), g)
+        for dst, index, grad in zip((dq, dk, dv), (hs, ks, ks), grads):
+            dst[:, :, index] = grad
+        del grads
+    return dq, dk, dv
+
+
 class _LocalAttention(torch.autograd.Function):
     """group=None or size 1: plain attention through the same block kernels."""
 
     @staticmethod
-    def forward(ctx, q, k, v, document_ids, causal, scale, backend):
+    def forward(ctx, q, k, v, document_ids, causal, scale, backend, chunks):
         docs = _documents(document_ids, document_ids, ALL, ALL)
-        out, lse = attention_forward(q, k, v, causal=causal, softmax_scale=scale, backend=backend, **docs)
+
+        def run(q_h, k_h, v_h, g):
+            return attention_forward(q_h, k_h, v_h, causal=causal, softmax_scale=scale, backend=backend, **docs)
+
+        out, lse, _ = _by_head_groups(q, k, v, chunks, run)
         ctx.save_for_backward(q, k, v, out, lse, document_ids)
-        ctx.args = (causal, scale, backend)
+        ctx.args = (causal, scale, backend, chunks)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, document_ids = ctx.saved_tensors
-        causal, scale, backend = ctx.args
-        dq, dk, dv = attention_backward(
-            dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, backend=backend,
-            **_documents(document_ids, document_ids, ALL, ALL),
+        causal, scale, backend, chunks = ctx.args
+        docs = _documents(document_ids, document_ids, ALL, ALL)
+
+        def run(dout_h, q_h, k_h, v_h, out_h, lse_h, g):
+            return attention_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, causal=causal, softmax_scale=scale,
+                                      backend=backend, **docs)
+
+        dq, dk, dv = _grads_by_head_groups(dout, q, k, v, out, lse, chunks, run)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _ring_forward(q, k, v, document_ids, comm, scale, backends, blocks):
+    """One pass of the forward ring: ``(out, lse, kept K/V, kept ids)``."""
+    world = comm.world_size
+    acc_dtype = _accumulator_dtype(q.dtype)
+    # Double buffer, allocated once per call as two tensors, so that keeping the last
+    # slot for the backward does not keep the other alive. Slot = [k, v]: one message
+    # per hop (plus the shard's document ids, posted in the same batch).
+    slots = [torch.empty((2, *k.shape), dtype=k.dtype, device=k.device) for _ in range(2)]
+    slots[0][0].copy_(k)
+    slots[0][1].copy_(v)
+    id_slots = [None, None]
+    if document_ids is not None:
+        id_slots = [document_ids.clone(memory_format=torch.contiguous_format),
+                    torch.empty_like(document_ids, memory_format=torch.contiguous_format)]
+    out: Optional[torch.Tensor] = None
+    lse: Optional[torch.Tensor] = None
+    for step in range(world):
+        current, current_ids = slots[step % 2], id_slots[step % 2]
+        # Post the next hop before computing, so the transfer overlaps this block. A
+        # skipped block's K/V travel on all the same: the next rank may need them.
+        pending = None
+        if step + 1 < world:
+            nxt = (step + 1) % 2
+            pending = (comm.shift(current, slots[nxt]) if document_ids is None
+                       else comm.shift((current, current_ids), (slots[nxt], id_slots[nxt])))
+        if blocks[step] is not None:
+            rows, cols, masked, needs_ids = blocks[step]
+            block_backend = backends[needs_ids]
+            out_b, lse_b = attention_forward(
+                q[:, rows], current[0][:, cols], current[1][:, cols],
+                causal=masked, softmax_scale=scale, backend=block_backend,
+                out_dtype=_partial_dtype(block_backend, acc_dtype),
+                **_documents(document_ids, current_ids, rows, cols, needs_ids),
+            )
+            if out is None:
+                # Step 0 always covers every local query row (diagonal or full block).
+                # Dense (B, S, H, D) whatever layout the kernel wrote: the merges, the
+                # model's reshape and the vendor backward (which copies a dO strided
+                # unlike O) then all see one layout. A no-op for our fp32 partials.
+                out = out_b.to(acc_dtype, memory_format=torch.contiguous_format)
+                lse = lse_b.to(acc_dtype)
+            else:
+                merge_partials_(out[:, rows], lse[:, :, rows], out_b, lse_b)
+        if pending is not None:
+            pending.wait()
+
+    # rank+1's K/V shard (step P-1): the backward's first block, already here.
+    last = (world - 1) % 2
+    return out.to(q.dtype), lse, slots[last], id_slots[last]
+
+
+def _ring_backward(dout, q, k, v, out, lse, last_kv, document_ids, last_ids, comm, scale, backends, blocks):
+    """One pass of the backward ring: ``(dq, dk, dv)``."""
+    world = comm.world_size
+    acc_dtype = _accumulator_dtype(q.dtype)
+
+    # delta = rowsum(dO * O) once per layer, not once per block (None where every block
+    # runs on vendor kernels, which recompute it inside and ignore a given one).
+    used = {backends[b[3]] for b in blocks if b is not None}
+    delta_backend = next((b for b in used if b not in VENDOR_BACKENDS), next(iter(used)))
+    delta = attention_delta(out, dout, backend=delta_backend)
+    dq = torch.empty(q.shape, dtype=acc_dtype, device=q.device)
+    dq_fresh = True  # no block has written dq yet
+
+    def block_grads(step, block_k, block_v, block_ids):
+        """Adds this step's dQ; returns (kv rows, dK, dV) of the block, or None. The
+        last block (step 0) returns dQ finished in q's dtype as a fourth item."""
+        nonlocal dq_fresh
+        if blocks[step] is None:
+            return None
+        rows, cols, masked, needs_ids = blocks[step]
+        block_backend = backends[needs_ids]
+        dq_b, dk_b, dv_b = attention_backward(
+            dout[:, rows], q[:, rows], block_k[:, cols], block_v[:, cols],
+            out[:, rows], lse[:, :, rows],
+            causal=masked, softmax_scale=scale, backend=block_backend,
+            delta=None if delta is None else delta[:, :, rows],
+            grad_dtype=_partial_dtype(block_backend, acc_dtype),
+            **_documents(document_ids, block_ids, rows, cols, needs_ids),
         )
-        return dq, dk, dv, None, None, None, None
+        if step == 0:
+            return cols, dk_b, dv_b, _finish(dq, rows, dq_b, dq_fresh, q.dtype)
+        _add_into(dq, rows, dq_b, dq_fresh)
+        dq_fresh = False
+        return cols, dk_b, dv_b
+
+    # Steps P-1, ..., 1 (K/V of ranks r+1, r+2, ..., r-1), then the diagonal (step 0).
+    # K/V (and their document ids) arrive from rank+1 into two receive buffers (the
+    # kept shard is never overwritten: a second backward with retain_graph=True must
+    # find it intact). dK/dV accumulators go to rank-1, double-buffered.
+    recv_kv = [torch.empty_like(last_kv) if world > 2 else None,
+               torch.empty_like(last_kv) if world > 3 else None]
+    recv_ids = [None, None]
+    if document_ids is not None:
+        recv_ids = [torch.empty_like(last_ids) if world > 2 else None,
+                    torch.empty_like(last_ids) if world > 3 else None]
+    dkv = [torch.empty((2, *k.shape), dtype=acc_dtype, device=k.device) for _ in range(2)]
+    dkv_pending = None
+    for i, step in enumerate(range(world - 1, 0, -1)):
+        current = last_kv if i == 0 else recv_kv[(i - 1) % 2]
+        current_ids = last_ids if i == 0 else recv_ids[(i - 1) % 2]
+        # Post the next block's K/V before computing this one.
+        kv_pending = None
+        if step > 1:
+            kv_pending = (comm.shift_back(current, recv_kv[i % 2]) if document_ids is None
+                          else comm.shift_back((current, current_ids), (recv_kv[i % 2], recv_ids[i % 2])))
+        grads = block_grads(step, current[0], current[1], current_ids)
+        acc = dkv[i % 2]
+        fresh = dkv_pending is None  # this rank is the block's first contributor
+        if not fresh:
+            dkv_pending.wait()  # rank+1's partial sums for this block have arrived
+        if grads is not None:
+            cols, dk_b, dv_b = grads
+            _add_into(acc[0], cols, dk_b, fresh)
+            _add_into(acc[1], cols, dv_b, fresh)
+        elif fresh:
+            acc.zero_()
+        # Pass the partial sums on; the hop after step 1 takes them to the block's owner.
+        dkv_pending = comm.shift_back(acc, dkv[(i + 1) % 2])
+        if kv_pending is not None:
+            kv_pending.wait()
+    # The diagonal block (which every rank has: step 0 is never skipped) runs while
+    # this shard's accumulated dK/dV travel home.
+    cols, dk_b, dv_b, dq_out = block_grads(0, k, v, document_ids)
+    dkv_pending.wait()
+    home = dkv[(world - 1) % 2]
+    dk_out = _finish(home[0], cols, dk_b, False, k.dtype)
+    dv_out = _finish(home[1], cols, dv_b, False, v.dtype)
+    return dq_out, dk_out, dv_out
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, document_ids, group, causal, scale, backend, blocks):
+    def forward(ctx, q, k, v, document_ids, group, causal, scale, backend, blocks, chunks):
         comm = RingExchange(group)
-        world = comm.world_size
-        acc_dtype = _accumulator_dtype(q.dtype)
         # Blocks inside one document run on the plain kernels (cuDNN on GPUs), the others on
         # the document-masked ones.
         backends = (resolve_backend(backend, q, k, causal),
                     resolve_backend(backend, q, k, causal, documents=True) if document_ids is not None else None)
 
-        # Double buffer, allocated once per call as two tensors, so that keeping the last
-        # slot for the backward does not keep the other alive. Slot = [k, v]: one message
-        # per hop (plus the shard's document ids, posted in the same batch).
-        slots = [torch.empty((2, *k.shape), dtype=k.dtype, device=k.device) for _ in range(2)]
-        slots[0][0].copy_(k)
-        slots[0][1].copy_(v)
-        id_slots = [None, None]
-        if document_ids is not None:
-            id_slots = [document_ids.clone(memory_format=torch.contiguous_format),
-                        torch.empty_like(document_ids, memory_format=torch.contiguous_format)]
-        out: Optional[torch.Tensor] = None
-        lse: Optional[torch.Tensor] = None
-        for step in range(world):
-            current, current_ids = slots[step % 2], id_slots[step % 2]
-            # Post the next hop before computing, so the transfer overlaps this block. A
-            # skipped block's K/V travel on all the same: the next rank may need them.
-            pending = None
-            if step + 1 < world:
-                nxt = (step + 1) % 2
-                pending = (comm.shift(current, slots[nxt]) if document_ids is None
-                           else comm.shift((current, current_ids), (slots[nxt], id_slots[nxt])))
-            if blocks[step] is not None:
-                rows, cols, masked, needs_ids = blocks[step]
-                block_backend = backends[needs_ids]
-                out_b, lse_b = attention_forward(
-                    q[:, rows], current[0][:, cols], current[1][:, cols],
-                    causal=masked, softmax_scale=scale, backend=block_backend,
-                    out_dtype=_partial_dtype(block_backend, acc_dtype),
-                    **_documents(document_ids, current_ids, rows, cols, needs_ids),
-                )
-                if out is None:
-                    # Step 0 always covers every local query row (diagonal or full block).
-                    # Dense (B, S, H, D) whatever layout the kernel wrote: the merges, the
-                    # model's reshape and the vendor backward (which copies a dO strided
-                    # unlike O) then all see one layout. A no-op for our fp32 partials.
-                    out = out_b.to(acc_dtype, memory_format=torch.contiguous_format)
-                    lse = lse_b.to(acc_dtype)
-                else:
-                    merge_partials_(out[:, rows], lse[:, :, rows], out_b, lse_b)
-            if pending is not None:
-                pending.wait()
+        def run(q_h, k_h, v_h, g):
+            return _ring_forward(q_h, k_h, v_h, document_ids, comm, scale, backends, blocks)
 
-        result = out.to(q.dtype)
-        # rank+1's K/V shard (step P-1): the backward's first block, already here.
-        last = (world - 1) % 2
-        ctx.save_for_backward(q, k, v, result, lse, slots[last], document_ids, id_slots[last])
-        ctx.args = (group, causal, scale, backends, blocks)
-        return result
+        out, lse, kept = _by_head_groups(q, k, v, chunks, run)
+        kept_ids = kept[0][1]  # the same ids travelled with every group's K/V
+        ctx.save_for_backward(q, k, v, out, lse, document_ids, kept_ids, *(kv for kv, _ in kept))
+        ctx.args = (group, scale, backends, blocks, chunks)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, last_kv, document_ids, last_ids = ctx.saved_tensors
-        group, causal, scale, backends, blocks = ctx.args
+        q, k, v, out, lse, document_ids, kept_ids, *kept_kv = ctx.saved_tensors
+        group, scale, backends, blocks, chunks = ctx.args
         comm = RingExchange(group)
-        world = comm.world_size
-        acc_dtype = _accumulator_dtype(q.dtype)
 
-        # delta = rowsum(dO * O) once per layer, not once per block (None where every block
-        # runs on vendor kernels, which recompute it inside and ignore a given one).
-        used = {backends[b[3]] for b in blocks if b is not None}
-        delta_backend = next((b for b in used if b not in VENDOR_BACKENDS), next(iter(used)))
-        delta = attention_delta(out, dout, backend=delta_backend)
-        dq = torch.empty(q.shape, dtype=acc_dtype, device=q.device)
-        dq_fresh = True  # no block has written dq yet
+        def run(dout_h, q_h, k_h, v_h, out_h, lse_h, g):
+            return _ring_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, kept_kv[g], document_ids, kept_ids, comm,
+                                  scale, backends, blocks)
 
-        def block_grads(step, block_k, block_v, block_ids):
-            """Adds this step's dQ; returns (kv rows, dK, dV) of the block, or None. The
-            last block (step 0) returns dQ finished in q's dtype as a fourth item."""
-            nonlocal dq_fresh
-            if blocks[step] is None:
-                return None
-            rows, cols, masked, needs_ids = blocks[step]
-            block_backend = backends[needs_ids]
-            dq_b, dk_b, dv_b = attention_backward(
-                dout[:, rows], q[:, rows], block_k[:, cols], block_v[:, cols],
-                out[:, rows], lse[:, :, rows],
-                causal=masked, softmax_scale=scale, backend=block_backend,
-                delta=None if delta is None else delta[:, :, rows],
-                grad_dtype=_partial_dtype(block_backend, acc_dtype),
-                **_documents(document_ids, block_ids, rows, cols, needs_ids),
-            )
-            if step == 0:
-                return cols, dk_b, dv_b, _finish(dq, rows, dq_b, dq_fresh, q.dtype)
-            _add_into(dq, rows, dq_b, dq_fresh)
-            dq_fresh = False
-            return cols, dk_b, dv_b
-
-        # Steps P-1, ..., 1 (K/V of ranks r+1, r+2, ..., r-1), then the diagonal (step 0).
-        # K/V (and their document ids) arrive from rank+1 into two receive buffers (the
-        # kept shard is never overwritten: a second backward with retain_graph=True must
-        # find it intact). dK/dV accumulators go to rank-1, double-buffered.
-        recv_kv = [torch.empty_like(last_kv) if world > 2 else None,
-                   torch.empty_like(last_kv) if world > 3 else None]
-        recv_ids = [None, None]
-        if document_ids is not None:
-            recv_ids = [torch.empty_like(last_ids) if world > 2 else None,
-                        torch.empty_like(last_ids) if world > 3 else None]
-        dkv = [torch.empty((2, *k.shape), dtype=acc_dtype, device=k.device) for _ in range(2)]
-        dkv_pending = None
-        for i, step in enumerate(range(world - 1, 0, -1)):
-            current = last_kv if i == 0 else recv_kv[(i - 1) % 2]
-            current_ids = last_ids if i == 0 else recv_ids[(i - 1) % 2]
-            # Post the next block's K/V before computing this one.
-            kv_pending = None
-            if step > 1:
-                kv_pending = (comm.shift_back(current, recv_kv[i % 2]) if document_ids is None
-                              else comm.shift_back((current, current_ids), (recv_kv[i % 2], recv_ids[i % 2])))
-            grads = block_grads(step, current[0], current[1], current_ids)
-            acc = dkv[i % 2]
-            fresh = dkv_pending is None  # this rank is the block's first contributor
-            if not fresh:
-                dkv_pending.wait()  # rank+1's partial sums for this block have arrived
-            if grads is not None:
-                cols, dk_b, dv_b = grads
-                _add_into(acc[0], cols, dk_b, fresh)
-                _add_into(acc[1], cols, dv_b, fresh)
-            elif fresh:
-                acc.zero_()
-            # Pass the partial sums on; the hop after step 1 takes them to the block's owner.
-            dkv_pending = comm.shift_back(acc, dkv[(i + 1) % 2])
-            if kv_pending is not None:
-                kv_pending.wait()
-        # The diagonal block (which every rank has: step 0 is never skipped) runs while
-        # this shard's accumulated dK/dV travel home.
-        cols, dk_b, dv_b, dq_out = block_grads(0, k, v, document_ids)
-        dkv_pending.wait()
-        home = dkv[(world - 1) % 2]
-        dk_out = _finish(home[0], cols, dk_b, False, k.dtype)
-        dv_out = _finish(home[1], cols, dv_b, False, v.dtype)
-        return dq_out, dk_out, dv_out, None, None, None, None, None, None
+        dq, dk, dv = _grads_by_head_groups(dout, q, k, v, out, lse, chunks, run)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -463,6 +550,7 @@ def ring_attention(
     softmax_scale: Optional[float] = None,
     backend: str = "auto",
     document_ids: Optional[torch.Tensor] = None,
+    head_chunks: int = 1,
 ) -> torch.Tensor:
     """Exact attention of this rank's query shard over the whole sharded sequence.
 
@@ -475,9 +563,15 @@ def ring_attention(
     global). Ids travel around the ring with their K/V shard; a ring step whose query and
     key rows share no document computes nothing (decided from per-half id ranges
     exchanged in the per-call input check, so no extra host sync).
+
+    ``head_chunks``: run the whole ring (forward, and backward) for ``Hkv / head_chunks``
+    key/value heads (and their query heads) at a time. Same result; the kernels' and the
+    ring's fp32 accumulators, the messages and their buffers shrink by that factor (a
+    memory knob: each chunk is a full ring pass, P - 1 more hops of smaller messages).
     """
     world, document_ranges = check_cp_inputs(q, k, v, group, layout, name="ring_attention",
                                              causal=causal, document_ids=document_ids)
+    check_head_chunks(head_chunks, k.shape[2])
     if world == 1:
         # One host read per call: a sequence that is one document needs no mask (and then
         # runs on the plain kernels, cuDNN on GPUs).
@@ -485,9 +579,10 @@ def ring_attention(
             low, high = torch.stack(torch.aminmax(document_ids)).tolist()
             if low == high:
                 document_ids = None
-        return _LocalAttention.apply(q, k, v, document_ids, causal, softmax_scale, backend)
+        return _LocalAttention.apply(q, k, v, document_ids, causal, softmax_scale, backend, head_chunks)
     if document_ids is not None and _one_document(document_ranges):
         document_ids = None  # the same decision on every rank (same table): no ids travel
         document_ranges = None
     blocks = _ring_blocks(dist.get_rank(group), world, layout, causal, q.shape[1], document_ranges)
-    return _RingAttention.apply(q, k, v, document_ids, group, causal, softmax_scale, backend, blocks)
+    return _RingAttention.apply(q, k, v, document_ids, group, causal, softmax_scale, backend, blocks,
+                                head_chunks)

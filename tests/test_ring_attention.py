@@ -347,3 +347,59 @@ def test_ring_finish_last_contribution():
         fresh_want[:, index] = x.float()
         got = _finish(torch.full((1, 6, 2, 4), float("nan")), index, x, True, torch.bfloat16)
         assert torch.equal(got, fresh_want.bfloat16()), index
+
+
+def _head_chunks_vs_reference(rank, world, seed):
+    """attention_head_chunks: the ring runs once per group of K/V heads; out and grads
+    (gathered) against float64, plain and document-masked, GQA and MHA; and each chunk
+    sends its own (smaller) messages."""
+    import functools
+
+    from test_ring_documents import document_ids
+
+    errors = []
+    for i, (hq, hkv, chunks, docs) in enumerate([(4, 2, 2, False), (8, 4, 4, False), (4, 4, 2, True),
+                                                (6, 2, 2, True)]):
+        g = torch.Generator().manual_seed(seed + i)
+        seq, b, d = 5 * 2 * world, 2, 8
+        q, dout = (torch.randn(b, seq, hq, d, generator=g) for _ in range(2))
+        k, v = (torch.randn(b, seq, hkv, d, generator=g) for _ in range(2))
+        ids = document_ids("short", b, seq, g) if docs else None
+        attention = functools.partial(ring_attention, head_chunks=chunks, backend="torch")
+        for name, err in run_case(attention, dist.group.WORLD if world > 1 else None, rank, world, "zigzag",
+                                  True, q, k, v, dout, documents=ids):
+            errors.append(((hq, hkv, chunks, docs), name, err))
+    sends = []
+    real = dist.batch_isend_irecv
+
+    def counting(ops):
+        sends.extend(op.tensor.numel() for op in ops if op.op is dist.isend)
+        return real(ops)
+
+    if world > 1:
+        qs, ks, vs = (torch.randn(1, 8, h, 4, requires_grad=True) for h in (4, 2, 2))
+        dist.batch_isend_irecv = counting
+        try:
+            ring_attention(qs, ks, vs, group=dist.group.WORLD, head_chunks=2).sum().backward()
+        finally:
+            dist.batch_isend_irecv = real
+    return errors, sends
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_head_chunks_match_float64_reference(world):
+    seed = random.randrange(1 << 30)
+    errors, sends = run_distributed(_head_chunks_vs_reference, world, seed)[0]
+    bad = [f"{case} {name}: {err:.2e}" for case, name, err in errors if not err < 1e-5]
+    assert len(errors) == 16 and not bad, f"seed={seed} P={world}:\n" + "\n".join(bad)
+    if world > 1:
+        half_shard = 2 * 1 * 8 * 1 * 4  # k and v of one local shard, one of two K/V heads
+        assert sends == [half_shard] * (2 * ((world - 1) + (world - 2) + (world - 1)))
+
+
+def test_head_chunks_are_validated():
+    q, k = torch.randn(1, 4, 4, 8), torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="attention_head_chunks=4 must divide the 2 key/value heads"):
+        ring_attention(q, k, k, head_chunks=4)
+    with pytest.raises(ValueError, match="attention_head_chunks must be a positive int, got 0"):
+        ring_attention(q, k, k, head_chunks=0)
