@@ -191,21 +191,22 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     shard = world if fsdp else 1
 
     # ---- one layer's tensors saved for the backward when nothing is checkpointed (per token)
-    norm = (r * d if r == 2 else 0) + 4 * d if not fused else 0  # fp32 normalised copy (+ bf16 one)
+    norm = 4 if not fused else 0  # RMSNorm saves its input (alive anyway) and an fp32 rstd
     casts_attn = 3 * 2 * d if (r == 4 and a == 2) else r * d  # each linear saves its own bf16 cast
     casts_mlp = 2 * 2 * d if (r == 4 and a == 2) else r * d
     rope = 0  # RoPE's products save only the (shared) cos/sin tables
     attn = a * (q + 2 * kv) + a * q + 4 * hq  # q, k, v, output, fp32 LSE
     ring_kept = 2 * a * kv if cp > 1 else 0  # rank+1's K/V shard, kept for the backward
-    if tiled:
-        mlp, casts_mlp = 0, r * d  # the tiled function saves only its input
+    mlp_norm = norm
+    if tiled:  # norm and MLP in one tiled function: it saves only its input (residual_mid)
+        mlp, casts_mlp, mlp_norm = 0, 0, 0
     else:
         mlp = (3 if fused else 4) * a * F
     block_input = r * d
     residual_mid = r * d
-    none_layer = (block_input + norm + casts_attn + rope + attn + ring_kept + residual_mid + norm
+    none_layer = (block_input + norm + casts_attn + rope + attn + ring_kept + residual_mid + mlp_norm
                   + casts_mlp + mlp)
-    mlp_part = norm + casts_mlp + mlp  # freed once the MLP's backward is done
+    mlp_part = mlp_norm + casts_mlp + mlp  # freed once the MLP's backward is done
     saved_layer = {
         "full": block_input,
         "selective": block_input + a * (q + 2 * kv) + a * q + 4 * hq + ring_kept,
@@ -217,29 +218,36 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     if tiled:
         t = min(tile, T)
         mlp_bwd_tokens = 0
-        mlp_bwd_fixed = t * ((3 if fused else 4) * a * F + 2 * a * F + 2 * a * d) + 3 * d * F * 4 + a * d * T
+        mlp_bwd_fixed = t * ((3 if fused else 4) * a * F + 2 * a * F + 2 * a * d + 4 * d) + 3 * d * F * 4 + a * d * T
     else:
         # down_proj's input gradient, then the product's two: the product itself is freed by then
         mlp_bwd_tokens, mlp_bwd_fixed = 2 * a * F, 0
     group = hq // s.hkv
     if mixed and group > 1 and attention_kernel == "cudnn":  # cuDNN takes no GQA: K/V expanded
-        attn_bwd = 2 * a * q + 3 * a * q + 8 * q + 8 * kv
+        kernel = 2 * a * q + 2 * a * q + 8 * q + 8 * kv
     else:
-        attn_bwd = 3 * a * q + 4 * q + 8 * kv
+        kernel = 2 * a * q + 4 * q + 8 * kv
     if cp > 1:
-        attn_bwd += 4 * q + 2 * 2 * a * kv + 2 * 2 * 4 * kv + 4 * hq  # dQ fp32, K/V + dK/dV buffers
+        kernel += 4 * q + 2 * 2 * a * kv + 2 * 2 * 4 * kv + 4 * hq  # dQ fp32, K/V + dK/dV buffers
         if plan.cp_attention == "ulysses":
-            attn_bwd += 2 * a * (2 * q + 2 * kv)
+            kernel += 2 * a * (2 * q + 2 * kv)
+    chunks = plan.attention_head_chunks
+    attn_bwd = a * q + kernel / chunks  # dO, then the kernels' and the ring's buffers of one head group
+    if chunks > 1:  # full-size dQ/dK/dV, and one group's dense copies of dO, q, k, v, out
+        attn_bwd += a * (q + 2 * kv) + a * (3 * q + 2 * kv) / chunks
     layer_live_mlp = (none_layer - block_input + grad_io + mlp_bwd_tokens) * T + mlp_bwd_fixed
     layer_live_attn = (none_layer - block_input - mlp_part + grad_io + attn_bwd) * T
     layer_live = max(layer_live_mlp, layer_live_attn)
     if ckpt == "none":  # the layer's tensors are already counted in the saved ones
         layer_live -= saved_layer * T
 
-    # ---- offload: the first n layers' saved tensors in host memory, one layer in flight
+    # ---- offload: the first n layers' saved tensors in host memory. In the backward an
+    # offloaded layer's tensors come back while the next one's are prefetched: two layers
+    # on the GPU from block n on (one of them the last kept block's) down to block 0.
     n_off = _offload_layers(plan.offload_activations, s.L)
     per_layer_saved = saved_layer * T
-    in_flight = per_layer_saved if n_off else 0
+    last_layers = s.L - n_off if n_off == 0 else max(s.L - n_off, 2)  # at the last layer's backward
+    first_layers = 2 if n_off else 1  # late in the backward, with (nearly) every gradient
 
     # ---- loss: one chunk's fp32 logits, their log-softmax, gradients; hidden + its grad
     c = min(plan.loss_chunk_size, T)
@@ -282,19 +290,18 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
         items = dict(gpu_static)
         items["gradients"] = grads
         items["bf16_working_weights"] = working
-        items["saved_block_inputs"] = saved_layers * per_layer_saved + in_flight
+        items["saved_block_inputs"] = saved_layers * per_layer_saved
         items["rope_tables"] = 4 * s.hd * T
         items[transient_name] = transient
         items.update(extra or {})
         return name, {k: int(v) for k, v in items.items() if v}
 
-    last_saved_on_gpu = max(saved_gpu_layers, 1 if n_off == 0 else 0)
     phases = [
         phase("the loss backward", saved_gpu_layers, gpu_head_grad, work_fwd_end, "loss_chunk", loss_chunk,
               {"final_hidden": hidden}),
-        phase("the last layer's backward", last_saved_on_gpu, gpu_head_grad, work_bwd, "layer_recompute_backward",
+        phase("the last layer's backward", last_layers, gpu_head_grad, work_bwd, "layer_recompute_backward",
               layer_live, {"residual_grad": r * d * T}),
-        phase("the first layer's backward", 1, gpu_grads_all, work_bwd, "layer_recompute_backward", layer_live,
+        phase("the first layer's backward", first_layers, gpu_grads_all, work_bwd, "layer_recompute_backward", layer_live,
               {"residual_grad": r * d * T}),
         phase("the optimizer step", 0, gpu_grads_all, 0, "optimizer_temporaries", 4 * N // shard if not cpu_offload
               else 0),
@@ -386,24 +393,30 @@ def _fix(config, seq_len, kw, plan, gpu_total, host_total) -> str:
                                               else " with activation_checkpointing='full'"),
                       ParallelPlan.from_dict({**dataclasses.asdict(full), "mlp_tile_size": 8192})))
     tiled = ParallelPlan.from_dict({**dataclasses.asdict(full), "mlp_tile_size": plan.mlp_tile_size or 8192})
+    if plan.cp_attention == "ring":
+        tiled = dataclasses.replace(tiled, attention_head_chunks=_shape(config).hkv)
     for p_name, p in tries:
         e = ok(p)
         if e:
             return f"set ParallelPlan({p_name}) (predicted {e.gpu_bytes / GiB:.1f} GiB)"
     n_layer = _shape(config).L
+    settings = (f"activation_checkpointing='full', mlp_tile_size={tiled.mlp_tile_size}"
+                + (f", attention_head_chunks={tiled.attention_head_chunks}" if tiled.attention_head_chunks > 1 else ""))
+    e = ok(tiled)
+    if e:
+        return f"set ParallelPlan({settings}) (predicted {e.gpu_bytes / GiB:.1f} GiB)"
     for n in range(1, n_layer + 1):
-        p = ParallelPlan.from_dict({**dataclasses.asdict(tiled), "offload_activations": n})
+        p = dataclasses.replace(tiled, offload_activations=n)
         e = ok(p)
         if e:
-            return (f"set ParallelPlan(activation_checkpointing='full', mlp_tile_size={tiled.mlp_tile_size}, "
-                    f"offload_activations={n}) (predicted {e.gpu_bytes / GiB:.1f} GiB GPU, "
-                    f"{e.host_bytes / GiB:.1f} GiB host)")
+            return (f"set ParallelPlan({settings}, offload_activations={n}) (predicted {e.gpu_bytes / GiB:.1f} GiB "
+                    f"GPU, {e.host_bytes / GiB:.1f} GiB host)")
     cp = kw["cp"]
     for bigger in (2 * cp, 4 * cp, 8 * cp, 16 * cp, 32 * cp):
         e = ok(tiled, cp=bigger)
         if e:
-            return (f"use a context-parallel size of {bigger} (with activation_checkpointing='full', "
-                    f"mlp_tile_size={tiled.mlp_tile_size}: predicted {e.gpu_bytes / GiB:.1f} GiB per GPU)")
+            return (f"use a context-parallel size of {bigger} (with {settings}: predicted "
+                    f"{e.gpu_bytes / GiB:.1f} GiB per GPU)")
     return "shorten the sequence or use more GPUs"
 
 
@@ -413,10 +426,12 @@ DEFAULT_MLP_TILE = 8192  # tokens per MLP tile where tiling is switched on for m
 def fitting_plan(config: Any, seq_len: int, *, plan=None, gpu_total: int, host_total: Optional[int] = None,
                  **kw) -> Optional[Any]:
     """The cheapest plan predicted to fit: ``plan`` itself, else with the MLP tiled
-    (``DEFAULT_MLP_TILE``), else tiled with the saved inputs of the first n blocks offloaded
-    to host memory for the smallest such n. Only settings ``plan`` leaves at their defaults
-    (untiled, no offload) are changed; None where even every block offloaded does not fit.
-    ``kw``: the rest of ``estimate``'s arguments (cp, dp, data_parallel, ...)."""
+    (``DEFAULT_MLP_TILE``), else also with the fewest attention head chunks that fit (ring
+    attention only), else with the most chunks and the saved inputs of the first n blocks
+    offloaded to host memory for the smallest such n. Only settings ``plan`` leaves at
+    their defaults (untiled, one chunk, no offload) are changed; None where even every
+    block offloaded does not fit. ``kw``: the rest of ``estimate``'s arguments (cp, dp,
+    data_parallel, ...)."""
     plan = _plan(plan)
 
     def gpu_ok(p):
@@ -431,6 +446,12 @@ def fitting_plan(config: Any, seq_len: int, *, plan=None, gpu_total: int, host_t
     tiled = plan if plan.mlp_tile_size is not None else dataclasses.replace(plan, mlp_tile_size=DEFAULT_MLP_TILE)
     if tiled is not plan and fits(tiled):
         return tiled
+    if plan.attention_head_chunks == 1 and plan.cp_attention == "ring":
+        n_kv = _shape(config).hkv
+        for chunks in (c for c in range(2, n_kv + 1) if n_kv % c == 0):
+            tiled = dataclasses.replace(tiled, attention_head_chunks=chunks)
+            if fits(tiled):
+                return tiled
     if plan.offload_activations is not False:
         return None  # the user chose how much to offload
     n_layer = _shape(config).L

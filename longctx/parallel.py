@@ -248,8 +248,7 @@ def parallelize(model: nn.Module, dims: Optional[ParallelDims] = None,
 
     cores = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
     for core in cores:
-        core.configure(cp=dims.cp, kind=plan.cp_attention, backend=plan.attention_backend,
-                       head_chunks=plan.attention_head_chunks)
+        core.configure(cp=dims.cp, kind=plan.cp_attention, backend=plan.attention_backend)
     if not cores:
         _hand_over_to_hf(model, dims.cp, plan)
 
@@ -287,8 +286,9 @@ def _hand_over_to_hf(model: nn.Module, cp: CPContext, plan: ParallelPlan) -> Non
 
 def apply_run_settings(model: nn.Module, plan: ParallelPlan) -> None:
     """The plan's settings that change how the model runs, not its layout (checkpointing,
-    fusion, loss chunk, offload, MLP tiling): attributes only, so they may be applied again
-    after wrapping (CausalLMModule does, where the memory prediction asks for it)."""
+    fusion, loss chunk, offload, MLP tiling, attention head chunks): attributes only, so
+    they may be applied again after wrapping (CausalLMModule does, where the memory
+    prediction asks for it)."""
     ac = plan.activation_checkpointing
     if hasattr(model, "set_activation_checkpointing"):
         model.set_activation_checkpointing(ac)
@@ -308,6 +308,8 @@ def apply_run_settings(model: nn.Module, plan: ParallelPlan) -> None:
         model.set_mlp_tile_size(plan.mlp_tile_size)
     elif plan.mlp_tile_size is not None:
         raise ValueError(f"{type(model).__name__} does not support mlp_tile_size")
+    for core in (m for m in model.modules() if isinstance(m, ContextParallelAttention)):
+        core.configure(head_chunks=plan.attention_head_chunks)
 
 
 def _apply_fsdp(model: nn.Module, dims: ParallelDims) -> None:

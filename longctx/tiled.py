@@ -48,23 +48,26 @@ class _Tiled(torch.autograd.Function):
         ctx.fn, ctx.tile, ctx.shape = fn, tile, x.shape
         ctx.autocast = _autocast_state(x.device.type)
         ctx.save_for_backward(x, *weights)
-        out = None
+        outs = None
         with torch.no_grad():
             for start in range(0, n, tile):
-                y = fn(flat[start:start + tile], *weights)
-                if out is None:
-                    out = torch.empty((n, y.shape[-1]), dtype=y.dtype, device=y.device)
-                out[start:start + y.shape[0]] = y
-        if out is None:  # no tokens
-            out = fn(flat, *weights)
-        return out.view(*x.shape[:-1], out.shape[-1])
+                ys = fn(flat[start:start + tile], *weights)
+                ys = ys if isinstance(ys, tuple) else (ys,)
+                if outs is None:
+                    ctx.single = len(ys) == 1
+                    outs = [torch.empty((n, y.shape[-1]), dtype=y.dtype, device=y.device) for y in ys]
+                for out, y in zip(outs, ys):
+                    out[start:start + y.shape[0]] = y
+                del ys
+        outs = [out.view(*x.shape[:-1], out.shape[-1]) for out in outs]
+        return outs[0] if ctx.single else tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, *grad_outs):
         x, *weights = ctx.saved_tensors
         fn, tile = ctx.fn, ctx.tile
         flat = x.reshape(-1, x.shape[-1])
-        g = grad_out.reshape(-1, grad_out.shape[-1])
+        gs = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grad_outs]
         want_x = ctx.needs_input_grad[2]
         want_w = [ctx.needs_input_grad[3 + i] for i in range(len(weights))]
         dx = torch.empty_like(flat) if want_x else None
@@ -76,17 +79,23 @@ class _Tiled(torch.autograd.Function):
             wt = [w.detach().requires_grad_(want) for w, want in zip(weights, want_w)]
             with torch.enable_grad(), torch.autocast(device_type, dtype=ctx.autocast or torch.bfloat16,
                                                      enabled=ctx.autocast is not None):
-                y = fn(xt, *wt)
+                ys = fn(xt, *wt)
+            ys = ys if isinstance(ys, tuple) else (ys,)
             inputs = ([xt] if want_x else []) + [w for w, want in zip(wt, want_w) if want]
             if not inputs:
                 break
-            grads = list(torch.autograd.grad(y, inputs, g[start:start + y.shape[0]]))
+            pairs = [(y, g[start:start + y.shape[0]]) for y, g in zip(ys, gs) if g is not None]
+            grads = list(torch.autograd.grad([y for y, _ in pairs], inputs, [g for _, g in pairs],
+                                             allow_unused=True))
             if want_x:
-                dx[start:start + y.shape[0]] = grads.pop(0)
+                got = grads.pop(0)
+                dx[start:start + xt.shape[0]] = 0 if got is None else got
             for acc, want in zip(dw, want_w):
                 if want:
-                    acc += grads.pop(0)
-            del y, grads
+                    got = grads.pop(0)
+                    if got is not None:
+                        acc += got
+            del ys, grads, pairs
         dw = [None if acc is None else acc.to(w.dtype) for acc, w in zip(dw, weights)]
         return (None, None, None if dx is None else dx.view(ctx.shape), *dw)
 
@@ -95,7 +104,8 @@ def tiled_apply(fn: Callable[..., torch.Tensor], x: torch.Tensor, weights: Seque
                 tile_size: int) -> torch.Tensor:
     """``fn(x, *weights)`` computed over tiles of ``tile_size`` tokens (all leading dims of
     ``x`` flattened), exact, holding one tile's intermediates at a time, forward and
-    backward. ``fn`` must act on each token independently (an MLP, not attention)."""
+    backward. ``fn`` must act on each token independently (an MLP, not attention); it
+    returns one tensor or a tuple of them (e.g. the q, k, v projections)."""
     check_tile_size(tile_size)
     if tile_size is None:
         return fn(x, *weights)

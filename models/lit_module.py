@@ -272,7 +272,8 @@ class CausalLMModule(L.LightningModule):
                 apply_run_settings(self.model, plan)
                 if trainer.global_rank == 0:
                     print(f"memory: {est.gpu_bytes / 2**30:.1f} GiB predicted does not fit; running with "
-                          f"mlp_tile_size={plan.mlp_tile_size}, offload_activations={plan.offload_activations}",
+                          f"mlp_tile_size={plan.mlp_tile_size}, attention_head_chunks={plan.attention_head_chunks}, "
+                          f"offload_activations={plan.offload_activations}",
                           flush=True)
                 self.plan = kw["plan"] = plan
             est = check_fits(self.config, seq_len, **kw, **totals, host_ranks=host_ranks)

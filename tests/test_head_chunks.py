@@ -51,3 +51,29 @@ def test_head_chunks_equal_all_heads_float64(chunks, checkpointing):
 def test_head_chunk_errors(plan, match):
     with pytest.raises(ValueError, match=match):
         parallelize(GPT(_config()), plan=ParallelPlan(**plan))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA kernels")
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+@pytest.mark.parametrize("docs", [False, True])
+def test_head_chunks_on_gpu_kernels_bf16(backend, docs):
+    """The GPU block kernels (FlashAttention-4 / cuDNN under "auto") per head group: bf16
+    against float64, the same error as all heads at once."""
+    from attention_reference import reference
+
+    from longctx import ring_attention
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    S, Hq, Hkv, D = 1024, 8, 4, 64
+    q, dout = (torch.randn(2, S, Hq, D, device="cuda", generator=g) for _ in range(2))
+    k, v = (torch.randn(2, S, Hkv, D, device="cuda", generator=g) for _ in range(2))
+    ids = (torch.arange(S, device="cuda") // 300).expand(2, -1).contiguous() if docs else None
+    ref = reference(q, k, v, dout, True, D ** -0.5, ids)
+    ref = (ref[0], *ref[2:])
+    for chunks in (1, 4):
+        qb, kb, vb = (t.bfloat16().requires_grad_() for t in (q, k, v))
+        out = ring_attention(qb, kb, vb, backend=backend, document_ids=ids, head_chunks=chunks)
+        out.backward(dout.bfloat16())
+        for name, got, want in zip(("out", "dq", "dk", "dv"), (out, qb.grad, kb.grad, vb.grad), ref):
+            err = ((got.double() - want).norm() / want.norm()).item()
+            assert err < 1e-2, (chunks, name, err)

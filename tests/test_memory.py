@@ -138,8 +138,9 @@ def test_train_fit_renders_a_refused_run_as_one_line_rc2(capsys):
 
 
 def test_fitting_plan_takes_the_cheapest_change_that_fits():
-    """Untouched where it fits; the MLP tiled next; then the fewest offloaded blocks; None
-    where nothing fits; settings the user chose are not changed."""
+    """Untouched where it fits; the MLP tiled next; then the fewest attention head chunks;
+    then the most chunks and the fewest offloaded blocks; None where nothing fits; settings
+    the user chose are not changed."""
     from longctx import ParallelPlan
     from longctx.memory import GiB, estimate, fitting_plan
     from longctx.models import GPTConfig
@@ -151,10 +152,20 @@ def test_fitting_plan_takes_the_cheapest_change_that_fits():
     assert fitting_plan(cfg, seq, plan=full, gpu_total=need, **kw) == full
     tiled = fitting_plan(cfg, seq, plan=full, gpu_total=need - 1, **kw)
     assert tiled.mlp_tile_size is not None and estimate(cfg, seq, plan=tiled, **kw).gpu_bytes < need
+    assert tiled.attention_head_chunks == 1 and not tiled.offload_activations
     tight = estimate(cfg, seq, plan=tiled, **kw).gpu_bytes - 1
+    chunked = fitting_plan(cfg, seq, plan=full, gpu_total=tight, **kw)
+    c = chunked.attention_head_chunks
+    assert c > 1 and not chunked.offload_activations and estimate(cfg, seq, plan=chunked, **kw).gpu_bytes <= tight
+    for fewer in (f for f in range(2, c) if cfg.n_kv_head % f == 0):  # the fewest chunks that fit
+        p = ParallelPlan.from_dict({**tiled.to_dict(), "attention_head_chunks": fewer})
+        assert estimate(cfg, seq, plan=p, **kw).gpu_bytes > tight
+    most = ParallelPlan.from_dict({**tiled.to_dict(), "attention_head_chunks": cfg.n_kv_head})
+    tight = estimate(cfg, seq, plan=most, **kw).gpu_bytes - 1
     chosen = fitting_plan(cfg, seq, plan=full, gpu_total=tight, **kw)
+    assert chosen.attention_head_chunks == cfg.n_kv_head
     n = chosen.offload_activations
-    assert isinstance(n, int) and 1 <= n <= cfg.n_layer
+    assert isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= cfg.n_layer
     assert estimate(cfg, seq, plan=chosen, **kw).gpu_bytes <= tight
     if n > 1:  # one block fewer would not fit: the smallest n
         fewer = ParallelPlan.from_dict({**chosen.to_dict(), "offload_activations": n - 1})
@@ -162,4 +173,5 @@ def test_fitting_plan_takes_the_cheapest_change_that_fits():
     assert fitting_plan(cfg, seq, plan=full, gpu_total=1 * GiB, **kw) is None
     assert fitting_plan(cfg, seq, plan=full, gpu_total=tight, host_total=1 * GiB, **kw) is None
     chosen_by_user = ParallelPlan(activation_checkpointing="full", mlp_tile_size=4096, offload_activations=2)
-    assert fitting_plan(cfg, seq, plan=chosen_by_user, gpu_total=tight, **kw) in (None, chosen_by_user)
+    got = fitting_plan(cfg, seq, plan=chosen_by_user, gpu_total=tight, **kw)
+    assert got is None or {**got.to_dict(), "attention_head_chunks": 1} == chosen_by_user.to_dict()
