@@ -19,6 +19,9 @@ fusion, the loss chunk and FSDP2 are applied from outside by ``longctx.paralleli
 Everything else (norms, MLP, embedding, the loss) is per-token and runs unchanged on a
 shard. The blocks are plain ``nn.Module``s and work inside any module or
 LightningModule.
+
+Saved for the backward (eager path): RMSNorm keeps only its input and one fp32 ``rstd`` per
+token, recomputing the normalised tensor (``lean_rms_norm``).
 """
 from __future__ import annotations
 
@@ -75,12 +78,52 @@ def _explain_compile_failure(compiled):
     return call
 
 
+def _norm_dtype(x: torch.Tensor) -> torch.dtype:
+    # At least fp32 (bf16 squares lose too much); fp64 stays fp64, so float64 runs are exact.
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in fp32 (bf16 squares lose too much), then return to the input dtype
-    # before the gain, as Llama does.
-    xf = x.float()
+    # Normalise in fp32 or wider, then return to the input dtype before the gain, as Llama does.
+    xf = x.to(_norm_dtype(x))
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+class _LeanRMSNorm(torch.autograd.Function):
+    """``rms_norm`` with the same forward ops (bit-identical output) whose backward needs only
+    ``x`` and the per-token ``rstd``, where plain autograd keeps an fp32 copy of ``x`` (``x``
+    itself when fp32) and the normalised tensor. The backward recomputes the normalised
+    tensor and computes in fp32 (fp64 for fp64 inputs)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.to(_norm_dtype(x))
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        want_x, want_w = ctx.needs_input_grad[:2]
+        xhat = x.to(rstd.dtype) * rstd  # the forward's normalised values, recomputed
+        c = torch.promote_types(rstd.dtype, dy.dtype)  # an fp64 gain makes dy fp64
+        dy = dy.to(c)
+        dx = dw = None
+        if want_w:
+            # The gain multiplied the normalised tensor rounded to x's dtype: differentiate that.
+            dw = (dy * xhat.to(x.dtype).to(c)).sum_to_size(weight.shape).to(weight.dtype)
+        if want_x:
+            g = dy * weight.to(c)
+            dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+            dx = dx.sum_to_size(x.shape).to(x.dtype)  # a gain with more dims broadcast x
+        return dx, dw, None
+
+
+def lean_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm`` saving only ``x`` and one fp32 value per token for the backward."""
+    return _LeanRMSNorm.apply(x, weight, eps)
 
 
 def swiglu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -95,7 +138,7 @@ class RMSNorm(nn.Module):
         self.fuse_pointwise = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fn = fused(rms_norm) if self.fuse_pointwise else rms_norm
+        fn = fused(rms_norm) if self.fuse_pointwise else lean_rms_norm
         return fn(x, self.weight, self.eps)
 
 
