@@ -19,10 +19,15 @@ fusion, the loss chunk and FSDP2 are applied from outside by ``longctx.paralleli
 Everything else (norms, MLP, embedding, the loss) is per-token and runs unchanged on a
 shard. The blocks are plain ``nn.Module``s and work inside any module or
 LightningModule.
+
+Saved for the backward (eager path): RMSNorm keeps only its input and one fp32 ``rstd`` per
+token, recomputing the normalised tensor (``lean_rms_norm``); with ``mlp_tile_size`` the MLP
+norm and SwiGLU run as one sequence-tiled function that keeps only the residual stream.
 """
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Optional, Union
 
 import torch
@@ -75,12 +80,52 @@ def _explain_compile_failure(compiled):
     return call
 
 
+def _norm_dtype(x: torch.Tensor) -> torch.dtype:
+    # At least fp32 (bf16 squares lose too much); fp64 stays fp64, so float64 runs are exact.
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in fp32 (bf16 squares lose too much), then return to the input dtype
-    # before the gain, as Llama does.
-    xf = x.float()
+    # Normalise in fp32 or wider, then return to the input dtype before the gain, as Llama does.
+    xf = x.to(_norm_dtype(x))
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+class _LeanRMSNorm(torch.autograd.Function):
+    """``rms_norm`` with the same forward ops (bit-identical output) whose backward needs only
+    ``x`` and the per-token ``rstd``, where plain autograd keeps an fp32 copy of ``x`` (``x``
+    itself when fp32) and the normalised tensor. The backward recomputes the normalised
+    tensor and computes in fp32 (fp64 for fp64 inputs)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.to(_norm_dtype(x))
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        want_x, want_w = ctx.needs_input_grad[:2]
+        xhat = x.to(rstd.dtype) * rstd  # the forward's normalised values, recomputed
+        c = torch.promote_types(rstd.dtype, dy.dtype)  # an fp64 gain makes dy fp64
+        dy = dy.to(c)
+        dx = dw = None
+        if want_w:
+            # The gain multiplied the normalised tensor rounded to x's dtype: differentiate that.
+            dw = (dy * xhat.to(x.dtype).to(c)).sum_to_size(weight.shape).to(weight.dtype)
+        if want_x:
+            g = dy * weight.to(c)
+            dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+            dx = dx.sum_to_size(x.shape).to(x.dtype)  # a gain with more dims broadcast x
+        return dx, dw, None
+
+
+def lean_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm`` saving only ``x`` and one fp32 value per token for the backward."""
+    return _LeanRMSNorm.apply(x, weight, eps)
 
 
 def swiglu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -94,9 +139,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.fuse_pointwise = False
 
+    def function(self):
+        """``fn(x, weight, eps)``: compiled with fusion on, else the memory-lean Function."""
+        return fused(rms_norm) if self.fuse_pointwise else lean_rms_norm
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fn = fused(rms_norm) if self.fuse_pointwise else rms_norm
-        return fn(x, self.weight, self.eps)
+        return self.function()(x, self.weight, self.eps)
 
 
 # ---- rotary embeddings ------------------------------------------------------------------
@@ -209,10 +257,19 @@ def swiglu_mlp_fused(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, 
     return F.linear(fused(swiglu_gate)(F.linear(x, gate_w), F.linear(x, up_w)), down_w)
 
 
+def norm_then_mlp(norm, eps: float, mlp, x: torch.Tensor, norm_w: torch.Tensor, gate_w: torch.Tensor,
+                  up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
+    """``mlp(norm(x))`` with every weight an argument, as ``tiled_apply`` calls it."""
+    return mlp(norm(x, norm_w, eps), gate_w, up_w, down_w)
+
+
 class SwiGLU(nn.Module):
     """``tile_size`` (set by ``longctx.parallelize`` from ``ParallelPlan.mlp_tile_size``):
-    None computes all tokens at once; n computes n tokens at a time, forward and backward
-    (``longctx.tiled``): exact, and no (tokens x hidden) intermediate larger than n x hidden."""
+    None computes all tokens at once and saves its (tokens x hidden) intermediates for the
+    backward; n computes n tokens at a time, forward and backward (``longctx.tiled``): exact,
+    only the input is saved, and no (tokens x hidden) intermediate larger than n x hidden
+    exists. In a ``TransformerBlock`` the norm before the MLP runs inside the same tiles, so
+    the one tensor saved is the residual stream, not its normalised copy."""
 
     def __init__(self, n_embd: int, hidden: int):
         super().__init__()
@@ -222,11 +279,17 @@ class SwiGLU(nn.Module):
         self.fuse_pointwise = False
         self.tile_size: Optional[int] = None
 
+    def function(self):
+        """``fn(x, gate_w, up_w, down_w)``, the gate compiled with fusion on."""
+        return swiglu_mlp_fused if self.fuse_pointwise else swiglu_mlp
+
+    @property
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tile_size is not None:
-            fn = swiglu_mlp_fused if self.fuse_pointwise else swiglu_mlp
-            return tiled_apply(fn, x, (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight),
-                               self.tile_size)
+            return tiled_apply(self.function(), x, self.weights, self.tile_size)
         gate = fused(swiglu_gate) if self.fuse_pointwise else swiglu_gate
         return self.down_proj(gate(self.gate_proj(x), self.up_proj(x)))
 
@@ -255,16 +318,26 @@ class TransformerBlock(nn.Module):
         c = self.config
         return rope_cos_sin(position_ids, c.head_dim, c.rope_theta, c.rope_scaling)
 
+    def _mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.mlp
+        if mlp.tile_size is None:
+            return mlp(self.mlp_norm(x))
+        # Norm and MLP as one tiled function of x: the full-length normalised tensor is never
+        # saved (it would be the tiles' input), only x itself.
+        norm = self.mlp_norm
+        fn = partial(norm_then_mlp, norm.function(), norm.eps, mlp.function())
+        return tiled_apply(fn, x, (norm.weight, *mlp.weights), mlp.tile_size)
+
     def _forward(self, x: torch.Tensor, rope: Rope, document_ids: Optional[torch.Tensor]) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope, document_ids)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + self._mlp_branch(x)
 
     def _before_attention(self, x: torch.Tensor, rope: Rope):
         return self.attn.qkv(self.attn_norm(x), rope)
 
     def _after_attention(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x = x + self.attn.o_proj(y)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + self._mlp_branch(x)
 
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None, *,
                 rope: Optional[Rope] = None, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

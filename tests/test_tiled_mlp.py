@@ -1,6 +1,7 @@
-"""Sequence-tiled MLP (ParallelPlan.mlp_tile_size): exact in float64, with and without
-activation checkpointing, sequence lengths that are not a multiple of the tile; the argument
-is validated."""
+"""Sequence-tiled MLP (ParallelPlan.mlp_tile_size), the norm before it inside the same tiles:
+exact in float64, with and without activation checkpointing, sequence lengths that are not a
+multiple of the tile, with pointwise fusion; the full-length normalised tensor is not saved;
+the argument is validated."""
 from __future__ import annotations
 
 import copy
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from longctx import ParallelPlan, parallelize
-from longctx.models import GPT, GPTConfig
+from longctx.models import GPT, GPTConfig, TransformerBlock, rope_cos_sin
 from longctx.tiled import tiled_apply
 
 
@@ -54,6 +55,60 @@ def test_tiled_mlp_equals_untiled_float64(checkpointing, seq_len, tile):
     # Inference (no autograd) through the same tiles: equal logits.
     with torch.no_grad():
         assert torch.allclose(tiled(ids), model(ids), rtol=1e-13, atol=1e-14)
+
+
+def test_tiled_mlp_with_pointwise_fusion(monkeypatch):
+    """fuse_pointwise: the tiles run the compiled norm and gate, same loss and grads as untiled."""
+    import longctx.models.gpt as gpt_module
+
+    monkeypatch.setattr(gpt_module, "COMPILE_BACKEND", "aot_eager")
+    torch.manual_seed(0)
+    model = GPT(_config()).double()
+    tiled = copy.deepcopy(model)
+    plan = dict(loss_chunk_size=7, attention_backend="torch", fuse_pointwise=True)
+    parallelize(model, plan=ParallelPlan(**plan))
+    parallelize(tiled, plan=ParallelPlan(**plan, mlp_tile_size=5))
+    ids, labels = _batch(23, 96, seed=4)
+    ref_loss, ref = _loss_and_grads(model, ids, labels)
+    loss, got = _loss_and_grads(tiled, ids, labels)
+    assert torch.allclose(loss, ref_loss, rtol=1e-13, atol=0)
+    for k in ref:
+        assert torch.allclose(got[k], ref[k], rtol=1e-11, atol=1e-14), k
+
+
+def _saved_activation_bytes(block, x, rope) -> int:
+    """Bytes the block's autograd saves, each storage once, less parameters and RoPE tables."""
+    skip = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *rope)}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, rope=rope)
+    return sum(saved.values())
+
+
+def test_tiled_block_does_not_save_the_normalised_tensor(monkeypatch):
+    """bf16, no checkpointing: with tiles the block saves neither the MLP's intermediates nor
+    the mlp_norm's full-length output (the tiled function's input is the residual stream)."""
+    torch.manual_seed(0)
+    config = _config(n_layer=1, n_embd=64, intermediate_size=160)
+    model = parallelize(GPT(config).to(torch.bfloat16), plan=ParallelPlan(attention_backend="torch"))
+    block = model.blocks[0]
+    B, S, d, elt = 2, 64, config.n_embd, 2
+    x = torch.randn(B, S, d, dtype=torch.bfloat16, requires_grad=True)
+    rope = rope_cos_sin(torch.arange(S), config.head_dim, config.rope_theta)
+    untiled = _saved_activation_bytes(block, x, rope)
+    model.set_mlp_tile_size(16)
+    tiled = _saved_activation_bytes(block, x, rope)
+    # The norm outside the tiles (the SwiGLU-only tiling) saves its output as the tiles' input.
+    monkeypatch.setattr(TransformerBlock, "_mlp_branch", lambda self, h: self.mlp(self.mlp_norm(h)))
+    norm_outside = _saved_activation_bytes(block, x, rope)
+    assert tiled <= norm_outside - B * S * d * elt, (tiled, norm_outside)
+    assert tiled <= untiled - B * S * (d + 3 * config.intermediate_size) * elt, (tiled, untiled)
 
 
 def test_tiled_apply_input_and_weight_gradients():
