@@ -19,14 +19,17 @@ autocast with fp32 weights: its cast cache, 2 bytes per matmul weight during the
 Activations kept for the backward, per token per layer (``saved_block_inputs``):
 ``full`` r·d (the block input only); ``selective`` r·d + a(2q + 2kv) + 4·Hq (q, k, v,
 attention output, fp32 LSE; + 2a·kv for the ring's kept K/V shard when cp > 1); ``none``
-everything the block's autograd saves (norms' fp32 copies, casts, attention, and
-4aF for the SwiGLU's gate, up, silu(gate), product; 3aF fused; r·d with a tiled MLP).
+everything the block's autograd saves (the norms' fp32 rstd, the projections' bf16 inputs,
+attention, and 4aF for the SwiGLU's gate, up, silu(gate), product; 3aF fused); with
+``mlp_tile_size`` the norms, q/k/v projections and MLP run over tiles and save only the
+residual stream.
 ``offload_activations`` moves the first n layers' share to (pinned) host memory and keeps
 one layer in flight on the GPU.
 
 The largest transient is one layer being recomputed and differentiated (its "none"
 tensors plus the backward's own: 2aF for the MLP's gradients, or per tile with
-``mlp_tile_size``; GQA expansion and dQ/dK/dV for attention, ring buffers when cp > 1),
+``mlp_tile_size``; GQA expansion and dQ/dK/dV for attention, ring buffers when cp > 1,
+the kernels' and the ring's buffers divided by ``attention_head_chunks``),
 or one loss chunk: 12 bytes x V per token of ``loss_chunk_size`` (fp32 log-softmax, its
 gradient, the input gradient) plus the head's weight gradient. The peak is the largest of
 four moments: the loss backward, the last layer's backward (all saved inputs, few
@@ -198,8 +201,9 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     attn = a * (q + 2 * kv) + a * q + 4 * hq  # q, k, v, output, fp32 LSE
     ring_kept = 2 * a * kv if cp > 1 else 0  # rank+1's K/V shard, kept for the backward
     mlp_norm = norm
-    if tiled:  # norm and MLP in one tiled function: it saves only its input (residual_mid)
+    if tiled:  # norm + MLP and norm + q/k/v projections tiled: they save only their inputs
         mlp, casts_mlp, mlp_norm = 0, 0, 0
+        norm, casts_attn = 0, 0
     else:
         mlp = (3 if fused else 4) * a * F
     block_input = r * d

@@ -132,7 +132,8 @@ class ParallelPlan:
             ``activation_checkpointing="full"`` a block saves only its input.
         mlp_tile_size: tokens per tile of the sequence-tiled MLP (``longctx.tiled``): no
             (tokens x ffn) intermediate larger than ``mlp_tile_size x ffn`` exists, forward or
-            backward; exact. None (default): untiled. ``longctx.memory.estimate`` says when
+            backward; the norms and the q/k/v projections run over the same tiles (their
+            normalised inputs are never saved at full length); exact. None (default): untiled. ``longctx.memory.estimate`` says when
             the untiled MLP does not fit (it names this setting).
         attention_head_chunks: ring attention runs over ``n_kv_head / attention_head_chunks``
             key/value heads (with their query heads) at a time, forward and backward: the

@@ -22,7 +22,8 @@ LightningModule.
 
 Saved for the backward (eager path): RMSNorm keeps only its input and one fp32 ``rstd`` per
 token, recomputing the normalised tensor (``lean_rms_norm``); with ``mlp_tile_size`` the MLP
-norm and SwiGLU run as one sequence-tiled function that keeps only the residual stream.
+norm and SwiGLU run as one sequence-tiled function that keeps only the residual stream, and
+so do the attention norm and the q/k/v projections.
 """
 from __future__ import annotations
 
@@ -233,15 +234,23 @@ class RingSelfAttention(nn.Module):
 
     def qkv(self, x: torch.Tensor, rope: Rope):
         """Projections and RoPE: ``(q, k, v)``, each ``(B, S_local, heads, head_dim)``."""
-        B, S, _ = x.shape
+        return self.rotate(self.q_proj(x), self.k_proj(x), self.v_proj(x), rope)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope):
+        """Projected ``(B, S_local, width)`` q, k, v split into heads, RoPE on q and k."""
+        B, S, _ = q.shape
         cos, sin = rope
         if cos.shape[1] != S:
             raise ValueError(f"rope tables cover {cos.shape[1]} tokens but the input has {S}")
-        q = self.q_proj(x).view(B, S, self.n_head, self.head_dim)
-        k = self.k_proj(x).view(B, S, self.n_kv_head, self.head_dim)
-        v = self.v_proj(x).view(B, S, self.n_kv_head, self.head_dim)
+        q = q.view(B, S, self.n_head, self.head_dim)
+        k = k.view(B, S, self.n_kv_head, self.head_dim)
+        v = v.view(B, S, self.n_kv_head, self.head_dim)
         q, k = (fused(apply_rope_qk) if self.fuse_pointwise else apply_rope_qk)(q, k, cos, sin)
         return q, k, v
+
+    @property
+    def projection_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.q_proj.weight, self.k_proj.weight, self.v_proj.weight
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -255,6 +264,13 @@ def swiglu_mlp(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w
 
 def swiglu_mlp_fused(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
     return F.linear(fused(swiglu_gate)(F.linear(x, gate_w), F.linear(x, up_w)), down_w)
+
+
+def norm_then_projections(norm, eps: float, x: torch.Tensor, norm_w: torch.Tensor, q_w: torch.Tensor,
+                          k_w: torch.Tensor, v_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v projections of ``norm(x)``, every weight an argument, as ``tiled_apply`` calls it."""
+    h = norm(x, norm_w, eps)
+    return F.linear(h, q_w), F.linear(h, k_w), F.linear(h, v_w)
 
 
 def norm_then_mlp(norm, eps: float, mlp, x: torch.Tensor, norm_w: torch.Tensor, gate_w: torch.Tensor,
@@ -328,12 +344,19 @@ class TransformerBlock(nn.Module):
         fn = partial(norm_then_mlp, norm.function(), norm.eps, mlp.function())
         return tiled_apply(fn, x, (norm.weight, *mlp.weights), mlp.tile_size)
 
-    def _forward(self, x: torch.Tensor, rope: Rope, document_ids: Optional[torch.Tensor]) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, document_ids)
-        return x + self._mlp_branch(x)
-
     def _before_attention(self, x: torch.Tensor, rope: Rope):
-        return self.attn.qkv(self.attn_norm(x), rope)
+        tile = self.mlp.tile_size
+        if tile is None:
+            return self.attn.qkv(self.attn_norm(x), rope)
+        # Tiled like the MLP, norm included: the normalised input the projections would
+        # save for their weight gradients is never materialised at full length.
+        norm = self.attn_norm
+        fn = partial(norm_then_projections, norm.function(), norm.eps)
+        return self.attn.rotate(*tiled_apply(fn, x, (norm.weight, *self.attn.projection_weights), tile), rope)
+
+    def _forward(self, x: torch.Tensor, rope: Rope, document_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        y = self.attn.attend(*self._before_attention(x, rope), document_ids)
+        return self._after_attention(x, y)
 
     def _after_attention(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x = x + self.attn.o_proj(y)

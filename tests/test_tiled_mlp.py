@@ -93,7 +93,7 @@ def _saved_activation_bytes(block, x, rope) -> int:
 
 def test_tiled_block_does_not_save_the_normalised_tensor(monkeypatch):
     """bf16, no checkpointing: with tiles the block saves neither the MLP's intermediates nor
-    the mlp_norm's full-length output (the tiled function's input is the residual stream)."""
+    the norms' full-length outputs (the tiled functions' input is the residual stream)."""
     torch.manual_seed(0)
     config = _config(n_layer=1, n_embd=64, intermediate_size=160)
     model = parallelize(GPT(config).to(torch.bfloat16), plan=ParallelPlan(attention_backend="torch"))
@@ -108,7 +108,9 @@ def test_tiled_block_does_not_save_the_normalised_tensor(monkeypatch):
     monkeypatch.setattr(TransformerBlock, "_mlp_branch", lambda self, h: self.mlp(self.mlp_norm(h)))
     norm_outside = _saved_activation_bytes(block, x, rope)
     assert tiled <= norm_outside - B * S * d * elt, (tiled, norm_outside)
-    assert tiled <= untiled - B * S * (d + 3 * config.intermediate_size) * elt, (tiled, untiled)
+    # ... and the attention's input norm and q/k/v projections run tiled too: their
+    # normalised input is not saved either.
+    assert tiled <= untiled - B * S * (2 * d + 3 * config.intermediate_size) * elt, (tiled, untiled)
 
 
 def test_tiled_apply_input_and_weight_gradients():
@@ -158,3 +160,25 @@ def test_mlp_tile_size_is_validated(bad):
         ParallelPlan(mlp_tile_size=bad)
     assert ParallelPlan(mlp_tile_size=None).mlp_tile_size is None
     assert ParallelPlan.from_dict({"mlp_tile_size": 4096}).mlp_tile_size == 4096
+
+
+def test_tiled_apply_with_several_outputs():
+    """A function returning a tuple (the q, k, v projections): every output and every
+    gradient equal to the untiled call in float64, also where only some outputs are used."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 7, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    w1, w2 = (torch.randn(n, 5, dtype=torch.float64, generator=g, requires_grad=True) for n in (4, 2))
+
+    def fn(h, a, b):
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+        return torch.nn.functional.linear(h, a), torch.nn.functional.linear(h, b)
+
+    g1, g2 = torch.randn(3, 7, 4, dtype=torch.float64, generator=g), torch.randn(3, 7, 2, dtype=torch.float64, generator=g)
+    for both in (True, False):
+        results = []
+        for out in (fn(x, w1, w2), tiled_apply(fn, x, (w1, w2), 4)):
+            loss = (out[0] * g1).sum() + ((out[1] * g2).sum() if both else 0)
+            grads = torch.autograd.grad(loss, (x, w1, w2), allow_unused=True)
+            results.append((*out, *(torch.zeros_like(w) if d is None else d for d, w in zip(grads, (x, w1, w2)))))
+        for ref, got in zip(*results):
+            assert torch.allclose(got, ref, rtol=1e-12, atol=1e-14)
