@@ -36,6 +36,7 @@ import threading  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Optional  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -152,13 +153,43 @@ class Setup:
             self.docs = (torch.arange(S, device=device) // doc)[None]
             self.pos = (torch.arange(S, device=device) % doc)[None]
 
-    def step(self) -> float:
+    def step(self, marks: Optional[list] = None) -> float:
+        """One training step. ``marks`` (CUDA): a list that receives ``(period, peak bytes,
+        bytes allocated at its end)`` for the forward, the loss backward, each block's
+        backward and the optimizer step (the peak counter is reset at every mark)."""
+        def mark(period):
+            if marks is not None:
+                marks.append((period, torch.cuda.max_memory_allocated(self.device),
+                              torch.cuda.memory_allocated(self.device)))
+                torch.cuda.reset_peak_memory_stats(self.device)
+
+        handles = []
+        if marks is not None:
+            # The gradient reaching block i's output starts block i's backward: it ends the
+            # period before (the loss backward, or block i+1's backward).
+            def on_output(before):
+                def hook(module, args, out):
+                    if out.requires_grad:
+                        out.register_hook(lambda grad: mark(before))
+                return hook
+
+            blocks = list(self.model.blocks)
+            for i, block in enumerate(blocks):
+                handles.append(block.register_forward_hook(
+                    on_output("loss backward" if i == len(blocks) - 1 else f"block {i + 1} backward")))
         amp = torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else torch.autocast("cpu", enabled=False)
-        with amp:
-            loss_sum, n = self.model(self.ids, self.pos, labels=self.labels, document_ids=self.docs)
-        (loss_sum / n).backward()
+        try:
+            with amp:
+                loss_sum, n = self.model(self.ids, self.pos, labels=self.labels, document_ids=self.docs)
+            mark("forward")
+            (loss_sum / n).backward()
+            mark("block 0 backward")
+        finally:
+            for h in handles:
+                h.remove()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        mark("optimizer step")
         return float(loss_sum.detach() / n)
 
     def sync(self):
@@ -178,16 +209,20 @@ def measured_step(setup: Setup, plan: ParallelPlan) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
     pred = setup.predict(plan)
+    marks = [] if setup.cuda else None
     with RssPeak() as rss:
         t0 = time.perf_counter()
-        loss = setup.step()
+        loss = setup.step(marks)
         setup.sync()
         dt = time.perf_counter() - t0
     row = dict(predicted_gpu=pred.allocated_bytes, predicted_gpu_with_context=pred.gpu_bytes,
                predicted_phase=pred.phase, predicted_items={k: round(v / GiB, 3) for k, v in pred.items.items()},
+               predicted_phases={k: round(v / GiB, 3) for k, v in pred.phases.items()},
                predicted_host=pred.host_bytes, measured_host_rss_peak=rss.peak, step_s=dt, loss=loss)
     if setup.cuda:
-        row["measured_gpu"] = torch.cuda.max_memory_allocated(dev)
+        row["measured_gpu"] = max(peak for _, peak, _ in marks)
+        row["measured_periods"] = [dict(period=p, peak_gib=round(peak / GiB, 3), end_gib=round(end / GiB, 3))
+                                   for p, peak, end in marks]
         row["measured_gpu_reserved"] = torch.cuda.max_memory_reserved(dev)
         row["ratio"] = row["measured_gpu"] / pred.allocated_bytes
     row["host_ratio"] = rss.peak / pred.host_bytes

@@ -61,7 +61,8 @@ class MemoryEstimate:
     """Predicted peak per rank. ``items`` (name -> bytes) add up to ``gpu_bytes``;
     ``host_items`` to ``host_bytes``. ``allocated_bytes`` is the part
     ``torch.cuda.max_memory_allocated`` sees (``gpu_bytes`` less context and slack).
-    ``phase`` names the moment of the peak."""
+    ``phase`` names the moment of the peak; ``phases`` maps every moment the model
+    considers to its allocated bytes."""
 
     gpu_bytes: int
     host_bytes: int
@@ -71,6 +72,7 @@ class MemoryEstimate:
     phase: str = ""
     tokens_per_rank: int = 0
     params: int = 0
+    phases: dict = field(default_factory=dict)
 
     def summary(self) -> str:
         top = sorted(((v, k) for k, v in self.items.items()), reverse=True)[:4]
@@ -313,6 +315,7 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     # the optimizer step holds no activations
     phases[-1][1].pop("saved_block_inputs", None)
     phases[-1][1].pop("rope_tables", None)
+    totals = {n: sum(i.values()) for n, i in phases}
     name, items = max(phases, key=lambda p: sum(p[1].values()))
     allocated = sum(items.values())
     items["allocator_slack"] = int(SLACK_FRACTION * allocated)
@@ -325,7 +328,7 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     if cpu_offload:
         host["params_grads_adamw"] = (params_b + grads_b + adam_b)
     return MemoryEstimate(gpu_bytes=int(gpu), host_bytes=int(sum(host.values())), items=items, host_items=host,
-                          allocated_bytes=int(allocated), phase=name, tokens_per_rank=T, params=N)
+                          allocated_bytes=int(allocated), phase=name, tokens_per_rank=T, params=N, phases=totals)
 
 
 def _pow2(n: int) -> int:
