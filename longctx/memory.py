@@ -220,7 +220,7 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     }[ckpt]
 
     # ---- the backward's own transients in one layer
-    grad_io = 2 * r * d  # incoming and outgoing gradient of the residual stream
+    grad_io = r * d  # the residual stream's gradient inside the block (its input's: residual_grad)
     if tiled:
         t = min(tile, T)
         mlp_bwd_tokens = 0
@@ -231,6 +231,8 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     group = hq // s.hkv
     if mixed and group > 1 and attention_kernel == "cudnn":  # cuDNN takes no GQA: K/V expanded
         kernel = 2 * a * q + 2 * a * q + 8 * q + 8 * kv
+    elif attention_kernel == "fa4":  # dQ and FlashAttention-4's fp32 dQ accumulator
+        kernel = a * q + 4 * q
     else:
         kernel = 2 * a * q + 4 * q + 8 * kv
     if cp > 1:
@@ -259,7 +261,7 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     c = min(plan.loss_chunk_size, T)
     head_grad_tmp = (a + 4) * V * d if mixed else 4 * V * d
     loss_chunk = 12 * V * c + a * V * c + head_grad_tmp
-    hidden = (r * d + 4 * d + r * d + r * d) * T  # final norm's input and copies, h, dh
+    hidden = 2 * r * d * T  # the last block's output and its gradient (the final norm runs per loss chunk)
 
     # ---- static
     params_b = 4 * N // shard
@@ -267,8 +269,9 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     adam_b = 8 * N // shard
     head_params = s.V * s.d * (1 if s.tied else 2) + s.d
     if fsdp and mixed:
-        work = 2 * head_params + 2 * 2 * Nl  # unsharded bf16 root + current and prefetched block
-        work_bwd = work + 2 * (2 + 4) * Nl  # + unsharded gradients of two blocks (bf16 -> fp32)
+        in_flight_blocks = min(2, s.L)
+        work = 2 * head_params + 2 * in_flight_blocks * Nl  # unsharded bf16 root + current and prefetched block
+        work_bwd = work + in_flight_blocks * (2 + 4) * Nl  # + unsharded gradients of two blocks (bf16 -> fp32)
         work_fwd_end = work
     elif mixed:
         mm = N - head_params + V * d  # matmul weights (the tied head is cast once)
@@ -280,13 +283,15 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     ddp_buckets = 4 * N if (data_parallel == "ddp" and world > 1) else 0
     # The embedding/head gradient exists from the loss backward on (FSDP2: unsharded, in the
     # compute dtype, reduced at the end of the backward; else the fp32 .grad).
-    gpu_head_grad = (2 if mixed else 4) * head_params if fsdp else 4 * head_params
+    # Under FSDP2 only the head's (the tied embedding's) exists until block 0's backward is
+    # done, and each block's gradient is reduced to its fp32 shard as soon as it is complete.
+    gpu_head_grad = (2 if mixed else 4) * (V * d + d) if fsdp else 4 * head_params
     if cpu_offload:
         gpu_static = {}
         gpu_grads_all = gpu_head_grad
     else:
         gpu_static = {"params": params_b, "adamw_states": adam_b}
-        gpu_grads_all = grads_b + (gpu_head_grad if fsdp else 0)
+        gpu_grads_all = (4 * s.L * Nl // shard + gpu_head_grad) if fsdp else grads_b
     if ddp_buckets:
         gpu_static["ddp_buckets"] = ddp_buckets
 

@@ -112,3 +112,70 @@ def tiled_apply(fn: Callable[..., torch.Tensor], x: torch.Tensor, weights: Seque
     if x.reshape(-1, x.shape[-1]).shape[0] <= tile_size:
         return fn(x, *weights)  # one tile: nothing to save
     return _Tiled.apply(fn, tile_size, x, *weights)
+
+
+class _TiledSum(torch.autograd.Function):
+    """``sum over tiles of fn(x_tile, *token_arg_tiles, *weights)`` (a scalar per tile)."""
+
+    @staticmethod
+    def forward(ctx, fn, tile, n_token_args, x, *rest):
+        token_args, weights = rest[:n_token_args], rest[n_token_args:]
+        ctx.fn, ctx.tile, ctx.n_token_args, ctx.shape = fn, tile, n_token_args, x.shape
+        ctx.autocast = _autocast_state(x.device.type)
+        ctx.save_for_backward(x, *rest)
+        flat = x.reshape(-1, x.shape[-1])
+        args = [a.reshape(-1, *a.shape[x.dim() - 1:]) for a in token_args]
+        total = None
+        with torch.no_grad():
+            for start in range(0, flat.shape[0], tile):
+                part = fn(flat[start:start + tile], *(a[start:start + tile] for a in args), *weights)
+                total = part if total is None else total + part
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, *rest = ctx.saved_tensors
+        token_args, weights = rest[:ctx.n_token_args], rest[ctx.n_token_args:]
+        fn, tile = ctx.fn, ctx.tile
+        flat = x.reshape(-1, x.shape[-1])
+        args = [a.reshape(-1, *a.shape[x.dim() - 1:]) for a in token_args]
+        first_w = 3 + ctx.n_token_args + 1
+        want_x = ctx.needs_input_grad[3]
+        want_w = [ctx.needs_input_grad[first_w + i] for i in range(len(weights))]
+        dx = torch.empty_like(flat) if want_x else None
+        dw = [torch.zeros_like(w, dtype=torch.float32 if w.dtype in (torch.float16, torch.bfloat16) else w.dtype)
+              if want else None for w, want in zip(weights, want_w)]
+        device_type = x.device.type
+        for start in range(0, flat.shape[0], tile):
+            xt = flat[start:start + tile].detach().requires_grad_(want_x)
+            wt = [w.detach().requires_grad_(want) for w, want in zip(weights, want_w)]
+            inputs = ([xt] if want_x else []) + [w for w, want in zip(wt, want_w) if want]
+            if not inputs:
+                break
+            with torch.enable_grad(), torch.autocast(device_type, dtype=ctx.autocast or torch.bfloat16,
+                                                     enabled=ctx.autocast is not None):
+                part = fn(xt, *(a[start:start + tile] for a in args), *wt)
+            grads = list(torch.autograd.grad(part, inputs, grad, allow_unused=True))
+            if want_x:
+                got = grads.pop(0)
+                dx[start:start + xt.shape[0]] = 0 if got is None else got
+            for acc, want in zip(dw, want_w):
+                if want:
+                    got = grads.pop(0)
+                    if got is not None:
+                        acc += got
+            del part, grads
+        dw = [None if acc is None else acc.to(w.dtype) for acc, w in zip(dw, weights)]
+        return (None, None, None, None if dx is None else dx.view(ctx.shape),
+                *([None] * ctx.n_token_args), *dw)
+
+
+def tiled_sum(fn: Callable[..., torch.Tensor], x: torch.Tensor, token_args: Sequence[torch.Tensor],
+              weights: Sequence[torch.Tensor], tile_size: int) -> torch.Tensor:
+    """``sum(fn(x_t, *token_args_t, *weights))`` over tiles of ``tile_size`` tokens, where
+    ``fn`` returns a scalar per tile (a loss) and ``token_args`` (e.g. labels) are sliced
+    with ``x``'s tokens. Holds one tile's intermediates at a time, forward and backward;
+    the input gradient is written tile by tile into one tensor (slicing under autograd
+    would allocate a full-size zero gradient per tile)."""
+    check_tile_size(tile_size)
+    return _TiledSum.apply(fn, tile_size, len(token_args), x, *token_args, *weights)

@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from longctx.layouts import position_ids as layout_position_ids
 from longctx.offload import BlockOffloader, offload_count
 from longctx.parallel import CHECKPOINTING, ContextParallelAttention, CPContext
-from longctx.tiled import check_tile_size, tiled_apply
+from longctx.tiled import check_tile_size, tiled_apply, tiled_sum
 
 from .config import GPTConfig
 
@@ -384,19 +384,28 @@ class TransformerBlock(nn.Module):
 # ---- loss --------------------------------------------------------------------------------
 
 
-def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = F.linear(h, weight).float()
+def _chunk_loss(h: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(h, weight)
+    logits = logits if logits.dtype == torch.float64 else logits.float()  # at least fp32
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def _norm_chunk_loss(norm, eps: float, x: torch.Tensor, labels: torch.Tensor, norm_w: torch.Tensor,
+                     weight: torch.Tensor) -> torch.Tensor:
+    return _chunk_loss(norm(x, norm_w, eps), labels, weight)
+
+
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                          chunk_size: int, norm=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed token cross-entropy of ``hidden @ weight.T`` and the number of counted tokens.
 
-    The fp32 logits of at most ``chunk_size`` tokens exist at once: each chunk runs under
-    activation checkpointing, so its logits are freed after the forward and recomputed
-    one chunk at a time in the backward. Labels equal to -100 are ignored.
-    Returns ``(loss_sum fp32 scalar, n_tokens int64 scalar)``.
+    The fp32 logits of at most ``chunk_size`` tokens exist at once: chunks are computed
+    one at a time (``longctx.tiled.tiled_sum``), forward and backward, where each chunk is
+    recomputed and differentiated; the input gradient is written chunk by chunk. ``norm``:
+    ``(fn, weight, eps)`` of a final norm applied per chunk first (``GPT`` passes its
+    RMSNorm, so the normalised hidden states never exist at full length). Labels equal to
+    -100 are ignored. Returns ``(loss_sum scalar, n_tokens int64 scalar)``, the loss in
+    fp32 (float64 for float64 inputs).
     """
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(
@@ -404,17 +413,21 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
         )
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    h = hidden.reshape(-1, hidden.shape[-1])
-    y = labels.reshape(-1)
-    recompute = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    if norm is None:
+        fn, weights = _chunk_loss, (weight,)
+    else:
+        norm_fn, norm_w, eps = norm
+        fn, weights = partial(_norm_chunk_loss, norm_fn, eps), (norm_w, weight)
+    n_tokens = (labels != IGNORE_INDEX).sum()
+    if labels.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=hidden.device), n_tokens
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden, *weights)):
+        return tiled_sum(fn, hidden, (labels,), weights, chunk_size), n_tokens
+    h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, y.numel(), chunk_size):
-        hc, yc = h[start:start + chunk_size], y[start:start + chunk_size]
-        if recompute:
-            total = total + checkpoint(_chunk_loss, hc, weight, yc, use_reentrant=False)
-        else:
-            total = total + _chunk_loss(hc, weight, yc)
-    return total, (y != IGNORE_INDEX).sum()
+        total = total + fn(h[start:start + chunk_size], y[start:start + chunk_size], *weights)
+    return total, n_tokens
 
 
 # ---- the model ---------------------------------------------------------------------------
@@ -488,6 +501,11 @@ class GPT(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                       document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Final-normed hidden states (B, S_local, n_embd) of this rank's tokens."""
+        return self.norm(self.residual_stream(input_ids, position_ids, document_ids))
+
+    def residual_stream(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                        document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The last block's output (B, S_local, n_embd), before the final norm."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
         if position_ids is None:
@@ -505,7 +523,7 @@ class GPT(nn.Module):
         if n_off == 0:
             for block in self.blocks:
                 x = block(x, rope=rope, document_ids=document_ids)
-            return self.norm(x)
+            return x
         # The first n_off blocks' saved tensors go to pinned host memory on a side stream and
         # come back one block ahead of the backward (longctx.offload); the shared RoPE tables
         # and document ids stay.
@@ -516,7 +534,7 @@ class GPT(nn.Module):
                 continue
             with offloader.block(i, i < n_off):
                 x = block(x, rope=rope, document_ids=document_ids)
-        return self.norm(x)
+        return x
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, *,
                 labels: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None):
@@ -524,10 +542,11 @@ class GPT(nn.Module):
         pair ``(loss_sum fp32, n_tokens int64)`` over this rank's tokens instead, from the
         chunked loss that never holds all logits. The training entry point is this method
         (not a side door), so FSDP2's hooks on the root run."""
-        h = self.hidden_states(input_ids, position_ids, document_ids)
         if labels is None:
-            return F.linear(h, self.lm_head_weight)
-        return chunked_cross_entropy(h, self.lm_head_weight, labels, self.loss_chunk_size)
+            return F.linear(self.hidden_states(input_ids, position_ids, document_ids), self.lm_head_weight)
+        x = self.residual_stream(input_ids, position_ids, document_ids)
+        norm = (self.norm.function(), self.norm.weight, self.norm.eps)  # per chunk, inside the loss
+        return chunked_cross_entropy(x, self.lm_head_weight, labels, self.loss_chunk_size, norm=norm)
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor,
              position_ids: Optional[torch.Tensor] = None,

@@ -211,6 +211,32 @@ def test_chunked_cross_entropy_equals_plain():
         chunked_cross_entropy(hidden, weight, labels[:, 1:], 8)
 
 
+def test_chunked_cross_entropy_with_the_final_norm_inside_float64():
+    """norm=(fn, weight, eps): the norm runs per chunk inside the loss; loss and every
+    gradient (input, norm gain, head) equal to norm-then-plain-loss in float64, NaN shows."""
+    from longctx.models.gpt import lean_rms_norm
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 23, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    gain = (1 + 0.1 * torch.randn(16, dtype=torch.float64, generator=g)).requires_grad_()
+    weight = torch.randn(50, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 23), generator=g)
+    labels[1, 3:9] = -100
+    h = lean_rms_norm(x, gain, 1e-5)
+    ref = F.cross_entropy((h @ weight.T).reshape(-1, 50), labels.reshape(-1), ignore_index=-100, reduction="sum")
+    want = torch.autograd.grad(ref, (x, gain, weight))
+    for chunk in (1, 7, 100):
+        loss, n = chunked_cross_entropy(x, weight, labels, chunk, norm=(lean_rms_norm, gain, 1e-5))
+        got = torch.autograd.grad(loss, (x, gain, weight))
+        assert n.item() == 40 and torch.allclose(loss, ref, rtol=1e-13, atol=0)
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, rtol=1e-11, atol=1e-13), chunk
+    bad = x.detach().clone()
+    bad[0, 4, 2] = float("nan")
+    loss, _ = chunked_cross_entropy(bad, weight, labels, 7, norm=(lean_rms_norm, gain, 1e-5))
+    assert torch.isnan(loss)
+
+
 def test_chunked_loss_keeps_no_full_logits():
     """The backward graph holds no (tokens x vocab) tensor: logits are recomputed per chunk."""
     torch.manual_seed(0)
