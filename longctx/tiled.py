@@ -15,6 +15,9 @@ function needs none of its neighbours, so ``tiled_apply`` runs it over tiles of
   weights) and returned once, so autograd's ``AccumulateGrad`` (and DDP's or FSDP2's
   hooks on it) runs once per parameter as without tiling.
 
+``tiled_sum`` does the same for a function returning one scalar per tile (the chunked
+loss: head, log-softmax and cross-entropy of one chunk of tokens at a time).
+
 Exact: the same ops on the same values (autocast state of the forward is restored for
 the recompute); only the weight-gradient sums are split over tiles (float64 tests give
 equality to rounding). The same idea as Arctic Long Sequence Training's TiledMLP,
@@ -45,7 +48,7 @@ class _Tiled(torch.autograd.Function):
     def forward(ctx, fn, tile, x, *weights):
         flat = x.reshape(-1, x.shape[-1])
         n = flat.shape[0]
-        ctx.fn, ctx.tile, ctx.shape = fn, tile, x.shape
+        ctx.fn, ctx.tile = fn, tile
         ctx.autocast = _autocast_state(x.device.type)
         ctx.save_for_backward(x, *weights)
         outs = None
@@ -65,39 +68,51 @@ class _Tiled(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outs):
         x, *weights = ctx.saved_tensors
-        fn, tile = ctx.fn, ctx.tile
-        flat = x.reshape(-1, x.shape[-1])
         gs = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grad_outs]
-        want_x = ctx.needs_input_grad[2]
-        want_w = [ctx.needs_input_grad[3 + i] for i in range(len(weights))]
-        dx = torch.empty_like(flat) if want_x else None
-        dw = [torch.zeros_like(w, dtype=torch.float32 if w.dtype in (torch.float16, torch.bfloat16) else w.dtype)
-              if want else None for w, want in zip(weights, want_w)]
-        device_type = x.device.type
-        for start in range(0, flat.shape[0], tile):
-            xt = flat[start:start + tile].detach().requires_grad_(want_x)
-            wt = [w.detach().requires_grad_(want) for w, want in zip(weights, want_w)]
-            with torch.enable_grad(), torch.autocast(device_type, dtype=ctx.autocast or torch.bfloat16,
-                                                     enabled=ctx.autocast is not None):
-                ys = fn(xt, *wt)
+
+        def tile_grads(start, ys):
             ys = ys if isinstance(ys, tuple) else (ys,)
-            inputs = ([xt] if want_x else []) + [w for w, want in zip(wt, want_w) if want]
-            if not inputs:
-                break
             pairs = [(y, g[start:start + y.shape[0]]) for y, g in zip(ys, gs) if g is not None]
-            grads = list(torch.autograd.grad([y for y, _ in pairs], inputs, [g for _, g in pairs],
-                                             allow_unused=True))
-            if want_x:
+            return [y for y, _ in pairs], [g for _, g in pairs]
+
+        dx, dw = _tiled_backward(ctx, x, (), weights, ctx.needs_input_grad[2], ctx.needs_input_grad[3:], tile_grads)
+        return (None, None, dx, *dw)
+
+
+def _tiled_backward(ctx, x, token_args, weights, want_x, want_w, tile_grads):
+    """The backward both tiled Functions share: each tile recomputed with autograd on (the
+    forward's autocast state restored) and differentiated at once; ``tile_grads(start,
+    outputs) -> (outputs, their gradients)``. The input gradient is written tile by tile,
+    weight gradients are summed (in fp32 for bf16/fp16 weights) and returned once.
+    Returns ``(dx or None, [dw or None, ...])``."""
+    fn, tile = ctx.fn, ctx.tile
+    flat = x.reshape(-1, x.shape[-1])
+    args = [a.reshape(-1, *a.shape[x.dim() - 1:]) for a in token_args]
+    want_w = list(want_w)
+    dx = torch.empty_like(flat) if want_x else None
+    dw = [torch.zeros_like(w, dtype=torch.float32 if w.dtype in (torch.float16, torch.bfloat16) else w.dtype)
+          if want else None for w, want in zip(weights, want_w)]
+    device_type = x.device.type
+    for start in range(0, flat.shape[0] if (want_x or any(want_w)) else 0, tile):
+        xt = flat[start:start + tile].detach().requires_grad_(want_x)
+        wt = [w.detach().requires_grad_(want) for w, want in zip(weights, want_w)]
+        with torch.enable_grad(), torch.autocast(device_type, dtype=ctx.autocast or torch.bfloat16,
+                                                 enabled=ctx.autocast is not None):
+            ys = fn(xt, *(a[start:start + tile] for a in args), *wt)
+        outputs, grads_out = tile_grads(start, ys)
+        inputs = ([xt] if want_x else []) + [w for w, want in zip(wt, want_w) if want]
+        grads = list(torch.autograd.grad(outputs, inputs, grads_out, allow_unused=True))
+        if want_x:
+            got = grads.pop(0)
+            dx[start:start + xt.shape[0]] = 0 if got is None else got
+        for acc, want in zip(dw, want_w):
+            if want:
                 got = grads.pop(0)
-                dx[start:start + xt.shape[0]] = 0 if got is None else got
-            for acc, want in zip(dw, want_w):
-                if want:
-                    got = grads.pop(0)
-                    if got is not None:
-                        acc += got
-            del ys, grads, pairs
-        dw = [None if acc is None else acc.to(w.dtype) for acc, w in zip(dw, weights)]
-        return (None, None, None if dx is None else dx.view(ctx.shape), *dw)
+                if got is not None:
+                    acc += got
+        del ys, outputs, grads
+    dw = [None if acc is None else acc.to(w.dtype) for acc, w in zip(dw, weights)]
+    return (None if dx is None else dx.view(x.shape)), dw
 
 
 def tiled_apply(fn: Callable[..., torch.Tensor], x: torch.Tensor, weights: Sequence[torch.Tensor],
@@ -120,7 +135,7 @@ class _TiledSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, tile, n_token_args, x, *rest):
         token_args, weights = rest[:n_token_args], rest[n_token_args:]
-        ctx.fn, ctx.tile, ctx.n_token_args, ctx.shape = fn, tile, n_token_args, x.shape
+        ctx.fn, ctx.tile, ctx.n_token_args = fn, tile, n_token_args
         ctx.autocast = _autocast_state(x.device.type)
         ctx.save_for_backward(x, *rest)
         flat = x.reshape(-1, x.shape[-1])
@@ -135,39 +150,11 @@ class _TiledSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, *rest = ctx.saved_tensors
-        token_args, weights = rest[:ctx.n_token_args], rest[ctx.n_token_args:]
-        fn, tile = ctx.fn, ctx.tile
-        flat = x.reshape(-1, x.shape[-1])
-        args = [a.reshape(-1, *a.shape[x.dim() - 1:]) for a in token_args]
-        first_w = 3 + ctx.n_token_args + 1
-        want_x = ctx.needs_input_grad[3]
-        want_w = [ctx.needs_input_grad[first_w + i] for i in range(len(weights))]
-        dx = torch.empty_like(flat) if want_x else None
-        dw = [torch.zeros_like(w, dtype=torch.float32 if w.dtype in (torch.float16, torch.bfloat16) else w.dtype)
-              if want else None for w, want in zip(weights, want_w)]
-        device_type = x.device.type
-        for start in range(0, flat.shape[0], tile):
-            xt = flat[start:start + tile].detach().requires_grad_(want_x)
-            wt = [w.detach().requires_grad_(want) for w, want in zip(weights, want_w)]
-            inputs = ([xt] if want_x else []) + [w for w, want in zip(wt, want_w) if want]
-            if not inputs:
-                break
-            with torch.enable_grad(), torch.autocast(device_type, dtype=ctx.autocast or torch.bfloat16,
-                                                     enabled=ctx.autocast is not None):
-                part = fn(xt, *(a[start:start + tile] for a in args), *wt)
-            grads = list(torch.autograd.grad(part, inputs, grad, allow_unused=True))
-            if want_x:
-                got = grads.pop(0)
-                dx[start:start + xt.shape[0]] = 0 if got is None else got
-            for acc, want in zip(dw, want_w):
-                if want:
-                    got = grads.pop(0)
-                    if got is not None:
-                        acc += got
-            del part, grads
-        dw = [None if acc is None else acc.to(w.dtype) for acc, w in zip(dw, weights)]
-        return (None, None, None, None if dx is None else dx.view(ctx.shape),
-                *([None] * ctx.n_token_args), *dw)
+        n = ctx.n_token_args
+        want = ctx.needs_input_grad
+        dx, dw = _tiled_backward(ctx, x, rest[:n], rest[n:], want[3], want[4 + n:],
+                                 lambda start, part: ([part], [grad]))
+        return (None, None, None, dx, *([None] * n), *dw)
 
 
 def tiled_sum(fn: Callable[..., torch.Tensor], x: torch.Tensor, token_args: Sequence[torch.Tensor],

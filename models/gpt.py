@@ -421,13 +421,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     n_tokens = (labels != IGNORE_INDEX).sum()
     if labels.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=hidden.device), n_tokens
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden, *weights)):
-        return tiled_sum(fn, hidden, (labels,), weights, chunk_size), n_tokens
-    h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for start in range(0, y.numel(), chunk_size):
-        total = total + fn(h[start:start + chunk_size], y[start:start + chunk_size], *weights)
-    return total, n_tokens
+    return tiled_sum(fn, hidden, (labels,), weights, chunk_size), n_tokens
 
 
 # ---- the model ---------------------------------------------------------------------------
