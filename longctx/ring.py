@@ -303,10 +303,10 @@ def _head_groups(n_head: int, n_kv_head: int, chunks: int) -> list[tuple[slice, 
             for c in range(chunks)]
 
 
-def _heads(t: torch.Tensor, index: slice, whole: bool) -> torch.Tensor:
+def _heads(t: torch.Tensor, index: slice) -> torch.Tensor:
     """``t``'s heads ``index`` (dim 2) as a dense tensor: a copy of one group's share, so
     the kernels and the ring's messages see the layout they see without chunks."""
-    return t if whole else t[:, :, index].contiguous()
+    return t[:, :, index].contiguous()
 
 
 def _by_head_groups(q, k, v, chunks, run):
@@ -321,7 +321,7 @@ def _by_head_groups(q, k, v, chunks, run):
     lse = None
     kept = []
     for g, (hs, ks) in enumerate(_head_groups(q.shape[2], k.shape[2], chunks)):
-        out_g, lse_g, *kept_g = run(_heads(q, hs, False), _heads(k, ks, False), _heads(v, ks, False), g)
+        out_g, lse_g, *kept_g = run(_heads(q, hs), _heads(k, ks), _heads(v, ks), g)
         if lse is None:
             lse = torch.empty((*lse_g.shape[:1], q.shape[2], *lse_g.shape[2:]), dtype=lse_g.dtype,
                               device=lse_g.device)
@@ -339,8 +339,8 @@ def _grads_by_head_groups(dout, q, k, v, out, lse, chunks, run):
         return run(dout, q, k, v, out, lse, 0)
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     for g, (hs, ks) in enumerate(_head_groups(q.shape[2], k.shape[2], chunks)):
-        grads = run(_heads(dout, hs, False), _heads(q, hs, False), _heads(k, ks, False), _heads(v, ks, False),
-                    _heads(out, hs, False), lse[:, hs].contiguous(), g)
+        grads = run(_heads(dout, hs), _heads(q, hs), _heads(k, ks), _heads(v, ks),
+                    _heads(out, hs), lse[:, hs].contiguous(), g)
         for dst, index, grad in zip((dq, dk, dv), (hs, ks, ks), grads):
             dst[:, :, index] = grad
         del grads
