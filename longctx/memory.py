@@ -254,7 +254,7 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     # on the GPU from block n on (one of them the last kept block's) down to block 0.
     n_off = _offload_layers(plan.offload_activations, s.L)
     per_layer_saved = saved_layer * T
-    last_layers = s.L - n_off if n_off == 0 else max(s.L - n_off, 2)  # at the last layer's backward
+    last_layers = max(s.L - n_off, 2 if n_off else 1)  # at the last layer's backward
     first_layers = 2 if n_off else 1  # late in the backward, with (nearly) every gradient
 
     # ---- loss: one chunk's fp32 logits, their log-softmax, gradients; hidden + its grad
@@ -401,10 +401,10 @@ def _fix(config, seq_len, kw, plan, gpu_total, host_total) -> str:
         tries.append(("activation_checkpointing='full'", with_(activation_checkpointing="full")))
     full = with_(activation_checkpointing="full")
     if plan.mlp_tile_size is None:
-        tries.append(("mlp_tile_size=8192" + ("" if plan.activation_checkpointing == "full"
+        tries.append((f"mlp_tile_size={DEFAULT_MLP_TILE}" + ("" if plan.activation_checkpointing == "full"
                                               else " with activation_checkpointing='full'"),
-                      ParallelPlan.from_dict({**dataclasses.asdict(full), "mlp_tile_size": 8192})))
-    tiled = ParallelPlan.from_dict({**dataclasses.asdict(full), "mlp_tile_size": plan.mlp_tile_size or 8192})
+                      ParallelPlan.from_dict({**dataclasses.asdict(full), "mlp_tile_size": DEFAULT_MLP_TILE})))
+    tiled = ParallelPlan.from_dict({**dataclasses.asdict(full), "mlp_tile_size": plan.mlp_tile_size or DEFAULT_MLP_TILE})
     if plan.cp_attention == "ring":
         tiled = dataclasses.replace(tiled, attention_head_chunks=_shape(config).hkv)
     for p_name, p in tries:
