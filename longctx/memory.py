@@ -13,8 +13,10 @@ where ``x + attn(x)`` promotes to fp32).
 
 Static, per rank (s = W under FSDP, 1 otherwise): fp32 parameters 4N/s, gradients 4N/s,
 AdamW moments 8N/s (``cpu_offload``: all three in host memory instead), DDP buckets 4N
-(W > 1), bf16 working copies (FSDP2: the root's embedding/head plus two unsharded blocks;
-autocast with fp32 weights: its cast cache, 2 bytes per matmul weight during the forward).
+(W > 1), bf16 working copies (FSDP2: the root's head, or tied embedding, plus two
+unsharded blocks; an untied embedding is a unit of its own, unsharded in the forward and
+its own backward only; autocast with fp32 weights: its cast cache, 2 bytes per matmul
+weight during the forward).
 
 Activations kept for the backward, per token per layer (``saved_block_inputs``):
 ``full`` r·d (the block input only); ``selective`` r·d + a(2q + 2kv) + 4·Hq (q, k, v,
@@ -32,8 +34,9 @@ tensors plus the backward's own: 2aF for the MLP's gradients, or per tile with
 the kernels' and the ring's buffers divided by ``attention_head_chunks``),
 or one loss chunk: 12 bytes x V per token of ``loss_chunk_size`` (fp32 log-softmax, its
 gradient, the input gradient) plus the head's weight gradient. The peak is the largest of
-four moments: the loss backward, the last layer's backward (all saved inputs, few
-gradients), the first layer's (all gradients, one saved input), the optimizer step.
+these moments: the loss backward, the last layer's backward (all saved inputs, few
+gradients), the first layer's (all gradients, one saved input), an untied embedding's
+backward under FSDP2, the optimizer step.
 Not in ``max_memory_allocated`` but on the device: CUDA context, cuDNN/NCCL workspaces
 (``cuda_context``, 1.5 GiB) and fragmentation (``allocator_slack``, 3% of the rest).
 
@@ -268,23 +271,24 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     grads_b = 4 * N // shard
     adam_b = 8 * N // shard
     head_params = s.V * s.d * (1 if s.tied else 2) + s.d
+    # FSDP2 shards an untied embedding as a unit of its own (longctx.parallel), resharded
+    # after the forward until its own backward; the root keeps the head (and a tied table).
+    own_embedding = fsdp and not s.tied
     if fsdp and mixed:
         in_flight_blocks = min(2, s.L)
-        work = 2 * head_params + 2 * in_flight_blocks * Nl  # unsharded bf16 root + current and prefetched block
-        work_bwd = work + in_flight_blocks * (2 + 4) * Nl  # + unsharded gradients of two blocks (bf16 -> fp32)
-        work_fwd_end = work
+        root = 2 * (V * d + d)  # unsharded bf16 head (or tied table) and final norm
+        work_fwd_end = root + 2 * in_flight_blocks * Nl  # + current and prefetched block
+        work_bwd = work_fwd_end + in_flight_blocks * (2 + 4) * Nl  # + their gradients (bf16 -> fp32)
     elif mixed:
         mm = N - head_params + V * d  # matmul weights (the tied head is cast once)
         work_fwd_end = 2 * mm
         work_bwd = 2 * mm if ckpt == "none" else 2 * (Nl + V * d)
-        work = work_bwd
     else:
-        work = work_bwd = work_fwd_end = 0
+        work_bwd = work_fwd_end = 0
     ddp_buckets = 4 * N if (data_parallel == "ddp" and world > 1) else 0
-    # The embedding/head gradient exists from the loss backward on (FSDP2: unsharded, in the
-    # compute dtype, reduced at the end of the backward; else the fp32 .grad).
-    # Under FSDP2 only the head's (the tied embedding's) exists until block 0's backward is
-    # done, and each block's gradient is reduced to its fp32 shard as soon as it is complete.
+    # The head's (the tied embedding's) gradient exists from the loss backward on (FSDP2:
+    # unsharded, in the compute dtype, reduced at the end of the backward; else the fp32 .grad).
+    # Under FSDP2 each block's gradient is reduced to its fp32 shard as soon as it is complete.
     gpu_head_grad = (2 if mixed else 4) * (V * d + d) if fsdp else 4 * head_params
     if cpu_offload:
         gpu_static = {}
@@ -314,12 +318,15 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
               layer_live, {"residual_grad": r * d * T}),
         phase("the first layer's backward", first_layers, gpu_grads_all, work_bwd, "layer_recompute_backward", layer_live,
               {"residual_grad": r * d * T}),
-        phase("the optimizer step", 0, gpu_grads_all, 0, "optimizer_temporaries", 4 * N // shard if not cpu_offload
-              else 0),
     ]
-    # the optimizer step holds no activations
-    phases[-1][1].pop("saved_block_inputs", None)
-    phases[-1][1].pop("rope_tables", None)
+    if own_embedding and mixed:  # the embedding gathered again, its unsharded gradient (bf16 -> fp32)
+        phases.append(phase("the embedding's backward", 0, gpu_grads_all, root + 2 * V * d, "embedding_gradient",
+                            (2 + 4) * V * d, {"residual_grad": r * d * T}))
+    phases.append(phase("the optimizer step", 0, grads_b if (fsdp and not cpu_offload) else gpu_grads_all, 0,
+                        "optimizer_temporaries", 4 * N // shard if not cpu_offload else 0))
+    for _, items in phases[3:]:  # after block 0's backward: no activations
+        items.pop("saved_block_inputs", None)
+        items.pop("rope_tables", None)
     totals = {n: sum(i.values()) for n, i in phases}
     name, items = max(phases, key=lambda p: sum(p[1].values()))
     allocated = sum(items.values())

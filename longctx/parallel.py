@@ -334,4 +334,22 @@ def _apply_fsdp(model: nn.Module, dims: ParallelDims) -> None:
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by the backward: keep them.
         fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kwargs)
+    embedding = _untied_embedding(model)
+    if embedding is not None:
+        # Used first and differentiated last: resharded in between, so no block's backward
+        # holds the unsharded (vocab x n_embd) table. A tied one is the head too: it stays
+        # with the root. (The head stays with the root: as a unit of its own its fp32
+        # reduce-scatter input would stay alive through the last block's backward, the peak.)
+        fully_shard(embedding, **kwargs)
     fully_shard(model, **kwargs)
+
+
+def _untied_embedding(model: nn.Module) -> Optional[nn.Module]:
+    """The input embedding (``get_input_embeddings()``, as Hugging Face models and ``GPT``
+    name it) where its weight is not the output head's; else None."""
+    get_in, get_out = (getattr(model, n, None) for n in ("get_input_embeddings", "get_output_embeddings"))
+    embedding = get_in() if callable(get_in) else None
+    head = get_out() if callable(get_out) else None
+    if embedding is None or head is None or getattr(embedding, "weight", None) is getattr(head, "weight", None):
+        return None  # no head (GPT's tied embedding) or a tied one
+    return embedding

@@ -464,6 +464,13 @@ class GPT(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed
+
+    def get_output_embeddings(self) -> Optional[nn.Linear]:
+        """The untied head; None when tied (the embedding's weight is the head's)."""
+        return self.lm_head
+
     @property
     def cp(self) -> CPContext:
         """The context-parallel context the attention layers were handed (``parallelize``)."""

@@ -106,3 +106,9 @@ class HFCausalLM(nn.Module):
         if head.bias is not None:
             raise ValueError(f"{type(self.hf).__name__}: an LM head with a bias is not supported by the chunked loss")
         return chunked_cross_entropy(hidden, head.weight, labels, self.loss_chunk_size)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.hf.get_input_embeddings()
+
+    def get_output_embeddings(self) -> Optional[nn.Module]:
+        return self.hf.get_output_embeddings()

@@ -488,3 +488,48 @@ def _rope_dtype_under_fsdp(rank: int, world: int) -> str:
 def test_fsdp_bf16_keeps_rope_tables_fp32():
     """FSDP2 mixed precision computes in bf16 but must not round the RoPE tables it passes on."""
     assert run_distributed(_rope_dtype_under_fsdp, 1) == ["torch.float32"]
+
+
+def _untied_embedding_under_fsdp(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    reference = GPT(small_config(tie_embeddings=False)).double()
+    model = copy.deepcopy(reference)
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    parallelize(model, ParallelDims(data_parallel="fsdp", fsdp_mesh=mesh), small_plan(loss_chunk_size=5))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 96, (2, 12), generator=g)
+    labels = torch.randint(0, 96, (2, 12), generator=g)
+    # While the blocks run backward the embedding is sharded again (a DTensor); the head is
+    # the root's, unsharded.
+    during_blocks = []
+
+    def look(grad):
+        during_blocks.append([isinstance(m.weight, DTensor) for m in (model.embed, model.lm_head)])
+
+    model.blocks[1].register_forward_hook(lambda m, a, out: (out.register_hook(look) if out.requires_grad else None)
+                                          and None)
+    loss, n = model(ids, labels=labels)
+    (loss / n).backward()
+    ref_loss, ref_n = reference(ids, labels=labels)
+    (ref_loss / ref_n).backward()
+    grads = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
+    err = max(((grads[k] - p.grad).norm() / p.grad.norm()).item() for k, p in reference.named_parameters())
+    tied = parallelize(GPT(small_config()), ParallelDims(data_parallel="fsdp", fsdp_mesh=mesh), small_plan())
+    return {"units": [isinstance(m, FSDPModule) for m in (model.embed, model.lm_head, tied.embed)],
+            "during_blocks": during_blocks, "loss_err": abs(loss.item() - ref_loss.item()) / ref_loss.item(),
+            "grad_err": err}
+
+
+@pytest.mark.slow
+def test_fsdp_shards_an_untied_embedding_as_a_unit_of_its_own():
+    """FSDP2 gives an untied embedding a unit of its own, so the unsharded (vocab x n_embd)
+    table does not live through the blocks' backward; training is unchanged (float64,
+    against the same model unsharded). A tied one stays with the root (it is the head)."""
+    for out in run_distributed(_untied_embedding_under_fsdp, 2):
+        assert out["units"] == [True, False, False]
+        assert out["during_blocks"] == [[True, False]], out["during_blocks"]
+        assert out["loss_err"] < 1e-12 and out["grad_err"] < 1e-10, out
