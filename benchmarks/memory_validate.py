@@ -4,6 +4,8 @@ Run (one GPU, ~5-6 minutes on an H200):
     OUT=out python benchmarks/memory_validate.py
     python benchmarks/memory_validate.py --smoke          # CPU, tiny sizes, seconds
     python benchmarks/memory_validate.py --cases 1b-128k-full,1b-128k-ab
+    OUT=out torchrun --nproc-per-node 2 benchmarks/memory_validate.py   # CP over 2 GPUs
+    torchrun --nproc-per-node 2 benchmarks/memory_validate.py --smoke   # CP=2 over gloo
 
 Every case builds the GPT (``longctx.models.GPT`` + ``longctx.parallelize``) the way
 ``CausalLMModule`` under ``train.py`` runs it on one GPU: FSDP2 over a one-rank mesh with
@@ -21,35 +23,56 @@ installed: attention work linear in the length, so each step takes seconds). ``1
 offload of every block (the issue's limit: <= 10% slower), and that plus 8 attention head
 chunks.
 
-Rows (JSON list, rewritten after every case): $OUT/memory_validate.json (OUT default ./out).
+Under ``torchrun`` with N processes the cases are the CP ones (``cp_cases``): one sequence
+of N x the per-rank tokens, zigzag-sharded over a ring of N GPUs (CP = N, FSDP2 over the
+same N ranks), against ``estimate(..., cp=N)``: the ring's send/receive buffers and
+gradient messages, which one GPU cannot show. Every rank measures its own peak; the row
+keeps all of them and the largest.
+
+Rows (JSON list, rewritten after every case): $OUT/memory_validate.json (OUT default ./out;
+memory_validate_cp{N}.json under CP).
 """
 from __future__ import annotations
 
+import argparse
+import gc
+import json
 import os
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Optional
 
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+import torch
+import torch.distributed as dist
 
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Optional  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from longctx import CPContext, ParallelDims, ParallelPlan, parallelize  # noqa: E402
-from longctx.memory import GiB, estimate  # noqa: E402
-from longctx.models import GPT, GPTConfig  # noqa: E402
+from longctx import CPContext, ParallelDims, ParallelPlan, parallelize, shard_sequence
+from longctx.memory import GiB, auto_attention_kernel, estimate
+from longctx.models import GPT, GPTConfig
 
 K = 1024
 DOC = 16 * K
 
 ONE_B = dict(preset="llama3.2-1b")
 EIGHT_B = dict(preset="llama3-8b")
+
+
+def cp_cases(smoke: bool, cp: int) -> list[dict]:
+    """Per-rank sizes as in ``cases``; the sequence is ``cp`` times as long."""
+    tiled = dict(activation_checkpointing="full", mlp_tile_size=8192)
+    if smoke:
+        return [dict(case=f"smoke-cp{cp}-tiled-chunks2-docs", model=dict(preset="tiny"), seq_len=cp * 512,
+                     docs=True, plan=dict(tiled, mlp_tile_size=128, attention_head_chunks=2, offload_activations=1))]
+    return [
+        dict(case=f"cp{cp}-8b-width-1layer-512k-per-rank-tiled-chunks8-docs", model=dict(EIGHT_B, n_layer=1),
+             seq_len=cp * 512 * K, plan=dict(tiled, attention_head_chunks=8), docs=True),
+        dict(case=f"cp{cp}-8b-width-4layers-512k-per-rank-tiled-offload-chunks8-docs", model=dict(EIGHT_B, n_layer=4),
+             seq_len=cp * 512 * K, plan=dict(tiled, attention_head_chunks=8, offload_activations=True), docs=True),
+        # All heads at once: the ring's buffers at full size (the largest predicted transient).
+        dict(case=f"cp{cp}-8b-width-1layer-512k-per-rank-tiled-docs", model=dict(EIGHT_B, n_layer=1),
+             seq_len=cp * 512 * K, plan=tiled, docs=True),
+    ]
 
 
 def cases(smoke: bool) -> list[dict]:
@@ -124,10 +147,12 @@ class Setup:
         self.cuda = device.type == "cuda"
         self.cfg = GPTConfig.from_dict(case["model"])
         self.plan = ParallelPlan(attention_backend="auto" if self.cuda else "torch", **case["plan"])
+        self.cp = dist.get_world_size()
+        cp = CPContext(group=dist.group.WORLD) if self.cp > 1 else CPContext()
         torch.manual_seed(0)
         with device:
             self.model = GPT(self.cfg)
-        dims = ParallelDims(cp=CPContext(), data_parallel="fsdp", fsdp_mesh=mesh,
+        dims = ParallelDims(cp=cp, data_parallel="fsdp", fsdp_mesh=mesh,
                             param_dtype=torch.bfloat16 if self.cuda else None)
         parallelize(self.model, dims, self.plan)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, weight_decay=0.1, foreach=self.cuda)
@@ -142,21 +167,25 @@ class Setup:
         for group in self.opt.param_groups:
             group["lr"] = 1e-5
         S = case["seq_len"]
-        g = torch.Generator().manual_seed(S)
+        g = torch.Generator().manual_seed(S)  # the same sequence on every rank, then sharded
         tokens = torch.randint(0, self.cfg.vocab_size, (1, S + 1), generator=g)
-        self.ids = tokens[:, :-1].to(device)
-        self.labels = tokens[:, 1:].to(device)
-        self.pos = torch.arange(S, device=device)[None]
-        self.docs = None
+        ids, labels, pos, docs = tokens[:, :-1], tokens[:, 1:], torch.arange(S)[None], None
         if case.get("docs"):
             doc = 128 if not self.cuda else DOC
-            self.docs = (torch.arange(S, device=device) // doc)[None]
-            self.pos = (torch.arange(S, device=device) % doc)[None]
+            docs, pos = torch.arange(S)[None] // doc, torch.arange(S)[None] % doc
+
+        def local(t):
+            if t is None:
+                return None
+            return shard_sequence(t, 1, rank=dist.get_rank(), world_size=self.cp).contiguous().to(device)
+
+        self.ids, self.labels, self.pos, self.docs = local(ids), local(labels), local(pos), local(docs)
 
     def step(self, marks: Optional[list] = None) -> float:
         """One training step. ``marks`` (CUDA): a list that receives ``(period, peak bytes,
         bytes allocated at its end)`` for the forward, the loss backward, each block's
-        backward and the optimizer step (the peak counter is reset at every mark)."""
+        backward in three parts (MLP and output projection; attention; q/k/v projections
+        and norm) and the optimizer step (the peak counter is reset at every mark)."""
         def mark(period):
             if marks is not None:
                 marks.append((period, torch.cuda.max_memory_allocated(self.device),
@@ -173,10 +202,21 @@ class Setup:
                         out.register_hook(lambda grad: mark(before))
                 return hook
 
+            def on_query(before):
+                def hook(module, args):
+                    if args[0].requires_grad:
+                        args[0].register_hook(lambda grad: mark(before))
+                return hook
+
             blocks = list(self.model.blocks)
             for i, block in enumerate(blocks):
                 handles.append(block.register_forward_hook(
                     on_output("loss backward" if i == len(blocks) - 1 else f"block {i + 1} backward")))
+                # Inside block i's backward: the gradient reaching the attention core's output
+                # ends the MLP and output-projection part; dQ ends the attention's own part
+                # (the kernels and the ring). The rest (q/k/v projections, norm) is "block i backward".
+                handles.append(block.attn.core.register_forward_hook(on_output(f"block {i} mlp backward")))
+                handles.append(block.attn.core.register_forward_pre_hook(on_query(f"block {i} attention backward")))
         amp = torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else torch.autocast("cpu", enabled=False)
         try:
             with amp:
@@ -197,7 +237,7 @@ class Setup:
             torch.cuda.synchronize(self.device)
 
     def predict(self, plan: ParallelPlan):
-        return estimate(self.cfg, self.case["seq_len"], plan=plan, cp=1, dp=1, data_parallel="fsdp",
+        return estimate(self.cfg, self.case["seq_len"], plan=plan, cp=self.cp, dp=1, data_parallel="fsdp",
                         precision="bf16-mixed" if self.cuda else "32-true",
                         attention_kernel="auto")
 
@@ -224,8 +264,17 @@ def measured_step(setup: Setup, plan: ParallelPlan) -> dict:
         row["measured_periods"] = [dict(period=p, peak_gib=round(peak / GiB, 3), end_gib=round(end / GiB, 3))
                                    for p, peak, end in marks]
         row["measured_gpu_reserved"] = torch.cuda.max_memory_reserved(dev)
+    if setup.cp > 1:  # every rank's peaks; the row's figures are the largest
+        ranks = [None] * setup.cp
+        dist.all_gather_object(ranks, {k: row.get(k) for k in ("measured_gpu", "measured_periods",
+                                                              "measured_host_rss_peak", "loss")})
+        row["ranks"] = ranks
+        row["measured_host_rss_peak"] = max(r["measured_host_rss_peak"] for r in ranks)
+        if setup.cuda:
+            row["measured_gpu"] = max(r["measured_gpu"] for r in ranks)
+    if setup.cuda:
         row["ratio"] = row["measured_gpu"] / pred.allocated_bytes
-    row["host_ratio"] = rss.peak / pred.host_bytes
+    row["host_ratio"] = row["measured_host_rss_peak"] / pred.host_bytes
     return row
 
 
@@ -272,34 +321,68 @@ def _free():
             pass
 
 
+def recheck(path, attention_kernel: str) -> list[dict]:
+    """The stored measurements of ``path`` (a results JSON this script wrote) against the
+    memory model as it is now: ``(case, measured, predicted, ratio)`` per measured row.
+    ``attention_kernel``: what ``backend="auto"`` ran in that run (the JSON's ``meta`` names
+    it from 2026-11-25 on)."""
+    data = json.loads(Path(path).read_text())
+    cp = data["meta"].get("cp", 1)
+    kernel = data["meta"].get("attention_kernel", attention_kernel)
+    rows = []
+    for r in data["rows"]:
+        if "measured_gpu" not in r:
+            continue
+        pred = estimate(GPTConfig.from_dict(r["model"]), r["seq_len"], plan=ParallelPlan(**r["plan"]), cp=cp, dp=1,
+                        data_parallel="fsdp", attention_kernel=kernel)
+        rows.append(dict(case=r["case"], measured=r["measured_gpu"], predicted=pred.allocated_bytes,
+                         ratio=r["measured_gpu"] / pred.allocated_bytes, phase=pred.phase))
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes (tests the script)")
     ap.add_argument("--cases", default="", help="comma list of case names (default: all)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per A/B variant")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--recheck", nargs="+", metavar="JSON",
+                    help="no GPU: stored results against the memory model as it is now (FlashAttention-4 runs)")
     args = ap.parse_args(argv)
+    # Before the first CUDA allocation (the allocator reads it then); the memory model's slack
+    # term was measured with it.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if args.recheck:
+        for path in args.recheck:
+            for r in recheck(path, "fa4"):
+                print(f"{Path(path).name}: {r['case']}: measured {r['measured'] / GiB:.1f} GiB, predicted "
+                      f"{r['predicted'] / GiB:.1f} GiB, ratio {r['ratio']:.3f} (peak at {r['phase']})")
+        return
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
         raise SystemExit("no CUDA device: run with --smoke on the CPU")
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun: CP over every process
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1,
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
                                 **({"device_id": device} if cuda else {}))
     from torch.distributed.device_mesh import DeviceMesh
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, device.type, mesh_dim_names=("dp_cp",))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "memory_validate.json"
+    path = out / ("memory_validate.json" if world == 1 else f"memory_validate_cp{world}.json")
     wanted = {c for c in args.cases.split(",") if c}
-    todo = [c for c in cases(args.smoke) if not wanted or c["case"] in wanted]
+    todo = [c for c in (cases(args.smoke) if world == 1 else cp_cases(args.smoke, world))
+            if not wanted or c["case"] in wanted]
     meta = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", torch=torch.__version__,
-                alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), date=time.strftime("%Y-%m-%d %H:%M"))
+                alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), date=time.strftime("%Y-%m-%d %H:%M"), cp=world,
+                attention_kernel=auto_attention_kernel() if cuda else "torch")
     rows: list[dict] = []
     start = time.time()
     for case in todo:
@@ -307,6 +390,8 @@ def main(argv=None):
         try:
             new = run_case(case, device, mesh, args.steps)
         except (torch.OutOfMemoryError, RuntimeError) as e:
+            if world > 1:
+                raise  # the other ranks wait in the ring: end the whole run (rows so far are written)
             if not isinstance(e, torch.OutOfMemoryError) and "out of memory" not in str(e).lower():
                 traceback.print_exc()
             msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
@@ -322,6 +407,8 @@ def main(argv=None):
             except Exception:  # noqa: BLE001 - a diagnostic only
                 pass
         _free()
+        if rank != 0:
+            continue
         for r in new:
             r["case_wall_s"] = time.time() - t0
             rows.append(r)
@@ -336,7 +423,8 @@ def main(argv=None):
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         os.replace(tmp, path)
-    print(f"wrote {path}")
+    if rank == 0:
+        print(f"wrote {path}")
     dist.destroy_process_group()
 
 

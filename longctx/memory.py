@@ -143,7 +143,7 @@ def _offload_layers(setting, n_layer: int) -> int:
     return offload_count(setting, n_layer)
 
 
-def _auto_attention_kernel() -> str:
+def auto_attention_kernel() -> str:
     """The dense kernel backend="auto" runs for bf16 on this machine's first GPU."""
     import torch
 
@@ -176,7 +176,7 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     if attention_kernel not in ("auto", "fa4", "triton", "cudnn"):
         raise ValueError(f"attention_kernel must be 'auto', 'fa4', 'triton' or 'cudnn', got {attention_kernel!r}")
     if attention_kernel == "auto":
-        attention_kernel = _auto_attention_kernel()
+        attention_kernel = auto_attention_kernel()
     if precision not in ("bf16-mixed", "32-true"):
         raise ValueError(f"precision must be 'bf16-mixed' or '32-true', got {precision!r}")
     if cpu_offload and data_parallel != "fsdp":
@@ -234,20 +234,27 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     group = hq // s.hkv
     if mixed and group > 1 and attention_kernel == "cudnn":  # cuDNN takes no GQA: K/V expanded
         kernel = 2 * a * q + 2 * a * q + 8 * q + 8 * kv
-    elif attention_kernel == "fa4":  # dQ and FlashAttention-4's fp32 dQ accumulator
-        kernel = a * q + 4 * q
+    elif attention_kernel == "fa4":  # dQ, dK, dV and FlashAttention-4's fp32 dQ accumulator
+        kernel = a * q + 2 * a * kv + 4 * q
     else:
         kernel = 2 * a * q + 4 * q + 8 * kv
     if cp > 1:
-        kernel += 4 * q + 2 * 2 * a * kv + 2 * 2 * 4 * kv + 4 * hq  # dQ fp32, K/V + dK/dV buffers
+        # the ring's fp32 dQ, K/V receive buffers (none at cp=2: the kept shard is the only
+        # one; one at cp=3; two from 4 on) and dK/dV accumulators (two, fp32)
+        kv_buffers = min(max(cp - 2, 0), 2)
+        kernel += 4 * q + kv_buffers * 2 * a * kv + 2 * 2 * 4 * kv + 4 * hq
         if plan.cp_attention == "ulysses":
             kernel += 2 * a * (2 * q + 2 * kv)
     chunks = plan.attention_head_chunks
     attn_bwd = a * q + kernel / chunks  # dO, then the kernels' and the ring's buffers of one head group
     if chunks > 1:  # full-size dQ/dK/dV, and one group's dense copies of dO, q, k, v, out
         attn_bwd += a * (q + 2 * kv) + a * (3 * q + 2 * kv) / chunks
-    layer_live_mlp = (none_layer - block_input + grad_io + mlp_bwd_tokens) * T + mlp_bwd_fixed
-    layer_live_attn = (none_layer - block_input - mlp_part + grad_io + attn_bwd) * T
+    # In the MLP's backward the residual stream's gradient takes two paths (around and
+    # through the MLP): their sum is a new tensor. By the attention's backward the MLP's
+    # tensors and its saved input (residual_mid) are freed.
+    grad_sum = r * d
+    layer_live_mlp = (none_layer - block_input + grad_io + grad_sum + mlp_bwd_tokens) * T + mlp_bwd_fixed
+    layer_live_attn = (none_layer - block_input - mlp_part - residual_mid + grad_io + attn_bwd) * T
     layer_live = max(layer_live_mlp, layer_live_attn)
     if ckpt == "none":  # the layer's tensors are already counted in the saved ones
         layer_live -= saved_layer * T

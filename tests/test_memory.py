@@ -175,3 +175,22 @@ def test_fitting_plan_takes_the_cheapest_change_that_fits():
     chosen_by_user = ParallelPlan(activation_checkpointing="full", mlp_tile_size=4096, offload_activations=2)
     got = fitting_plan(cfg, seq, plan=chosen_by_user, gpu_total=tight, **kw)
     assert got is None or {**got.to_dict(), "attention_head_chunks": 1} == chosen_by_user.to_dict()
+
+
+@pytest.mark.parametrize("results", ["memory_validate_h200.json", "memory_validate_cp2_h100x2.json",
+                                     "memory_validate_periods_h100.json"])
+def test_the_model_bounds_the_committed_measurements(results):
+    """Every GPU measurement committed under benchmarks/results/ (one H200; CP=2 over two
+    H100s; FlashAttention-4 blocks) lies within 10% below the model's prediction as the
+    model is now: a change to the model that stops predicting them fails here."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("memory_validate", root / "benchmarks" / "memory_validate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.recheck(root / "benchmarks" / "results" / results, "fa4")
+    assert len(rows) >= 2
+    for r in rows:
+        assert 0.9 <= r["ratio"] <= 1.0, r
