@@ -28,11 +28,13 @@ residual stream.
 ``offload_activations`` moves the first n layers' share to (pinned) host memory and keeps
 one layer in flight on the GPU.
 
-The largest transient is one layer being recomputed and differentiated (its "none"
-tensors plus the backward's own: 2aF for the MLP's gradients, or per tile with
-``mlp_tile_size``; GQA expansion and dQ/dK/dV for attention, ring buffers when cp > 1,
-the kernels' and the ring's buffers divided by ``attention_head_chunks``),
-or one loss chunk: 12 bytes x V per token of ``loss_chunk_size`` (fp32 log-softmax, its
+The largest transient is one layer being recomputed and differentiated, at the larger of
+two moments: the MLP's backward (the layer's "none" tensors, the residual gradient and the
+new tensor its two paths sum into, 2aF for the MLP's gradients or per tile with
+``mlp_tile_size``) and the attention's (the MLP's tensors and saved input freed by then;
+dO, the kernels' dQ/dK/dV and accumulators, GQA expansion for cuDNN, the ring's fp32 dQ,
+dK/dV accumulators and 0/1/2 K/V receive buffers at cp = 2/3/>=4, the kernels' and the
+ring's buffers divided by ``attention_head_chunks``), or one loss chunk: 12 bytes x V per token of ``loss_chunk_size`` (fp32 log-softmax, its
 gradient, the input gradient) plus the head's weight gradient. The peak is the largest of
 these moments: the loss backward, the last layer's backward (all saved inputs, few
 gradients), the first layer's (all gradients, one saved input), an untied embedding's
