@@ -12,7 +12,8 @@ and ``parallelize``, which applies them to an architecture-only model from outsi
   FSDP2's compute dtype and CPU offload. The strategy builds it.
 * ``ParallelPlan``: the runtime policy of one model: activation checkpointing, pointwise
   fusion, ring or Ulysses, kernel backend, loss chunk size. The training module owns it.
-* ``parallelize(model, dims, plan)``: applies both, FSDP2 last (per block, then the root).
+* ``parallelize(model, dims, plan)``: applies both, FSDP2 last (per block, an untied input
+  embedding, then the root).
 
 Blocks are the modules named in the model's ``_no_split_modules`` (Hugging Face's
 convention, which ``longctx.models.GPT`` follows too). Activation checkpointing, fusion
@@ -239,8 +240,9 @@ def parallelize(model: nn.Module, dims: Optional[ParallelDims] = None,
     """Apply the parallel layout and the runtime plan to ``model`` (in place; returns it).
 
     Order: CP hand-over, runtime policy (checkpointing, fusion, loss chunk), then FSDP2
-    (per block, then the root, as torchtitan does). Call it once, from the
-    LightningModule's ``configure_model`` (the strategy calls it for modules that don't).
+    (per block, an untied input embedding, then the root, as torchtitan does). Call it once,
+    from the LightningModule's ``configure_model`` (the strategy calls it for modules that
+    don't).
     """
     dims = ParallelDims() if dims is None else dims
     plan = ParallelPlan() if plan is None else ParallelPlan.from_dict(plan)

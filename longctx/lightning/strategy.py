@@ -9,7 +9,7 @@ samples, each rank holding ``1/cp`` of every sequence.
 Data parallelism (``data_parallel``) runs over the whole ``dp x cp`` world:
 
 * ``"fsdp"``: parameters, gradients and AdamW state sharded with FSDP2 (``fully_shard``
-  per block, then the root) over every rank (CP ranks hold other tokens of the same
+  per block, an untied input embedding, then the root) over every rank (CP ranks hold other tokens of the same
   samples, so they shard parameters too, as torchtitan's ``dp_shard_cp``); bf16 compute
   with fp32 master weights and fp32 gradient reduction under ``bf16-mixed``; optional CPU
   offload. Checkpoints are folders of shards (``torch.distributed.checkpoint``).
