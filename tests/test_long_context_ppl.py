@@ -162,9 +162,10 @@ def test_cli_checkpoint_thetas_and_compare(assets, capsys):
             "hyper_parameters": {"model": model.config.to_dict(), "lr": 1e-4}, "global_step": 7}
     torch.save(ckpt, tmp / "last.ckpt")
     out = tmp / "out"
+    # On the CPU on every machine: the results are compared with `direct` (CPU, fp32) below.
     common = ["--tokenizer", str(tmp / "spm.model"), "--data", DATA, "--cache-dir", str(tmp / "cache"),
               "--seq-lens", "64,128", "--max-sequences", "3", "--bucket-edges", "16,64", "--base-context", "32",
-              "--batch-tokens", "256", "--out", str(out)]
+              "--batch-tokens", "256", "--device", "cpu", "--out", str(out)]
     assert bench.main(["--checkpoint", str(tmp / "last.ckpt"), "--rope-theta", "1e4,1e6", "--tag", "ft"] + common) == 0
     files = [out / "long_context_ppl_ft-theta1e4.json", out / "long_context_ppl_ft-theta1e6.json"]
     runs = [json.loads(f.read_text()) for f in files]
