@@ -349,9 +349,14 @@ def _apply_fsdp(model: nn.Module, dims: ParallelDims) -> None:
 def _untied_embedding(model: nn.Module) -> Optional[nn.Module]:
     """The input embedding (``get_input_embeddings()``, as Hugging Face models and ``GPT``
     name it) where its weight is not the output head's; else None."""
-    get_in, get_out = (getattr(model, n, None) for n in ("get_input_embeddings", "get_output_embeddings"))
-    embedding = get_in() if callable(get_in) else None
-    head = get_out() if callable(get_out) else None
+    def call(name):
+        getter = getattr(model, name, None)
+        try:
+            return getter() if callable(getter) else None
+        except NotImplementedError:  # transformers' base class, for models without one
+            return None
+
+    embedding, head = call("get_input_embeddings"), call("get_output_embeddings")
     if embedding is None or head is None or getattr(embedding, "weight", None) is getattr(head, "weight", None):
         return None  # no head (GPT's tied embedding) or a tied one
     return embedding

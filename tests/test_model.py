@@ -533,3 +533,20 @@ def test_fsdp_shards_an_untied_embedding_as_a_unit_of_its_own():
         assert out["units"] == [True, False, False]
         assert out["during_blocks"] == [[True, False]], out["during_blocks"]
         assert out["loss_err"] < 1e-12 and out["grad_err"] < 1e-10, out
+
+
+def test_only_an_untied_embedding_gets_a_unit_of_its_own():
+    from longctx.parallel import _untied_embedding
+
+    untied, tied = GPT(small_config(tie_embeddings=False)), GPT(small_config())
+    assert _untied_embedding(untied) is untied.embed
+    assert _untied_embedding(tied) is None
+
+    class NoEmbeddings(nn.Module):  # transformers' base class raises for models without one
+        def get_input_embeddings(self):
+            raise NotImplementedError
+
+        def get_output_embeddings(self):
+            return nn.Linear(2, 3)
+
+    assert _untied_embedding(NoEmbeddings()) is None and _untied_embedding(nn.Linear(2, 2)) is None
