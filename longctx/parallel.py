@@ -32,7 +32,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .layouts import check_layout
-from .ring import check_head_chunks, ring_attention
+from .head_groups import check_head_chunks
+from .ring import ring_attention
 from .ulysses import ulysses_attention
 
 CP_ATTENTION = ("ring", "ulysses")

@@ -38,6 +38,7 @@ from longctx.kernels import (attention_backward, attention_delta, attention_forw
 from longctx.kernels.merge import merge_partials_
 
 from .layouts import LAYOUTS, check_layout, check_seq_len, chunks_per_rank
+from .head_groups import by_head_groups, check_head_chunks, grads_by_head_groups
 from .ring_comm import RingExchange
 
 ALL = slice(None)
@@ -287,66 +288,6 @@ def _check_group_agrees(table: torch.Tensor, name: str) -> None:
     )
 
 
-def check_head_chunks(chunks, n_kv_head: Optional[int] = None) -> None:
-    """``attention_head_chunks``: a positive int dividing the key/value head count."""
-    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-        raise ValueError(f"attention_head_chunks must be a positive int, got {chunks!r}")
-    if n_kv_head is not None and n_kv_head % chunks:
-        raise ValueError(f"attention_head_chunks={chunks} must divide the {n_kv_head} key/value heads "
-                         "(each chunk takes whole GQA groups)")
-
-
-def _head_groups(n_head: int, n_kv_head: int, chunks: int) -> list[tuple[slice, slice]]:
-    """(query heads, key/value heads) of each of ``chunks`` groups of whole GQA groups."""
-    kv_per, group = n_kv_head // chunks, n_head // n_kv_head
-    return [(slice(c * kv_per * group, (c + 1) * kv_per * group), slice(c * kv_per, (c + 1) * kv_per))
-            for c in range(chunks)]
-
-
-def _heads(t: torch.Tensor, index: slice) -> torch.Tensor:
-    """``t``'s heads ``index`` (dim 2) as a dense tensor: a copy of one group's share, so
-    the kernels and the ring's messages see the layout they see without chunks."""
-    return t[:, :, index].contiguous()
-
-
-def _by_head_groups(q, k, v, chunks, run):
-    """``run(q_heads, k_heads, v_heads, group_index) -> (out, lse, *kept)`` for each head
-    group, one after the other; outputs written into full-size ``out``/``lse``. One
-    group's buffers (the kernels' and the ring's fp32 accumulators, messages) exist at a
-    time, so their peak is 1/chunks of attention over all heads at once."""
-    if chunks == 1:
-        out, lse, *kept = run(q, k, v, 0)
-        return out, lse, [kept]
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = None
-    kept = []
-    for g, (hs, ks) in enumerate(_head_groups(q.shape[2], k.shape[2], chunks)):
-        out_g, lse_g, *kept_g = run(_heads(q, hs), _heads(k, ks), _heads(v, ks), g)
-        if lse is None:
-            lse = torch.empty((*lse_g.shape[:1], q.shape[2], *lse_g.shape[2:]), dtype=lse_g.dtype,
-                              device=lse_g.device)
-        out[:, :, hs] = out_g
-        lse[:, hs] = lse_g
-        kept.append(kept_g)
-        del out_g, lse_g
-    return out, lse, kept
-
-
-def _grads_by_head_groups(dout, q, k, v, out, lse, chunks, run):
-    """``run(dout_h, q_h, k_h, v_h, out_h, lse_h, group_index) -> (dq_h, dk_h, dv_h)`` per
-    head group, written into full-size gradients (see ``_by_head_groups``)."""
-    if chunks == 1:
-        return run(dout, q, k, v, out, lse, 0)
-    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-    for g, (hs, ks) in enumerate(_head_groups(q.shape[2], k.shape[2], chunks)):
-        grads = run(_heads(dout, hs), _heads(q, hs), _heads(k, ks), _heads(v, ks),
-                    _heads(out, hs), lse[:, hs].contiguous(), g)
-        for dst, index, grad in zip((dq, dk, dv), (hs, ks, ks), grads):
-            dst[:, :, index] = grad
-        del grads
-    return dq, dk, dv
-
-
 class _LocalAttention(torch.autograd.Function):
     """group=None or size 1: plain attention through the same block kernels."""
 
@@ -357,7 +298,7 @@ class _LocalAttention(torch.autograd.Function):
         def run(q_h, k_h, v_h, g):
             return attention_forward(q_h, k_h, v_h, causal=causal, softmax_scale=scale, backend=backend, **docs)
 
-        out, lse, _ = _by_head_groups(q, k, v, chunks, run)
+        out, lse, _ = by_head_groups(q, k, v, chunks, run)
         ctx.save_for_backward(q, k, v, out, lse, document_ids)
         ctx.args = (causal, scale, backend, chunks)
         return out
@@ -372,7 +313,7 @@ class _LocalAttention(torch.autograd.Function):
             return attention_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, causal=causal, softmax_scale=scale,
                                       backend=backend, **docs)
 
-        dq, dk, dv = _grads_by_head_groups(dout, q, k, v, out, lse, chunks, run)
+        dq, dk, dv = grads_by_head_groups(dout, q, k, v, out, lse, chunks, run)
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -519,7 +460,7 @@ class _RingAttention(torch.autograd.Function):
         def run(q_h, k_h, v_h, g):
             return _ring_forward(q_h, k_h, v_h, document_ids, comm, scale, backends, blocks)
 
-        out, lse, kept = _by_head_groups(q, k, v, chunks, run)
+        out, lse, kept = by_head_groups(q, k, v, chunks, run)
         kept_ids = kept[0][1]  # the same ids travelled with every group's K/V
         ctx.save_for_backward(q, k, v, out, lse, document_ids, kept_ids, *(kv for kv, _ in kept))
         ctx.args = (group, scale, backends, blocks, chunks)
@@ -535,7 +476,7 @@ class _RingAttention(torch.autograd.Function):
             return _ring_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, kept_kv[g], document_ids, kept_ids, comm,
                                   scale, backends, blocks)
 
-        dq, dk, dv = _grads_by_head_groups(dout, q, k, v, out, lse, chunks, run)
+        dq, dk, dv = grads_by_head_groups(dout, q, k, v, out, lse, chunks, run)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
