@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from longctx.lightning.cli import check_sections, cli_class, flag_values, flatten, one_line
+from longctx.lightning.cli import (check_sections, cli_class, flag_values, flatten, hf_model_drops_config_models,
+                                   one_line)
 from longctx.lightning.training import say
 
 REPO = Path(__file__).resolve().parent
@@ -110,7 +111,9 @@ def resolve_config(argv: list[str]) -> Resolved:
     """The options: configs/tiny-cpu.yaml (or a resumed run's own config.yaml) <- --config
     files <- flags, in order. On ``--resume`` flags not repeated keep the run's values; an
     explicit ``--config`` and flags given then are overrides (reported)."""
-    args = expand_short_flags(argv)
+    # A Hugging Face model comes from its directory: the GPT sizes of configs read before it
+    # are dropped (sizes given as flags are kept, and refused with it).
+    args = hf_model_drops_config_models(expand_short_flags(argv))
     configs = flag_values(args, "--config", "-c")
     for path in configs:
         check_sections(path)
@@ -202,16 +205,40 @@ class Prepared:
     """A run checked and built up to its data work: what main() goes on with."""
     resolved: Resolved
     out: Path
-    run_lock: Any  # the run directory's lock (rank 0), held while this lives
-    trainer: Any
+    run_lock: Any  # the run directory's lock (rank 0), held while this lives; None: checked only
+    trainer: Any  # None: checked only (``device_checks=False``)
     datamodule: Any
 
 
-def prepare(argv: list[str]) -> Prepared:
+class _UnreadTokenizer:
+    """A GGUF tokenizer named (and its spec checked) but not read: reading it is data work."""
+    vocab_size, eos_id, bos_id = 1, 0, None
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError("checked only: the GGUF tokenizer was not read")
+
+    decode = encode
+
+
+def launched_world() -> Optional[int]:
+    """The world an external launcher (torchrun) set up, if any."""
+    import os
+
+    return int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
+
+
+def prepare(argv: list[str], *, device_checks: bool = True) -> Prepared:
     """Every mistake the command line can show, as one ValueError/FileNotFoundError/ArgumentError
     before any data work: jsonargparse's types first, then each component refusing its own
     values as it is built, its message said of the option (``model.lr must be ...``). The
-    model is only checked here: it is built once the tokenizer fixes its vocabulary."""
+    model is only checked here: it is built once the tokenizer fixes its vocabulary.
+
+    ``device_checks=False`` checks what the command itself decides, on any machine (a GPU
+    command on a CPU machine: tests/test_readme_commands.py): no CUDA needed for a GPU
+    accelerator, no Trainer (so none of Lightning's device checks): the world is the
+    launcher's (``WORLD_SIZE``) or devices x nodes, checked against the CP size as the
+    strategy checks it; the model without the plan's kernel checks; no GGUF tokenizer read,
+    no run directory locked."""
     resolved = resolve_config(argv)
     cfg = resolved.config
     from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -219,9 +246,10 @@ def prepare(argv: list[str]) -> Prepared:
     from longctx.data import LongDocumentDataModule
     from longctx.lightning.health import NonFiniteGuard
     from longctx.lightning.run_dir import lock_run_dir, write_atomic
-    from longctx.lightning.strategy import ContextParallelStrategy
+    from longctx.lightning.strategy import ContextParallelStrategy, _check_divisible
     from longctx.lightning.training import RunOptions, build_trainer, data_tokenizer, launch_rank
-    from longctx.models import GPTConfig
+    from longctx.models import GGUFTokenizer, GPTConfig
+    from longctx.models.checkpoint_import import check_checkpoint_spec
     from longctx.models.lit_module import CausalLMModule
 
     def build(sections: tuple[str, ...], make):
@@ -240,7 +268,11 @@ def prepare(argv: list[str]) -> Prepared:
         check_resume(resolved)
 
     # The settings left to the run, pinned in its config.yaml.
-    accelerator = cfg.trainer.accelerator = resolve_accelerator(cfg.trainer.accelerator)
+    if device_checks or cfg.trainer.accelerator not in ("gpu", "cuda"):
+        cfg.trainer.accelerator = resolve_accelerator(cfg.trainer.accelerator)
+    else:
+        cfg.trainer.accelerator = "gpu"  # checked only: this machine may have none
+    accelerator = cfg.trainer.accelerator
     cfg.trainer.devices = resolve_devices(cfg, accelerator)
     if cfg.trainer.precision is None:
         cfg.trainer.precision = "bf16-mixed" if accelerator == "gpu" else "32-true"
@@ -275,14 +307,33 @@ def prepare(argv: list[str]) -> Prepared:
     # The world is known once the Trainer exists: a CP size that does not divide it is
     # refused there (by the strategy), before any process starts.
     strategy = build(("strategy",), lambda: ContextParallelStrategy(**cfg.strategy.as_dict()))
-    trainer = build(("strategy", "trainer"), lambda: build_trainer(cfg.trainer.as_dict(), strategy, run, out,
-                                                                   [guard], on_train_start=write_config))
-    build(("model",), lambda: CausalLMModule.check_arguments(**cfg.model.as_dict(), device=trainer.strategy.root_device))
+    tokenizer = lambda: data_tokenizer(cfg.data.tokenizer, cfg.model.init_from, cfg.model.hf_model)  # noqa: E731
+    if device_checks:
+        trainer = build(("strategy", "trainer"), lambda: build_trainer(
+            cfg.trainer.as_dict(), strategy, run, out, [guard], on_train_start=write_config))
+        build(("model",), lambda: CausalLMModule.check_arguments(**cfg.model.as_dict(),
+                                                                  device=trainer.strategy.root_device))
+        cp_size = strategy.cp_size
+    else:  # the world as the command asks for it; the strategy's own check on it
+        trainer, devices, nodes = None, cfg.trainer.devices, cfg.trainer.num_nodes
+        per_node = len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else None
+        world = launched_world()
+        if world is not None and per_node is not None and per_node * nodes != world:
+            raise ValueError(f"trainer.devices {devices} x num_nodes {nodes} does not match the launcher's world "
+                             f"of {world} processes")
+        world = world if world is not None else None if per_node is None else per_node * nodes
+        if world is not None and cfg.strategy.context_parallel_size is not None:
+            build(("strategy",), lambda: _check_divisible(world, cfg.strategy.context_parallel_size,
+                                                          per_node, nodes))
+        cp_size = cfg.strategy.context_parallel_size or world
+        spec = cfg.data.tokenizer if cfg.data.tokenizer is not None else cfg.model.init_from
+        if GGUFTokenizer.accepts(spec):
+            tokenizer = lambda: (check_checkpoint_spec("tokenizer", spec), _UnreadTokenizer())[1]  # noqa: E731
     # The data module checks its sequence length against the CP size the strategy resolved.
     datamodule = build(("data",), lambda: LongDocumentDataModule(**{
-        **cfg.data.as_dict(), "context_parallel_size": strategy.cp_size,
-        "tokenizer": data_tokenizer(cfg.data.tokenizer, cfg.model.init_from, cfg.model.hf_model)}))
-    return Prepared(resolved, out, lock_run_dir(out) if launch_rank() == 0 else None, trainer, datamodule)
+        **cfg.data.as_dict(), "context_parallel_size": cp_size, "tokenizer": tokenizer()}))
+    lock = lock_run_dir(out) if device_checks and launch_rank() == 0 else None
+    return Prepared(resolved, out, lock, trainer, datamodule)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

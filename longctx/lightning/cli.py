@@ -137,6 +137,50 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _yaml_model(path: str) -> dict:
+    import yaml
+
+    try:
+        top = yaml.safe_load(Path(path).read_text()) if Path(path).is_file() else None
+    except yaml.YAMLError:
+        return {}  # jsonargparse says what is wrong with it
+    model = top.get("model") if isinstance(top, dict) else None
+    return model if isinstance(model, dict) else {}
+
+
+def _null(value: Any) -> bool:
+    return value is None or str(value).strip().lower() in ("null", "none", "")
+
+
+def hf_model_drops_config_models(args: list[str]) -> list[str]:
+    """``args`` with ``--model.model null`` before each place that sets ``model.hf_model`` (a
+    flag, or a ``--config`` file), so that a Hugging Face model, which comes from its
+    directory, drops the GPT sizes (``model.model``) of the configs read before it (the
+    default base, a config like configs/llama3.2-1b-128k.yaml that trains either model).
+    Sizes given as flags are the user's: kept, so ``CausalLMModule`` refuses them with the
+    HF model; so is a config file that sets both itself."""
+    flags = [arg.partition("=")[0] for arg in args]
+    if any(flag == "--model.model" or flag.startswith("--model.model.") for flag in flags):
+        return args
+    out = []
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        value = value if eq else (args[i + 1] if i + 1 < len(args) else None)
+        if i and args[i - 1] in ("--config", "-c"):  # the file after --config: decided at --config
+            out.append(arg)
+            continue
+        sets_hf = False
+        if flag == "--model.hf_model":
+            sets_hf = not _null(value)
+        elif flag in ("--config", "-c") and value is not None:
+            model = _yaml_model(value)
+            sets_hf = not _null(model.get("hf_model")) and not model.get("model")
+        if sets_hf:
+            out += ["--model.model", "null"]
+        out.append(arg)
+    return out
+
+
 def check_sections(path: str) -> None:
     """A config's top level, checked before jsonargparse reads it: its message for an old
     flat config (``seq_len: 512``) names neither the file nor the shape it wants."""
