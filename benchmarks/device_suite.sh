@@ -2,6 +2,10 @@
 # One device-tool call's worth of GPU benchmarks; results land in $OUT (JSON + logs).
 #   bash benchmarks/device_suite.sh ring    # ring.py: correctness, scaling, peers, breakdown
 #   bash benchmarks/device_suite.sh train [--set k=v ...]  # train_throughput.py, profiled
+#   bash benchmarks/device_suite.sh tests [PYTEST ARGS]   # every test that needs CUDA, NCCL or 2 GPUs
+#     (pytest -m gpu: tests/conftest.py marks them; MARK=multigpu for the 2-GPU ones only);
+#     log and JUnit XML in $OUT (gpu_tests.log, gpu_tests.xml), the last line its rc and time.
+#     Needs pytest (and hypothesis, pytest-timeout) there: carry their wheels in .carry/wheels.
 # Each part has its own time limit (LIMIT seconds, default 560) so one slow part cannot
 # eat the whole call.
 set -u
@@ -22,5 +26,19 @@ case "${1:-ring}" in
       --seqs "${SEQS:-131072,32768}" --sizes "${SIZES:-$N}" --steps 3 --profile \
       --out "$OUT" --tag "${TAG:-}" "${@:2}" 2>&1 | grep -v "^W1\|Warning\|_warn_once" \
       | tee "$OUT/train.log" | tail -40
+    ;;
+  tests)
+    python -c "import pytest" 2>/dev/null \
+      || { echo "[device_suite] pytest is not installed here: carry its wheels in .carry/wheels"; exit 2; }
+    start=$(date +%s)
+    # Modules that cannot be imported here (a missing CPU-side package) are reported as errors
+    # and the rc says so, but do not stop the GPU tests of the other modules.
+    timeout "${LIMIT:-560}" python -m pytest -q -rs -m "${MARK:-gpu}" -p no:cacheprovider \
+      --continue-on-collection-errors --junitxml "$OUT/gpu_tests.xml" tests "${@:2}" > "$OUT/gpu_tests.log" 2>&1
+    rc=$?
+    tail -40 "$OUT/gpu_tests.log"
+    echo "[device_suite] tests -m ${MARK:-gpu}: rc $rc in $(( $(date +%s) - start )) s on $N GPU(s)" \
+      | tee -a "$OUT/gpu_tests.log"
+    exit $rc
     ;;
 esac
