@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from longctx.lightning.launcher import LAUNCHER_PID_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 ARGS = [
     "--data", "stdlib:json,email", "--preset", "tiny", "--model.model.vocab_size", "512",
@@ -67,6 +69,22 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _launched_ranks(pid: int) -> list[int]:
+    """The ranks that rank 0 (``pid``) launched: its children that run train.py with its pid as
+    their launcher in their environment (``LAUNCHER_PID_ENV``). Whatever else a rank starts
+    (compile workers, helpers: a GPU machine's rank 0 has more children) is not counted."""
+    ranks = []
+    for child in _children(pid):
+        try:
+            cmdline = (Path("/proc") / str(child) / "cmdline").read_bytes().split(b"\0")
+            environ = (Path("/proc") / str(child) / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone already
+        if any(arg.endswith(b"train.py") for arg in cmdline) and f"{LAUNCHER_PID_ENV}={pid}".encode() in environ:
+            ranks.append(child)
+    return ranks
+
+
 def _alive(pid: int) -> bool:
     try:
         return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -75,15 +93,15 @@ def _alive(pid: int) -> bool:
 
 
 def _wait_training(proc: subprocess.Popen, out: Path) -> list[int]:
-    """Wait for logged steps (the CSV logger's first write); return rank 0's children."""
+    """Wait for logged steps (the CSV logger's first write); return the rank rank 0 launched."""
     deadline = time.monotonic() + STARTUP_S
     while not (out / "logs" / "version_0" / "metrics.csv").exists():
         assert proc.poll() is None, f"train.py exited early ({proc.returncode}):\n{_log(out)[-4000:]}"
         assert time.monotonic() < deadline, f"no training step after {STARTUP_S}s:\n{_log(out)[-4000:]}"
         time.sleep(0.2)
-    children = _children(proc.pid)
-    assert len(children) == 1, children
-    return children
+    ranks = _launched_ranks(proc.pid)
+    assert len(ranks) == 1, f"rank 0 launched {ranks} (of its children {_children(proc.pid)}); expected rank 1 only"
+    return ranks
 
 
 def _wait_gone(pids: list[int], seconds: float) -> list[int]:
