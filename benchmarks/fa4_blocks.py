@@ -11,10 +11,14 @@ each section so a time-out keeps what finished):
             tests/test_document_kernels.py (diagonal causal blocks and off-diagonal full
             blocks, rows without keys), noting which went through FA4 varlen and which fell
             back to Triton (ids FA4's runs cannot express).
-  ring      the zigzag ring emulated on one GPU: every rank's blocks (longctx.ring._ring_blocks,
-            the same slices and skips), fp32 merges, the backward from the merged out/lse, dK/dV
-            summed onto their owner; the unsharded result vs float64 (P=2 and 4, with and
-            without documents); then the P=2 ring's per-rank block time at 128K, fa4 vs cudnn.
+  ring      the zigzag ring emulated on one GPU, the unsharded result vs float64 (P=2 and 4):
+            without documents every rank's blocks (longctx.ring._ring_blocks, the same slices
+            and skips), fp32 merges, the backward from the merged out/lse, dK/dV summed onto
+            their owner; with documents every rank's DocumentPlan (longctx.documents.
+            plan_documents): its local calls, then each step's exchange call over the rows
+            the sending rank's plan sends (longctx.document_ring.forward_calls/backward_calls),
+            dK/dV back onto the sender's rows. Then the plain P=2 ring's per-rank block time
+            at 128K, fa4 vs cudnn.
   compile   first-call seconds of every FA4 kernel variant this process compiled (or loaded
             from the on-disk cache, see kernels/fa4.py).
   blocks    fwd+bwd ms of the issue's ring block shapes (causal diagonal and full off-diagonal,
@@ -40,7 +44,10 @@ from attention import bench_ms, gpu_tag, poison_allocator  # noqa: E402
 from longctx import shard_sequence, unshard_sequence  # noqa: E402
 from longctx.kernels import attention_backward, attention_forward, fa4  # noqa: E402
 from longctx.kernels.merge import merge_partials_  # noqa: E402
-from longctx.ring import _document_ranges, _ring_blocks  # noqa: E402
+from longctx.document_ring import _call_forward, backward_calls, forward_calls  # noqa: E402
+from longctx.documents import plan_documents, rows_of  # noqa: E402
+from longctx.kernels import resolve_backend  # noqa: E402
+from longctx.ring import _ring_blocks  # noqa: E402
 
 K = 1024
 DEV = "cuda"
@@ -167,34 +174,50 @@ def section_check(report):
 # ------------------------------------------------------------------------------ ring
 
 
+def _add_rows(acc, rows, grad):
+    """``acc[:, rows] += grad`` for the plan's rows (None, a slice or an index tensor)."""
+    if rows is None or isinstance(rows, slice):
+        rows_of(acc, rows).add_(grad.to(acc.dtype))
+    else:
+        acc.index_add_(1, rows, grad.to(acc.dtype))
+
+
 def emulated_ring(q, k, v, dout, ids, world, backend):
-    """Unsharded (out, dq, dk, dv) of a zigzag ring of `world` ranks, every rank's blocks run
-    here one after another exactly as longctx.ring does them (fp32 merge, backward from the
-    merged out/lse, dK/dV summed onto the rank that owns the K/V shard)."""
+    """Unsharded (out, dq, dk, dv) of a zigzag ring of `world` ranks, every rank's work run
+    here (on q's device) one rank after another, as the library does it.
+
+    Without documents (``ids`` None): the plain ring's blocks (``longctx.ring._ring_blocks``:
+    the same slices and skips), fp32 merges, the backward from the merged out/lse, dK/dV
+    summed onto the rank that owns the K/V shard. With documents: every rank's
+    ``longctx.documents.plan_documents`` plan - its local calls over its own shard, then at
+    step s its exchange's call over the message rank r - s would send it (that rank's
+    ``exchanges[s - 1].send_rows`` of its shard, gathered with ``rows_of``), through
+    ``longctx.document_ring``'s call runners; the message's dK/dV go back to the sender's rows."""
     shard = lambda t, r: shard_sequence(t, 1, rank=r, world_size=world, layout="zigzag")  # noqa: E731
-    s_local = q.shape[1] // world
-    ranges = None
+    device, s_local, scale = q.device, q.shape[1] // world, q.shape[-1] ** -0.5
+    local = [dict(q=shard(q, r), k=shard(k, r), v=shard(v, r), dout=shard(dout, r)) for r in range(world)]
     if ids is not None:
-        ranges = torch.stack([_document_ranges(shard(ids, r)) for r in range(world)]).cpu()
-    local = [dict(q=shard(q, r), k=shard(k, r), v=shard(v, r), dout=shard(dout, r),
-                  ids=None if ids is None else shard(ids, r)) for r in range(world)]
-    plans = [_ring_blocks(r, world, "zigzag", True, s_local, ranges) for r in range(world)]
+        outs, dqs, dks, dvs = _emulated_document_ring(local, ids, world, backend, scale)
+    else:
+        outs, dqs, dks, dvs = _emulated_plain_ring(local, q.dtype, world, s_local, backend)
 
-    def docs(r, src, rows, cols, needs):
-        if ids is None or not needs:
-            return {}
-        return dict(q_document_ids=local[r]["ids"][:, rows], k_document_ids=local[src]["ids"][:, cols])
+    def full(parts):
+        return torch.cat([p for p in parts], 1)[:, _zigzag_inverse(q.shape[1], world, device)]
+    return full(outs), full(dqs), full(dks), full(dvs)
 
+
+def _emulated_plain_ring(local, dtype, world, s_local, backend):
+    plans = [_ring_blocks(r, world, "zigzag", True, s_local) for r in range(world)]
     outs, lses = [], []
     for r in range(world):
         out = lse = None
         for step, blk in enumerate(plans[r]):
             if blk is None:
                 continue
-            rows, cols, masked, needs = blk
+            rows, cols, masked = blk
             src = (r - step) % world
             ob, lb = attention_forward(local[r]["q"][:, rows], local[src]["k"][:, cols], local[src]["v"][:, cols],
-                                       causal=masked, backend=backend, **docs(r, src, rows, cols, needs))
+                                       causal=masked, backend=backend)
             if out is None:
                 out, lse = ob.float().contiguous(), lb.float()
             else:
@@ -205,29 +228,93 @@ def emulated_ring(q, k, v, dout, ids, world, backend):
     dks = [torch.zeros_like(local[r]["k"], dtype=torch.float32) for r in range(world)]
     dvs = [torch.zeros_like(local[r]["v"], dtype=torch.float32) for r in range(world)]
     for r in range(world):
-        final = outs[r].to(q.dtype)
+        final = outs[r].to(dtype)
         for step, blk in enumerate(plans[r]):
             if blk is None:
                 continue
-            rows, cols, masked, needs = blk
+            rows, cols, masked = blk
             src = (r - step) % world
             dq, dk, dv = attention_backward(
                 local[r]["dout"][:, rows], local[r]["q"][:, rows], local[src]["k"][:, cols],
-                local[src]["v"][:, cols], final[:, rows], lses[r][:, :, rows], causal=masked,
-                backend=backend, **docs(r, src, rows, cols, needs))
+                local[src]["v"][:, cols], final[:, rows], lses[r][:, :, rows], causal=masked, backend=backend)
             dqs[r][:, rows] += dq.float()
             dks[src][:, cols] += dk.float()
             dvs[src][:, cols] += dv.float()
-
-    def full(parts):
-        return torch.cat([p for p in parts], 1)[:, _zigzag_inverse(q.shape[1], world)]
-    return full(outs), full(dqs), full(dks), full(dvs)
+    return [o.to(dtype) for o in outs], dqs, dks, dvs
 
 
-def _zigzag_inverse(S, world):
+def _emulated_document_ring(local, ids, world, backend, scale):
+    flat = lambda t: t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:])  # noqa: E731 - the plan's rows
+    device = local[0]["q"].device
+    plans = [plan_documents(ids, world_size=world, rank=r, layout="zigzag", causal=True, device=device)
+             for r in range(world)]
+    fl = [{key: flat(t) for key, t in shard.items()} for shard in local]
+    name = resolve_backend(backend, fl[0]["q"], fl[0]["k"], True, documents=True)
+
+    def message(r, step, key):
+        """What rank r - step sends rank r at this step: its rows that r's queries see."""
+        src = (r - step) % world
+        return rows_of(fl[src][key], plans[src].exchanges[step - 1].send_rows)
+
+    outs, lses = [], []
+    for r in range(world):
+        out, lse = forward_calls(fl[r]["q"], fl[r]["k"], fl[r]["v"], plans[r].local_calls, scale, name)
+        for step in range(1, world):
+            call = plans[r].exchanges[step - 1].call
+            if call is not None:
+                out, lse = _call_forward(call, fl[r]["q"], message(r, step, "k"), message(r, step, "v"), out, lse,
+                                         scale, name)
+        outs.append(out.to(fl[r]["q"].dtype))
+        lses.append(lse)
+    grads = [tuple(torch.zeros(fl[r][key].shape, dtype=torch.float32, device=device) for key in ("q", "k", "v"))
+             for r in range(world)]
+    for r in range(world):
+        dq = grads[r][0]
+        for step in range(1, world):
+            call = plans[r].exchanges[step - 1].call
+            if call is None:
+                continue
+            src = (r - step) % world
+            k_m, v_m = message(r, step, "k"), message(r, step, "v")
+            dk_m, dv_m = (torch.zeros(t.shape, dtype=torch.float32, device=device) for t in (k_m, v_m))
+            backward_calls(fl[r]["dout"], fl[r]["q"], k_m, v_m, outs[r], lses[r], [call], scale, name,
+                           grads=(dq, dk_m, dv_m))
+            send_rows = plans[src].exchanges[step - 1].send_rows  # the dK/dV go home
+            _add_rows(grads[src][1], send_rows, dk_m)
+            _add_rows(grads[src][2], send_rows, dv_m)
+        backward_calls(fl[r]["dout"], fl[r]["q"], fl[r]["k"], fl[r]["v"], outs[r], lses[r], plans[r].local_calls,
+                       scale, name, grads=grads[r])
+    shape = lambda r, t: t.view(local[r]["q"].shape[0], -1, *t.shape[2:])  # noqa: E731
+    return ([shape(r, outs[r]) for r in range(world)], *([shape(r, grads[r][i]) for r in range(world)]
+                                                          for i in range(3)))
+
+
+def _zigzag_inverse(S, world, device=DEV):
     order = torch.cat([shard_sequence(torch.arange(S).view(1, S), 1, rank=r, world_size=world, layout="zigzag")[0]
                        for r in range(world)])
-    return torch.argsort(order).to(DEV)
+    return torch.argsort(order).to(device)
+
+
+def rank_blocks(q, k, v, dout, world, rank, backend):
+    """One callable per ring step: forward + backward of the block ``rank`` computes at that
+    step of a ``world``-rank plain (no documents) zigzag ring; a no-op for a skipped step."""
+    s_local = q.shape[1] // world
+    shards = [[shard_sequence(t, 1, rank=r, world_size=world, layout="zigzag") for t in (k, v)] for r in range(world)]
+    q_r, dout_r = (shard_sequence(t, 1, rank=rank, world_size=world, layout="zigzag") for t in (q, dout))
+
+    def make(step, blk):
+        if blk is None:
+            return lambda: None
+        rows, cols, causal = blk
+        k_s, v_s = shards[(rank - step) % world]
+        qb, kb, vb, dob = q_r[:, rows], k_s[:, cols], v_s[:, cols], dout_r[:, rows]
+
+        def run():
+            out, lse = attention_forward(qb, kb, vb, causal=causal, backend=backend)
+            attention_backward(dob, qb, kb, vb, out, lse, causal=causal, backend=backend)
+        return run
+
+    return [make(step, blk) for step, blk in enumerate(_ring_blocks(rank, world, "zigzag", True, s_local))]
 
 
 def section_ring(report):
@@ -255,17 +342,14 @@ def section_ring(report):
             print(f"[ring] {row}", flush=True)
             save(report)
     # P=2 at 128K: each rank's blocks back to back (the ring at P=2 runs at its blocks' rate).
-    from ring_balance_sim import rank_blocks
-
     S, H = 128 * K, 16
     g = torch.Generator(device=DEV).manual_seed(0)
     q, k, v, dout = (torch.randn(1, S, H, 128, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(4))
-    ids = torch.zeros(1, S, dtype=torch.int64, device=DEV)
     timing = dict(S=S, H=H, D=128, world=2)
     for backend in ("cudnn", "fa4"):
         per_rank = []
         for r in range(2):
-            blocks = rank_blocks(q, k, v, dout, ids, 2, r, None, backends=(backend, backend))
+            blocks = rank_blocks(q, k, v, dout, 2, r, backend)
             run = lambda blocks=blocks: [b() for b in blocks]  # noqa: E731
             run()
             per_rank.append(round(bench_ms(run, budget_s=1.0), 2))
