@@ -18,6 +18,11 @@ are skipped, tiles inside one document run unmasked) and "torch"; "auto" picks f
 triton, on GPUs, and "cudnn"/"flash" fall back to triton with a warning (see
 resolve_backend). fa4 hands a block whose ids are not runs it can express to triton. Callers that resolve the backend once
 for several blocks (the ring) pass ``documents=True`` to ``resolve_backend``.
+
+``segments=`` (``kernels.segments.Segments``, with the ids): the block's varlen segments,
+built once by the caller (``longctx.documents``) for every layer; fa4 then reads nothing
+back to the host (without them it cuts the ids into runs itself, one device-to-host copy
+per call). The other backends mask with the ids.
 """
 from __future__ import annotations
 
@@ -28,7 +33,10 @@ from typing import Optional
 
 import torch
 
+from .segments import Segments
+
 __all__ = [
+    "Segments",
     "attention_forward",
     "attention_backward",
     "attention_delta",
@@ -180,6 +188,17 @@ def _document_fallback(q: torch.Tensor) -> str:
     return "triton" if backend_available("triton", q.device) else "torch"
 
 
+def _check_segments(segments, docs, q, k, causal) -> None:
+    if segments is None:
+        return
+    if not isinstance(segments, Segments):
+        raise TypeError(f"segments must be a longctx.kernels.Segments, got {type(segments).__name__}")
+    if docs[0] is None:
+        raise ValueError("segments go with q_document_ids / k_document_ids (the kernels without "
+                         "varlen support mask with the ids)")
+    segments.check(q, k, causal)
+
+
 def _scale(softmax_scale: Optional[float], head_dim: int) -> float:
     return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
@@ -195,17 +214,22 @@ def attention_forward(
     out_dtype: Optional[torch.dtype] = None,
     q_document_ids: Optional[torch.Tensor] = None,
     k_document_ids: Optional[torch.Tensor] = None,
+    segments: Optional[Segments] = None,
 ):
     """Block attention. Returns ``(out, lse)``; lse is fp32 ``(B, Hq, Sq)``, natural log.
 
     ``out_dtype`` (default: q's dtype) lets the ring ask for fp32 partials so merging
-    many blocks loses nothing to bf16 rounding. ``q/k_document_ids``: see the module doc.
+    many blocks loses nothing to bf16 rounding. ``q/k_document_ids``, ``segments``: see
+    the module doc.
     """
     check_attention_inputs(q, k, v, causal=causal)
     docs = check_document_ids(q, k, q_document_ids, k_document_ids)
+    _check_segments(segments, docs, q, k, causal)
     name = resolve_backend(backend, q, k, causal, documents=docs[0] is not None)
     scale = _scale(softmax_scale, q.shape[-1])
     mod = _module(name)
+    if name == "fa4" and segments is not None:
+        return mod.forward_segments(q, k, v, causal, scale, out_dtype, segments)
     if docs[0] is not None:
         result = mod.forward(q, k, v, causal, scale, out_dtype, *docs)
         if result is None:  # fa4: ids that varlen runs cannot express
@@ -231,6 +255,7 @@ def attention_backward(
     grad_dtype: Optional[torch.dtype] = None,
     q_document_ids: Optional[torch.Tensor] = None,
     k_document_ids: Optional[torch.Tensor] = None,
+    segments: Optional[Segments] = None,
 ):
     """Gradients ``(dq, dk, dv)`` of one block from the FINAL out/lse of the whole row.
 
@@ -244,9 +269,12 @@ def attention_backward(
     if out is None and delta is None:
         raise ValueError("attention_backward needs `out` or a precomputed `delta`")
     docs = check_document_ids(q, k, q_document_ids, k_document_ids)
+    _check_segments(segments, docs, q, k, causal)
     name = resolve_backend(backend, q, k, causal, documents=docs[0] is not None)
     scale = _scale(softmax_scale, q.shape[-1])
     mod = _module(name)
+    if name == "fa4" and segments is not None:
+        return mod.backward_segments(dout, q, k, v, out, lse, causal, scale, grad_dtype, segments)
     if docs[0] is not None:
         grads = mod.backward(dout, q, k, v, out, lse, causal, scale, delta, grad_dtype, *docs)
         if grads is None:  # fa4: ids that varlen runs cannot express (same test as forward)

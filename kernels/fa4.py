@@ -119,7 +119,12 @@ def forward(q, k, v, causal, softmax_scale, out_dtype=None, q_doc=None, k_doc=No
     iface = _interface()
     if q_doc is not None:
         plan = plan_documents(q_doc, k_doc, causal)
-        return None if plan is None else _forward_varlen(iface, q, k, v, softmax_scale, out_dtype, plan)
+        if plan is None:
+            return None
+        if plan.empty:
+            return _nothing_visible(q, v, out_dtype)
+        return _forward_varlen(iface, q, k, v, softmax_scale, out_dtype, plan.causal,
+                               _device_plan(plan, q.device), plan.q_covered)
     with torch.cuda.device(q.device):
         out, lse = _timed_first_call(_variant("fwd", q, k, causal, False), lambda: iface._flash_attn_fwd(
             q, k, v, softmax_scale=float(softmax_scale), causal=bool(causal), return_lse=True)[:2])
@@ -127,6 +132,12 @@ def forward(q, k, v, causal, softmax_scale, out_dtype=None, q_doc=None, k_doc=No
     if out_dtype is not None and out_dtype != out.dtype:
         out = out.to(out_dtype)
     return out, lse
+
+
+def forward_segments(q, k, v, causal, softmax_scale, out_dtype, segments):
+    """``forward`` of a document block whose varlen segments the caller built (tight:
+    every row in a segment): no host work, no sync."""
+    return _forward_varlen(_interface(), q, k, v, softmax_scale, out_dtype, causal, segments.kernel_args())
 
 
 def _keep_nan(out, lse, covered):
@@ -147,21 +158,39 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dt
              q_doc=None, k_doc=None):
     """(dq, dk, dv) from the final out/lse; ``delta`` is ignored (FA4 computes it from out).
     None if document ids are not varlen-able."""
-    if out is None:
-        raise ValueError("the 'fa4' backend needs `out` in backward (it computes delta itself)")
     iface = _interface()
-    out, dout, lse = out.to(q.dtype), dout.to(q.dtype), lse.float().contiguous()
+    out, dout, lse = _backward_inputs(q, out, dout, lse)
     if q_doc is not None:
         plan = plan_documents(q_doc, k_doc, causal)
         if plan is None:
             return None
-        grads = _backward_varlen(iface, dout, q, k, v, out, lse, softmax_scale, plan)
+        if plan.empty:
+            grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        else:
+            grads = _backward_varlen(iface, dout, q, k, v, out, lse, softmax_scale, plan.causal,
+                                     _device_plan(plan, q.device), plan.q_covered is not None,
+                                     plan.k_covered is not None)
     else:
         with torch.cuda.device(q.device):
             grads = _timed_first_call(_variant("bwd", q, k, causal, False), lambda: iface._flash_attn_bwd(
                 q, k, v, out, dout, lse, float(softmax_scale), bool(causal))[:3])
     grad_dtype = grad_dtype or q.dtype
     return tuple(g.to(grad_dtype) for g in grads)
+
+
+def backward_segments(dout, q, k, v, out, lse, causal, softmax_scale, grad_dtype, segments):
+    """``backward`` of a document block with caller-built (tight) segments."""
+    out, dout, lse = _backward_inputs(q, out, dout, lse)
+    grads = _backward_varlen(_interface(), dout, q, k, v, out, lse, softmax_scale, causal,
+                             segments.kernel_args(), False, False)
+    grad_dtype = grad_dtype or q.dtype
+    return tuple(g.to(grad_dtype) for g in grads)
+
+
+def _backward_inputs(q, out, dout, lse):
+    if out is None:
+        raise ValueError("the 'fa4' backend needs `out` in backward (it computes delta itself)")
+    return out.to(q.dtype), dout.to(q.dtype), lse.float().contiguous()
 
 
 # ---------------------------------------------------------------- documents as varlen runs
@@ -269,7 +298,8 @@ def plan_documents(q_doc: torch.Tensor, k_doc: torch.Tensor, causal: bool) -> Op
                       None if q_covered.all() else q_covered, None if k_covered.all() else k_covered)
 
 
-def _device_plan(plan: VarlenPlan, device):
+def _device_plan(plan: VarlenPlan, device) -> dict:
+    """The kernels' varlen keywords of a (non-empty) plan, on ``device``."""
     def put(a):
         return None if a is None else torch.from_numpy(a).to(device, non_blocking=True)
 
@@ -282,41 +312,44 @@ def _flat(t):
     return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
 
 
-def _forward_varlen(iface, q, k, v, softmax_scale, out_dtype, plan: VarlenPlan):
+def _nothing_visible(q, v, out_dtype):
+    B, Sq, Hq, _ = q.shape
+    out = torch.zeros(B, Sq, Hq, v.shape[-1], dtype=out_dtype or q.dtype, device=q.device)
+    return out, torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float32, device=q.device)
+
+
+def _forward_varlen(iface, q, k, v, softmax_scale, out_dtype, causal, kernel_args, q_covered=None):
+    """Varlen forward over the flattened rows; ``q_covered`` (host bool per row, or None
+    where every row is in a segment) marks the rows FA4 writes."""
     B, Sq, Hq, D = q.shape
-    if plan.empty:
-        out = torch.zeros(B, Sq, Hq, v.shape[-1], dtype=out_dtype or q.dtype, device=q.device)
-        return out, torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float32, device=q.device)
-    partial = plan.q_covered is not None
+    partial = q_covered is not None
     # Rows outside every segment keep these pre-filled values: no key -> out 0, lse -inf.
     out = torch.zeros(B * Sq, Hq, v.shape[-1], dtype=q.dtype, device=q.device) if partial else None
     lse = torch.full((Hq, B * Sq), float("-inf"), dtype=torch.float32, device=q.device) if partial else None
     with torch.cuda.device(q.device):
-        out, lse = _timed_first_call(_variant("fwd", q, k, plan.causal, True), lambda: iface._flash_attn_fwd(
-            _flat(q), _flat(k), _flat(v), softmax_scale=float(softmax_scale), causal=plan.causal,
-            return_lse=True, out=out, lse=lse, **_device_plan(plan, q.device))[:2])
+        out, lse = _timed_first_call(_variant("fwd", q, k, causal, True), lambda: iface._flash_attn_fwd(
+            _flat(q), _flat(k), _flat(v), softmax_scale=float(softmax_scale), causal=causal,
+            return_lse=True, out=out, lse=lse, **kernel_args)[:2])
     out = out.view(B, Sq, Hq, -1)
     lse = lse.view(Hq, B, Sq).transpose(0, 1).contiguous()
     covered = None
     if partial:
-        covered = torch.from_numpy(plan.q_covered).to(q.device, non_blocking=True).view(B, 1, Sq)
+        covered = torch.from_numpy(q_covered).to(q.device, non_blocking=True).view(B, 1, Sq)
     out, lse = _keep_nan(out, lse, covered)
     if out_dtype is not None and out_dtype != out.dtype:
         out = out.to(out_dtype)
     return out, lse
 
 
-def _backward_varlen(iface, dout, q, k, v, out, lse, softmax_scale, plan: VarlenPlan):
+def _backward_varlen(iface, dout, q, k, v, out, lse, softmax_scale, causal, kernel_args, q_partial, k_partial):
     B, Sq, Hq, D = q.shape
-    if plan.empty:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     lse_flat = lse.transpose(0, 1).reshape(Hq, B * Sq)
     # Pre-zeroed gradients where some rows are in no segment: FA4 leaves those rows unwritten.
-    dq = torch.zeros_like(_flat(q)) if plan.q_covered is not None else None
-    dk = torch.zeros_like(_flat(k)) if plan.k_covered is not None else None
-    dv = torch.zeros_like(_flat(v)) if plan.k_covered is not None else None
+    dq = torch.zeros_like(_flat(q)) if q_partial else None
+    dk = torch.zeros_like(_flat(k)) if k_partial else None
+    dv = torch.zeros_like(_flat(v)) if k_partial else None
     with torch.cuda.device(q.device):
-        dq, dk, dv = _timed_first_call(_variant("bwd", q, k, plan.causal, True), lambda: iface._flash_attn_bwd(
+        dq, dk, dv = _timed_first_call(_variant("bwd", q, k, causal, True), lambda: iface._flash_attn_bwd(
             _flat(q), _flat(k), _flat(v), _flat(out), _flat(dout), lse_flat, float(softmax_scale),
-            plan.causal, dq=dq, dk=dk, dv=dv, **_device_plan(plan, q.device))[:3])
+            causal, dq=dq, dk=dk, dv=dv, **kernel_args)[:3])
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
