@@ -20,10 +20,9 @@ Zigzag layout (rank r holds chunks r and 2P-1-r of 2P), causal, step s, K/V from
   s > r     the second half of the local queries vs the whole K/V shard, no mask.
 Every off-diagonal step therefore computes exactly half a block on every rank.
 
-Document ids (packed documents) travel with their K/V shard in both directions and are
-applied inside these blocks by the kernels. A step whose query rows and K/V rows share no
-document is skipped (its K/V still travel on); that is decided on the host, once per
-call, from every rank's per-half id ranges, which ride in the input check's all-gather.
+Packed documents (``document_ids``) do not take this ring: ``longctx.document_ring`` moves
+only the key/value rows each rank's queries see, by a ``longctx.documents.DocumentPlan``
+built once per step (or, given plain ids, once per call here).
 """
 from __future__ import annotations
 
@@ -37,6 +36,8 @@ from longctx.kernels import (attention_backward, attention_delta, attention_forw
                              VENDOR_BACKENDS)
 from longctx.kernels.merge import merge_partials_
 
+from .document_ring import document_attention
+from .documents import DocumentPlan, gather_document_ids, plan_documents
 from .layouts import LAYOUTS, check_layout, check_seq_len, chunks_per_rank
 from .head_groups import by_head_groups, check_head_chunks, grads_by_head_groups
 from .ring_comm import RingExchange
@@ -60,53 +61,9 @@ def _block_for_step(rank: int, step: int, world_size: int, layout: str, causal: 
     return slice(half, None), ALL, False
 
 
-def _halves(index: slice) -> tuple[int, ...]:
-    """Which halves of a shard (0: first, 1: second) a block's row selection covers."""
-    if index == ALL:
-        return (0, 1)
-    return (0,) if index.start == 0 else (1,)
-
-
-def _ring_blocks(rank: int, world_size: int, layout: str, causal: bool, s_local: int,
-                 document_ranges: Optional[torch.Tensor]) -> list:
-    """``(rows, cols, causal mask, needs document mask)`` for every step (None: skip).
-
-    A step is skipped where the block's query rows and K/V rows hold no common document
-    id; a block whose rows all lie in one and the same document needs no document mask
-    (the plain kernels, cuDNN on GPUs, run it). Decided on the host from the per-half id
-    ranges every rank exchanged: exact for ids that never decrease along the sequence
-    (packed documents), conservative otherwise (the kernels then mask what remains)."""
-    blocks = []
-    for step in range(world_size):
-        block = _block_for_step(rank, step, world_size, layout, causal, s_local)
-        if block is not None and document_ranges is not None:
-            rows, cols, masked = block
-            mine, theirs = document_ranges[rank].tolist(), document_ranges[(rank - step) % world_size].tolist()
-            pairs = [(mine[2 * a: 2 * a + 2], theirs[2 * b: 2 * b + 2]) for a in _halves(rows) for b in _halves(cols)]
-            if step > 0 and not any(max(m[0], t[0]) <= min(m[1], t[1]) for m, t in pairs):
-                block = None
-            else:
-                one_document = all(m[0] == m[1] == t[0] == t[1] for m, t in pairs)
-                block = (rows, cols, masked, not one_document)
-        elif block is not None:
-            block = (*block, False)
-        blocks.append(block)
-    return blocks
-
-
-def _one_document(document_ranges: torch.Tensor) -> bool:
-    """Every rank's ids are one and the same value: the mask changes nothing."""
-    values = set(document_ranges.flatten().tolist())
-    return len(values) == 1
-
-
-def _documents(q_ids: Optional[torch.Tensor], k_ids: Optional[torch.Tensor], rows: slice, cols: slice,
-               needed: bool = True) -> dict:
-    """Document-id keywords of a block's kernel call (none without ids or where the block
-    lies inside one document)."""
-    if q_ids is None or not needed:
-        return {}
-    return {"q_document_ids": q_ids[:, rows], "k_document_ids": k_ids[:, cols]}
+def _ring_blocks(rank: int, world_size: int, layout: str, causal: bool, s_local: int) -> list:
+    """``(rows, cols, causal mask)`` computed at every step (None: skip)."""
+    return [_block_for_step(rank, step, world_size, layout, causal, s_local) for step in range(world_size)]
 
 
 def _add_into(buf: torch.Tensor, index: slice, x: torch.Tensor, fresh: bool) -> None:
@@ -158,11 +115,8 @@ _INT64 = torch.iinfo(torch.int64)
 
 def check_cp_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, layout: str, *,
                     name: str, causal: bool = True, document_ids: Optional[torch.Tensor] = None,
-                    extra=None) -> tuple[int, Optional[torch.Tensor]]:
-    """Validate a context-parallel attention call. Returns the group size (1: run locally)
-    and, with ``document_ids`` on a real group, every rank's document id ranges: an int64
-    ``(P, 4)`` CPU table, row r = (min, max) of the ids in the first and in the second
-    half of rank r's shard (an empty half: (int64 max, int64 min)).
+                    extra=None) -> int:
+    """Validate a context-parallel attention call. Returns the group size (1: run locally).
 
     With a real group every rank reaches the same verdict on every call: a problem found
     on one rank only (a length its layout cannot split, a shard shaped, typed or laid out
@@ -196,12 +150,12 @@ def check_cp_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, la
             raise
         error = e
     if world == 1:
-        return world, None
+        return world
     table = _exchange_call_summary(group, q, k, layout, causal, document_ids, failed=error is not None)
     if error is not None:
         raise error
     _check_group_agrees(table, name)
-    return world, (table[:, _RANGES] if document_ids is not None else None)
+    return world
 
 
 def _shape_row(t: torch.Tensor) -> list:
@@ -221,37 +175,18 @@ def _dtype_name(code: int) -> str:
 # Columns of the exchanged table.
 _Q_SHAPE, _K_SHAPE, _DTYPE, _LAYOUT, _CAUSAL, _IDS, _FAILED = (
     slice(0, 4), slice(4, 8), 8, 9, 10, 11, 12)
-_RANGES = slice(13, 17)
 _AGREED = 12  # columns 0..11 must be equal on every rank
 
 
-def _document_ranges(ids: torch.Tensor) -> torch.Tensor:
-    """(min, max) of the ids in each half of the shard, int64 on ids' device."""
-    half = ids.shape[1] // 2
-    ranges = []
-    for part in (ids[:, :half], ids[:, half:]):
-        if part.numel() == 0:  # never overlaps anything
-            ranges.append(torch.tensor([_INT64.max, _INT64.min], device=ids.device))
-        else:
-            low, high = torch.aminmax(part)
-            ranges.append(torch.stack([low, high]).long())
-    return torch.cat(ranges)
-
-
 def _exchange_call_summary(group, q, k, layout, causal, document_ids, failed: bool) -> torch.Tensor:
-    """All-gather one small int64 row per rank describing this call; returns the (P, 17)
+    """All-gather one small int64 row per rank describing this call; returns the (P, 13)
     table on the CPU. Over NCCL it travels on the GPU, so reading it is one host sync."""
     device = q.device if dist.get_backend(group) == "nccl" and q.is_cuda else torch.device("cpu")
     ids_code = (_NO_IDS if document_ids is None else _code(document_ids.dtype)
                 if isinstance(document_ids, torch.Tensor) else len(_DTYPE_CODES))
-    header = torch.tensor(
+    mine = torch.tensor(
         [*_shape_row(q), *_shape_row(k), _code(q.dtype), LAYOUTS.index(layout) if layout in LAYOUTS else -1,
          int(bool(causal)), ids_code, int(failed)], dtype=torch.int64, device=device)
-    if document_ids is None or failed:
-        ranges = torch.zeros(4, dtype=torch.int64, device=device)
-    else:
-        ranges = _document_ranges(document_ids).to(device)
-    mine = torch.cat([header, ranges])
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     return torch.stack(everyone).cpu()
@@ -292,64 +227,51 @@ class _LocalAttention(torch.autograd.Function):
     """group=None or size 1: plain attention through the same block kernels."""
 
     @staticmethod
-    def forward(ctx, q, k, v, document_ids, causal, scale, backend, chunks):
-        docs = _documents(document_ids, document_ids, ALL, ALL)
-
+    def forward(ctx, q, k, v, causal, scale, backend, chunks):
         def run(q_h, k_h, v_h, g):
-            return attention_forward(q_h, k_h, v_h, causal=causal, softmax_scale=scale, backend=backend, **docs)
+            return attention_forward(q_h, k_h, v_h, causal=causal, softmax_scale=scale, backend=backend)
 
         out, lse, _ = by_head_groups(q, k, v, chunks, run)
-        ctx.save_for_backward(q, k, v, out, lse, document_ids)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (causal, scale, backend, chunks)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, document_ids = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         causal, scale, backend, chunks = ctx.args
-        docs = _documents(document_ids, document_ids, ALL, ALL)
 
         def run(dout_h, q_h, k_h, v_h, out_h, lse_h, g):
             return attention_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, causal=causal, softmax_scale=scale,
-                                      backend=backend, **docs)
+                                      backend=backend)
 
         dq, dk, dv = grads_by_head_groups(dout, q, k, v, out, lse, chunks, run)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
-def _ring_forward(q, k, v, document_ids, comm, scale, backends, blocks):
-    """One pass of the forward ring: ``(out, lse, kept K/V, kept ids)``."""
+def _ring_forward(q, k, v, comm, scale, backend, blocks):
+    """One pass of the forward ring: ``(out, lse, kept K/V)``."""
     world = comm.world_size
     acc_dtype = _accumulator_dtype(q.dtype)
     # Double buffer, allocated once per call as two tensors, so that keeping the last
     # slot for the backward does not keep the other alive. Slot = [k, v]: one message
-    # per hop (plus the shard's document ids, posted in the same batch).
+    # per hop.
     slots = [torch.empty((2, *k.shape), dtype=k.dtype, device=k.device) for _ in range(2)]
     slots[0][0].copy_(k)
     slots[0][1].copy_(v)
-    id_slots = [None, None]
-    if document_ids is not None:
-        id_slots = [document_ids.clone(memory_format=torch.contiguous_format),
-                    torch.empty_like(document_ids, memory_format=torch.contiguous_format)]
     out: Optional[torch.Tensor] = None
     lse: Optional[torch.Tensor] = None
     for step in range(world):
-        current, current_ids = slots[step % 2], id_slots[step % 2]
+        current = slots[step % 2]
         # Post the next hop before computing, so the transfer overlaps this block. A
         # skipped block's K/V travel on all the same: the next rank may need them.
-        pending = None
-        if step + 1 < world:
-            nxt = (step + 1) % 2
-            pending = (comm.shift(current, slots[nxt]) if document_ids is None
-                       else comm.shift((current, current_ids), (slots[nxt], id_slots[nxt])))
+        pending = comm.shift(current, slots[(step + 1) % 2]) if step + 1 < world else None
         if blocks[step] is not None:
-            rows, cols, masked, needs_ids = blocks[step]
-            block_backend = backends[needs_ids]
+            rows, cols, masked = blocks[step]
             out_b, lse_b = attention_forward(
                 q[:, rows], current[0][:, cols], current[1][:, cols],
-                causal=masked, softmax_scale=scale, backend=block_backend,
-                out_dtype=_partial_dtype(block_backend, acc_dtype),
-                **_documents(document_ids, current_ids, rows, cols, needs_ids),
+                causal=masked, softmax_scale=scale, backend=backend,
+                out_dtype=_partial_dtype(backend, acc_dtype),
             )
             if out is None:
                 # Step 0 always covers every local query row (diagonal or full block).
@@ -364,38 +286,33 @@ def _ring_forward(q, k, v, document_ids, comm, scale, backends, blocks):
             pending.wait()
 
     # rank+1's K/V shard (step P-1): the backward's first block, already here.
-    last = (world - 1) % 2
-    return out.to(q.dtype), lse, slots[last], id_slots[last]
+    return out.to(q.dtype), lse, slots[(world - 1) % 2]
 
 
-def _ring_backward(dout, q, k, v, out, lse, last_kv, document_ids, last_ids, comm, scale, backends, blocks):
+def _ring_backward(dout, q, k, v, out, lse, last_kv, comm, scale, backend, blocks):
     """One pass of the backward ring: ``(dq, dk, dv)``."""
     world = comm.world_size
     acc_dtype = _accumulator_dtype(q.dtype)
 
-    # delta = rowsum(dO * O) once per layer, not once per block (None where every block
-    # runs on vendor kernels, which recompute it inside and ignore a given one).
-    used = {backends[b[3]] for b in blocks if b is not None}
-    delta_backend = next((b for b in used if b not in VENDOR_BACKENDS), next(iter(used)))
-    delta = attention_delta(out, dout, backend=delta_backend)
+    # delta = rowsum(dO * O) once per layer, not once per block (None for vendor kernels,
+    # which recompute it inside and ignore a given one).
+    delta = attention_delta(out, dout, backend=backend)
     dq = torch.empty(q.shape, dtype=acc_dtype, device=q.device)
     dq_fresh = True  # no block has written dq yet
 
-    def block_grads(step, block_k, block_v, block_ids):
+    def block_grads(step, block_k, block_v):
         """Adds this step's dQ; returns (kv rows, dK, dV) of the block, or None. The
         last block (step 0) returns dQ finished in q's dtype as a fourth item."""
         nonlocal dq_fresh
         if blocks[step] is None:
             return None
-        rows, cols, masked, needs_ids = blocks[step]
-        block_backend = backends[needs_ids]
+        rows, cols, masked = blocks[step]
         dq_b, dk_b, dv_b = attention_backward(
             dout[:, rows], q[:, rows], block_k[:, cols], block_v[:, cols],
             out[:, rows], lse[:, :, rows],
-            causal=masked, softmax_scale=scale, backend=block_backend,
+            causal=masked, softmax_scale=scale, backend=backend,
             delta=None if delta is None else delta[:, :, rows],
-            grad_dtype=_partial_dtype(block_backend, acc_dtype),
-            **_documents(document_ids, block_ids, rows, cols, needs_ids),
+            grad_dtype=_partial_dtype(backend, acc_dtype),
         )
         if step == 0:
             return cols, dk_b, dv_b, _finish(dq, rows, dq_b, dq_fresh, q.dtype)
@@ -404,26 +321,18 @@ def _ring_backward(dout, q, k, v, out, lse, last_kv, document_ids, last_ids, com
         return cols, dk_b, dv_b
 
     # Steps P-1, ..., 1 (K/V of ranks r+1, r+2, ..., r-1), then the diagonal (step 0).
-    # K/V (and their document ids) arrive from rank+1 into two receive buffers (the
-    # kept shard is never overwritten: a second backward with retain_graph=True must
-    # find it intact). dK/dV accumulators go to rank-1, double-buffered.
+    # K/V arrive from rank+1 into two receive buffers (the kept shard is never
+    # overwritten: a second backward with retain_graph=True must find it intact).
+    # dK/dV accumulators go to rank-1, double-buffered.
     recv_kv = [torch.empty_like(last_kv) if world > 2 else None,
                torch.empty_like(last_kv) if world > 3 else None]
-    recv_ids = [None, None]
-    if document_ids is not None:
-        recv_ids = [torch.empty_like(last_ids) if world > 2 else None,
-                    torch.empty_like(last_ids) if world > 3 else None]
     dkv = [torch.empty((2, *k.shape), dtype=acc_dtype, device=k.device) for _ in range(2)]
     dkv_pending = None
     for i, step in enumerate(range(world - 1, 0, -1)):
         current = last_kv if i == 0 else recv_kv[(i - 1) % 2]
-        current_ids = last_ids if i == 0 else recv_ids[(i - 1) % 2]
         # Post the next block's K/V before computing this one.
-        kv_pending = None
-        if step > 1:
-            kv_pending = (comm.shift_back(current, recv_kv[i % 2]) if document_ids is None
-                          else comm.shift_back((current, current_ids), (recv_kv[i % 2], recv_ids[i % 2])))
-        grads = block_grads(step, current[0], current[1], current_ids)
+        kv_pending = comm.shift_back(current, recv_kv[i % 2]) if step > 1 else None
+        grads = block_grads(step, current[0], current[1])
         acc = dkv[i % 2]
         fresh = dkv_pending is None  # this rank is the block's first contributor
         if not fresh:
@@ -440,7 +349,7 @@ def _ring_backward(dout, q, k, v, out, lse, last_kv, document_ids, last_ids, com
             kv_pending.wait()
     # The diagonal block (which every rank has: step 0 is never skipped) runs while
     # this shard's accumulated dK/dV travel home.
-    cols, dk_b, dv_b, dq_out = block_grads(0, k, v, document_ids)
+    cols, dk_b, dv_b, dq_out = block_grads(0, k, v)
     dkv_pending.wait()
     home = dkv[(world - 1) % 2]
     dk_out = _finish(home[0], cols, dk_b, False, k.dtype)
@@ -450,34 +359,29 @@ def _ring_backward(dout, q, k, v, out, lse, last_kv, document_ids, last_ids, com
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, document_ids, group, causal, scale, backend, blocks, chunks):
+    def forward(ctx, q, k, v, group, causal, scale, backend, blocks, chunks):
         comm = RingExchange(group)
-        # Blocks inside one document run on the plain kernels (cuDNN on GPUs), the others on
-        # the document-masked ones.
-        backends = (resolve_backend(backend, q, k, causal),
-                    resolve_backend(backend, q, k, causal, documents=True) if document_ids is not None else None)
+        name = resolve_backend(backend, q, k, causal)
 
         def run(q_h, k_h, v_h, g):
-            return _ring_forward(q_h, k_h, v_h, document_ids, comm, scale, backends, blocks)
+            return _ring_forward(q_h, k_h, v_h, comm, scale, name, blocks)
 
         out, lse, kept = by_head_groups(q, k, v, chunks, run)
-        kept_ids = kept[0][1]  # the same ids travelled with every group's K/V
-        ctx.save_for_backward(q, k, v, out, lse, document_ids, kept_ids, *(kv for kv, _ in kept))
-        ctx.args = (group, scale, backends, blocks, chunks)
+        ctx.save_for_backward(q, k, v, out, lse, *(kv for kv, in kept))
+        ctx.args = (group, scale, name, blocks, chunks)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, document_ids, kept_ids, *kept_kv = ctx.saved_tensors
-        group, scale, backends, blocks, chunks = ctx.args
+        q, k, v, out, lse, *kept_kv = ctx.saved_tensors
+        group, scale, name, blocks, chunks = ctx.args
         comm = RingExchange(group)
 
         def run(dout_h, q_h, k_h, v_h, out_h, lse_h, g):
-            return _ring_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, kept_kv[g], document_ids, kept_ids, comm,
-                                  scale, backends, blocks)
+            return _ring_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, kept_kv[g], comm, scale, name, blocks)
 
         dq, dk, dv = grads_by_head_groups(dout, q, k, v, out, lse, chunks, run)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -490,7 +394,7 @@ def ring_attention(
     layout: str = "zigzag",
     softmax_scale: Optional[float] = None,
     backend: str = "auto",
-    document_ids: Optional[torch.Tensor] = None,
+    document_ids=None,
     head_chunks: int = 1,
 ) -> torch.Tensor:
     """Exact attention of this rank's query shard over the whole sharded sequence.
@@ -499,31 +403,39 @@ def ring_attention(
     the Hkv heads travel). Shards must follow ``layout`` (see ``shard_sequence``).
     ``group=None`` or a group of size 1 is plain local attention. Differentiable.
 
-    ``document_ids``: None, or an integer ``(B, S_local)`` tensor sharded like q: query i
+    ``document_ids``: None; an integer ``(B, S_local)`` tensor sharded like q: query i
     attends key j only where both carry the same id (and j <= i when causal, positions
-    global). Ids travel around the ring with their K/V shard; a ring step whose query and
-    key rows share no document computes nothing (decided from per-half id ranges
-    exchanged in the per-call input check, so no extra host sync).
+    global); or the step's ``longctx.documents.DocumentPlan`` (``plan_documents`` of the
+    full ids, built once per step and reused by every layer: no collective, no host sync
+    in the call). Either way only the key/value rows a rank's queries see move, and ranks
+    that share no document exchange nothing (``longctx.document_ring``); plain ids are
+    all-gathered and planned once per call.
 
     ``head_chunks``: run the whole ring (forward, and backward) for ``Hkv / head_chunks``
     key/value heads (and their query heads) at a time. Same result; the kernels' and the
     ring's fp32 accumulators, the messages and their buffers shrink by that factor (a
     memory knob: each chunk is a full ring pass, P - 1 more hops of smaller messages).
     """
-    world, document_ranges = check_cp_inputs(q, k, v, group, layout, name="ring_attention",
-                                             causal=causal, document_ids=document_ids)
-    check_head_chunks(head_chunks, k.shape[2])
+    if isinstance(document_ids, DocumentPlan):
+        plan = document_ids
+        check_attention_inputs(q, k, v, causal=False)
+        plan.check_call(q, group, layout, causal, "ring_attention")
+        check_head_chunks(head_chunks, k.shape[2])
+        if not plan.one_document:
+            return document_attention(q, k, v, plan, group, softmax_scale, backend, head_chunks)
+        world = plan.world_size  # one document per row: the plain ring, checked already
+    else:
+        world = check_cp_inputs(q, k, v, group, layout, name="ring_attention", causal=causal,
+                                document_ids=document_ids)
+        check_head_chunks(head_chunks, k.shape[2])
+        if document_ids is not None:
+            full = document_ids if world == 1 else gather_document_ids(document_ids, group, layout)
+            plan = plan_documents(full, world_size=world, rank=0 if world == 1 else dist.get_rank(group),
+                                  layout=layout, causal=causal, device=q.device)
+            if not plan.one_document:
+                return document_attention(q, k, v, plan, group if world > 1 else None, softmax_scale, backend,
+                                          head_chunks)
     if world == 1:
-        # One host read per call: a sequence that is one document needs no mask (and then
-        # runs on the plain kernels, cuDNN on GPUs).
-        if document_ids is not None and document_ids.numel():
-            low, high = torch.stack(torch.aminmax(document_ids)).tolist()
-            if low == high:
-                document_ids = None
-        return _LocalAttention.apply(q, k, v, document_ids, causal, softmax_scale, backend, head_chunks)
-    if document_ids is not None and _one_document(document_ranges):
-        document_ids = None  # the same decision on every rank (same table): no ids travel
-        document_ranges = None
-    blocks = _ring_blocks(dist.get_rank(group), world, layout, causal, q.shape[1], document_ranges)
-    return _RingAttention.apply(q, k, v, document_ids, group, causal, softmax_scale, backend, blocks,
-                                head_chunks)
+        return _LocalAttention.apply(q, k, v, causal, softmax_scale, backend, head_chunks)
+    blocks = _ring_blocks(dist.get_rank(group), world, layout, causal, q.shape[1])
+    return _RingAttention.apply(q, k, v, group, causal, softmax_scale, backend, blocks, head_chunks)

@@ -59,6 +59,19 @@ class RingExchange:
         """The reverse direction: send ``send`` to the previous rank, receive ``recv`` from the next."""
         return self._post(send, recv, to=self.prev_rank, source=self.next_rank)
 
+    def swap(self, offset: int, send: Optional[torch.Tensor], recv: Optional[torch.Tensor]) -> "PendingShift":
+        """Send ``send`` to rank + ``offset`` and receive ``recv`` from rank - ``offset`` (ranks of
+        the group, modulo its size); either may be None (nothing to move that way: the peer
+        knows it too and posts nothing). Nothing at all posts nothing."""
+        ops = []
+        if send is not None:
+            to = dist.get_global_rank(self.group, (self.rank + offset) % self.world_size)
+            ops.append(dist.P2POp(dist.isend, send, to, self.group))
+        if recv is not None:
+            source = dist.get_global_rank(self.group, (self.rank - offset) % self.world_size)
+            ops.append(dist.P2POp(dist.irecv, recv, source, self.group))
+        return PendingShift(dist.batch_isend_irecv(ops) if ops else None)
+
     def _post(self, send: Tensors, recv: Tensors, *, to: int, source: int) -> "PendingShift":
         sends = [send] if isinstance(send, torch.Tensor) else list(send)
         recvs = [recv] if isinstance(recv, torch.Tensor) else list(recv)

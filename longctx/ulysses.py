@@ -26,8 +26,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from longctx.kernels import attention_backward, attention_forward
+from longctx.kernels import attention_backward, attention_forward, check_attention_inputs, resolve_backend
 
+from .document_ring import backward_calls, forward_calls
+from .documents import DocumentPlan, gather_document_ids, plan_documents
 from .ring import check_cp_inputs, ring_attention
 
 
@@ -99,11 +101,33 @@ def _to_shard(dst: torch.Tensor, parts: torch.Tensor, world: int, chunks: int, g
     dst.view(b, s_local, world, chunks, heads // (world * chunks), d)[:, :, :, g].copy_(parts.permute(1, 2, 0, 3, 4))
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:])
+
+
+def _attend(qf, kf, vf, calls, causal, scale, backend):
+    """Attention over the full sequence for this rank's heads: plain, or by the plan's calls."""
+    if calls is None:
+        return attention_forward(qf, kf, vf, causal=causal, softmax_scale=scale, backend=backend)
+    out, lse = forward_calls(_flat(qf), _flat(kf), _flat(vf), calls, scale, backend, only=True)
+    return out.to(qf.dtype).view(*qf.shape[:3], -1), lse
+
+
+def _attend_backward(dout_f, qf, kf, vf, out_f, lse, calls, causal, scale, backend):
+    if calls is None:
+        return attention_backward(dout_f, qf, kf, vf, out_f, lse, causal=causal, softmax_scale=scale,
+                                  backend=backend)
+    grads = backward_calls(_flat(dout_f), _flat(qf), _flat(kf), _flat(vf), _flat(out_f), lse, calls, scale, backend)
+    return tuple(g.result().view(t.shape) for g, t in zip(grads, (qf, kf, vf)))
+
+
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, full_ids, group, causal, layout, scale, backend):
+    def forward(ctx, q, k, v, plan, group, causal, layout, scale, backend):
         world = dist.get_world_size(group)
-        docs = {} if full_ids is None else {"q_document_ids": full_ids, "k_document_ids": full_ids}
+        calls = None
+        if plan is not None:
+            calls, backend = plan.sequence_calls(), resolve_backend(backend, q, k, causal, documents=True)
         hkv = k.shape[2] // world
         chunks = PIPELINE_CHUNKS if hkv % PIPELINE_CHUNKS == 0 else 1
         widths = [t.shape[2] // (world * chunks) for t in (q, k, v)]
@@ -116,21 +140,20 @@ class _UlyssesAttention(torch.autograd.Function):
         for g, (recv, work) in enumerate(inbound):
             work.wait()
             qf, kf, vf = _ranks_to_sequence(recv, layout).split(widths, dim=2)
-            out_f, lse = attention_forward(qf, kf, vf, causal=causal, softmax_scale=scale, backend=backend, **docs)
+            out_f, lse = _attend(qf, kf, vf, calls, causal, scale, backend)
             outbound.append(_start_all_to_all(_sequence_to_ranks(out_f, world, layout), group))
             saved += [qf, kf, vf, out_f, lse]
         for g, (recv, work) in enumerate(outbound):
             work.wait()
             _to_shard(out, recv, world, chunks, g)
-        ctx.save_for_backward(full_ids, *saved)
-        ctx.args = (group, causal, layout, scale, backend, chunks, widths)
+        ctx.save_for_backward(*saved)
+        ctx.args = (group, causal, layout, scale, backend, chunks, widths, calls)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        group, causal, layout, scale, backend, chunks, widths = ctx.args
-        full_ids, *saved = ctx.saved_tensors
-        docs = {} if full_ids is None else {"q_document_ids": full_ids, "k_document_ids": full_ids}
+        group, causal, layout, scale, backend, chunks, widths, calls = ctx.args
+        saved = ctx.saved_tensors
         world = dist.get_world_size(group)
         dout = dout.contiguous()
         inbound = [_start_all_to_all(_heads_for_everyone(dout, world, chunks, g), group) for g in range(chunks)]
@@ -138,8 +161,8 @@ class _UlyssesAttention(torch.autograd.Function):
         for g, (recv, work) in enumerate(inbound):
             work.wait()
             qf, kf, vf, out_f, lse = saved[5 * g:5 * g + 5]
-            grads = attention_backward(_ranks_to_sequence(recv, layout), qf, kf, vf, out_f, lse,
-                                       causal=causal, softmax_scale=scale, backend=backend, **docs)
+            grads = _attend_backward(_ranks_to_sequence(recv, layout), qf, kf, vf, out_f, lse, calls,
+                                     causal, scale, backend)
             outbound.append(_start_all_to_all(_sequence_to_ranks(torch.cat(grads, dim=2), world, layout), group))
         b, s_local, _, d = dout.shape
         dq, dk, dv = (torch.empty(b, s_local, w * world * chunks, d, dtype=dout.dtype, device=dout.device)
@@ -149,15 +172,6 @@ class _UlyssesAttention(torch.autograd.Function):
             for dst, part in zip((dq, dk, dv), recv.split(widths, dim=3)):
                 _to_shard(dst, part, world, chunks, g)
         return dq, dk, dv, None, None, None, None, None, None
-
-
-def _full_document_ids(document_ids: torch.Tensor, group, layout: str) -> torch.Tensor:
-    """Every rank's ids in sequence order, (B, S): one all-gather per call, reused by the
-    backward (every rank attends over the full sequence for its heads)."""
-    parts = [torch.empty_like(document_ids, memory_format=torch.contiguous_format)
-             for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, document_ids.contiguous(), group=group)
-    return _ranks_to_sequence(torch.stack(parts)[..., None, None], layout)[..., 0, 0]
 
 
 def ulysses_attention(
@@ -176,7 +190,9 @@ def ulysses_attention(
 
     Arguments as ``ring_attention``; additionally ``Hkv`` (and so ``Hq``) must be a
     multiple of the group size. ``group=None`` or size 1 is plain local attention.
-    ``document_ids`` as in ``ring_attention``: gathered to full length once per call.
+    ``document_ids`` as in ``ring_attention`` (ids, or the step's ``DocumentPlan``): every
+    rank attends over the whole sequence for its heads, so documents need no exchange of
+    their own; their segments come from the plan (plain ids: gathered and planned per call).
     """
     def heads_split(world: int) -> None:
         if k.shape[2] % world != 0:
@@ -185,10 +201,22 @@ def ulysses_attention(
                 f"heads are not a multiple of the group size {world}; use ring_attention"
             )
 
-    world, _ = check_cp_inputs(q, k, v, group, layout, name="ulysses_attention", causal=causal,
-                               document_ids=document_ids, extra=heads_split)
+    if isinstance(document_ids, DocumentPlan):
+        plan = document_ids
+        check_attention_inputs(q, k, v, causal=False)
+        plan.check_call(q, group, layout, causal, "ulysses_attention")
+        world = plan.world_size
+        heads_split(world)
+    else:
+        world = check_cp_inputs(q, k, v, group, layout, name="ulysses_attention", causal=causal,
+                                document_ids=document_ids, extra=heads_split)
+        plan = None
+        if document_ids is not None and world > 1:
+            plan = plan_documents(gather_document_ids(document_ids, group, layout), world_size=world,
+                                  rank=dist.get_rank(group), layout=layout, causal=causal, device=q.device)
     if world == 1:  # the ring's local path: plain attention through the same kernels
         return ring_attention(q, k, v, group=None, causal=causal, softmax_scale=softmax_scale,
                               backend=backend, document_ids=document_ids)
-    full_ids = None if document_ids is None else _full_document_ids(document_ids, group, layout)
-    return _UlyssesAttention.apply(q, k, v, full_ids, group, causal, layout, softmax_scale, backend)
+    if plan is not None and plan.one_document:
+        plan = None
+    return _UlyssesAttention.apply(q, k, v, plan, group, causal, layout, softmax_scale, backend)

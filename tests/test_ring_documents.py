@@ -1,7 +1,8 @@
 """Document-masked ring and Ulysses attention against the float64 block-diagonal reference.
 
 One spawned group of 4 processes covers P = 2 (two concurrent pairs), 3 and 4; P = 1 runs
-in this process. Every case is a fresh random draw (the seed is printed on failure).
+in this process. Every case is a fresh random draw (the seed is printed on failure), run
+both with plain ids (planned per call) and with the step's ``DocumentPlan``.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 from dist_harness import run_distributed
 from longctx import ring_attention, ulysses_attention
-from longctx.ring import _block_for_step, _ring_blocks
+from longctx.documents import plan_documents
 from test_ring_attention import run_case
 
 CHUNK = 4  # tokens per layout chunk: documents of 1-5 tokens cross chunk boundaries
@@ -34,13 +35,17 @@ def document_ids(pattern: str, batch: int, seq: int, g: torch.Generator) -> torc
             ids = pos.clone()
         elif pattern == "repeated":     # equal ids far apart are one document
             ids = torch.randint(0, 3, (seq,), generator=g) * 7 - 5
+        elif pattern == "aligned":      # documents end exactly on chunk (shard) boundaries
+            ids = pos // CHUNK
+        elif pattern == "spanning":     # one document over every rank, short ones at both ends
+            ids = torch.where((pos >= CHUNK // 2) & (pos < seq - CHUNK // 2), -1, pos)
         else:
             raise ValueError(pattern)
         rows.append(ids)
     return torch.stack(rows)
 
 
-PATTERNS = ("one", "short", "crossing", "singletons", "repeated")
+PATTERNS = ("one", "short", "crossing", "singletons", "repeated", "aligned", "spanning")
 HEADS = ((4, 4), (4, 2), (4, 1))
 RING_CASES = [(layout, causal, pattern, HEADS[i % len(HEADS)])
               for i, (layout, causal, pattern) in enumerate(
@@ -50,7 +55,8 @@ ULYSSES_CASES = [(layout, causal, pattern, (8, 4))
 
 
 def run_cases(attention, group, cases, seed):
-    """[(case, name, error)] for ``cases`` on ``group`` (fp32, B = 2, D = 8)."""
+    """[(case, name, error)] for ``cases`` on ``group`` (fp32, B = 2, D = 8); odd cases
+    pass the DocumentPlan (ring: with two head chunks where the heads allow)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     errors = []
     for i, (layout, causal, pattern, (hq, hkv)) in enumerate(cases):
@@ -58,8 +64,11 @@ def run_cases(attention, group, cases, seed):
         seq = CHUNK * world * (2 if layout == "zigzag" else 1)
         q, k, v, dout = (torch.randn(2, seq, h, 8, generator=g) for h in (hq, hkv, hkv, hq))
         ids = document_ids(pattern, 2, seq, g)
-        for name, err in run_case(attention, group, rank, world, layout, causal, q, k, v, dout, documents=ids):
-            errors.append(((world, layout, causal, pattern, hq, hkv), name, err))
+        plan = i % 2 == 1
+        extra = {"head_chunks": 2} if plan and attention is ring_attention and hkv % 2 == 0 else {}
+        for name, err in run_case(attention, group, rank, world, layout, causal, q, k, v, dout, documents=ids,
+                                  plan=plan, **extra):
+            errors.append(((world, layout, causal, pattern, hq, hkv, plan), name, err))
     return errors
 
 
@@ -79,13 +88,13 @@ def _all_sizes_vs_reference(rank, world, seed):
 
 
 def _kernel_calls_and_sends(rank, world):
-    """Length-1 documents: only the diagonal block is computed, forward and backward, while
-    every K/V hop still carries the shard's ids (two tensors per send batch)."""
-    import longctx.ring as ring
+    """Length-1 documents: no rank sees anything of another, so the local call is the only
+    kernel call, forward and backward, and nothing is sent at all."""
+    import longctx.document_ring as document_ring
     from longctx import shard_sequence
 
     calls = {"forward": 0, "backward": 0}
-    real = {"forward": ring.attention_forward, "backward": ring.attention_backward,
+    real = {"forward": document_ring.attention_forward, "backward": document_ring.attention_backward,
             "p2p": dist.batch_isend_irecv}
     sends = []
 
@@ -101,12 +110,13 @@ def _kernel_calls_and_sends(rank, world):
 
     ids = shard_sequence(torch.arange(8 * world)[None], 1, rank=rank, world_size=world)
     q = torch.randn(1, 8, 2, 4, requires_grad=True)
-    ring.attention_forward, ring.attention_backward = counted("forward"), counted("backward")
+    document_ring.attention_forward = counted("forward")
+    document_ring.attention_backward = counted("backward")
     dist.batch_isend_irecv = counting_p2p
     try:
         ring_attention(q, q, q, group=dist.group.WORLD, document_ids=ids, backend="torch").sum().backward()
     finally:
-        ring.attention_forward, ring.attention_backward = real["forward"], real["backward"]
+        document_ring.attention_forward, document_ring.attention_backward = real["forward"], real["backward"]
         dist.batch_isend_irecv = real["p2p"]
     return calls, sends
 
@@ -125,8 +135,7 @@ def test_documents_match_float64_reference_over_gloo():
     assert not bad, f"seed={seed}:\n" + "\n".join(bad)
     for calls, sends in (result[1] for result in per_rank):
         assert calls == {"forward": 1, "backward": 1}, calls
-        # forward P-1 and backward P-2 K/V hops with their ids, P-1 dK/dV hops alone
-        assert sorted(sends) == [1] * 3 + [2] * (3 + 2), sends
+        assert sends == [], sends
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
@@ -143,50 +152,86 @@ def test_documents_single_rank(layout, causal):
                 assert err < 1e-5, (seed, pattern, attention.__name__, name, err)
 
 
-def _ranges(ids_per_rank):
-    """The (P, 4) per-half (min, max) table the input check exchanges."""
-    from longctx.ring import _document_ranges
+def _visible_keys(full_ids, world, layout, causal, receiver, source):
+    """Brute force: the source rank's key rows (shard order) that some query of the
+    receiver sees, and the receiver's query rows that see some key of the source."""
+    from longctx import position_ids
 
-    return torch.stack([_document_ranges(ids) for ids in ids_per_rank])
+    pos_r = position_ids(full_ids.shape[1], rank=receiver, world_size=world, layout=layout)
+    pos_s = position_ids(full_ids.shape[1], rank=source, world_size=world, layout=layout)
+    ids = full_ids[0]
+    see = (ids[pos_r][:, None] == ids[pos_s][None, :])
+    if causal:
+        see &= pos_s[None, :] <= pos_r[:, None]
+    return see.any(0).nonzero().flatten().tolist(), see.any(1).nonzero().flatten().tolist()
 
 
-def test_ring_blocks_skip_steps_without_shared_documents():
-    world, s_local = 4, 6
-    for layout in ("zigzag", "contiguous"):
-        from longctx import shard_sequence
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_plan_moves_exactly_the_visible_keys(layout, causal):
+    """Every exchange carries exactly the key rows its receiver's queries see (none where
+    the ranks share no document), and the receiver's call takes exactly its seeing rows."""
+    world = 4
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    for pattern in PATTERNS:
+        seq = CHUNK * world * (2 if layout == "zigzag" else 1)
+        full = document_ids(pattern, 1, seq, g)
+        plans = [plan_documents(full, world_size=world, rank=r, layout=layout, causal=causal) for r in range(world)]
+        for rank, plan in enumerate(plans):
+            for step, ex in enumerate(plan.exchanges, start=1):
+                to, source = (rank + step) % world, (rank - step) % world
+                sent, _ = _visible_keys(full, world, layout, causal, to, source=rank)
+                wanted, seeing = _visible_keys(full, world, layout, causal, rank, source)
+                assert ex.n_send == len(sent) and ex.n_recv == len(wanted), (pattern, rank, step)
+                got = [] if not ex.n_send else _indices(ex.send_rows, ex.n_send)
+                assert sorted(got) == sent, (pattern, rank, step)
+                assert (ex.call is None) == (not wanted)
+                if ex.call is not None:
+                    assert sorted(_indices(ex.call.q_rows, len(ex.call.q_ids[0]))) == seeing
+                    assert ex.call.k_rows is None and not ex.call.causal
+        if pattern == "singletons":
+            assert all(p.moved == 0 for p in plans)
+        if pattern == "one":
+            assert all(p.one_document for p in plans)
 
-        seq = s_local * world
-        shards = lambda ids: [shard_sequence(ids, 1, rank=r, world_size=world, layout=layout)  # noqa: E731
-                              for r in range(world)]
-        # One document: exactly the plain ring's blocks.
-        one = _ranges(shards(torch.zeros(1, seq, dtype=torch.long)))
-        # Length-1 documents: nothing but the diagonal.
-        single = _ranges(shards(torch.arange(seq)[None]))
-        # Documents that never decrease and cross every chunk boundary: only blocks whose
-        # rows and columns hold a common id.
-        crossing_ids = ((torch.arange(seq) + 1) // 3)[None]
-        crossing = _ranges(shards(crossing_ids))
-        for causal in (True, False):
-            for rank in range(world):
-                plain = [_block_for_step(rank, s, world, layout, causal, s_local) for s in range(world)]
-                # Inside one document no block needs the document mask (plain kernels).
-                unmasked = [None if b is None else (*b, False) for b in plain]
-                assert _ring_blocks(rank, world, layout, causal, s_local, one) == unmasked
-                assert _ring_blocks(rank, world, layout, causal, s_local, None) == unmasked
-                diagonal = _ring_blocks(rank, world, layout, causal, s_local, single)
-                assert diagonal[0] == (*plain[0], True) and diagonal[1:] == [None] * (world - 1)
-                mine = shards(crossing_ids)[rank]
-                for step, block in enumerate(_ring_blocks(rank, world, layout, causal, s_local, crossing)):
-                    if plain[step] is None:
-                        assert block is None
-                        continue
-                    rows, cols, _ = plain[step]
-                    theirs = shards(crossing_ids)[(rank - step) % world]
-                    shared = bool(torch.isin(mine[:, rows], theirs[:, cols]).any())
-                    assert (block is not None) == (shared or step == 0), (layout, causal, rank, step)
-                    if block is not None:  # the mask is needed unless both sides are one document
-                        ids = torch.cat([mine[:, rows].flatten(), theirs[:, cols].flatten()]).unique()
-                        assert block[3] == (len(ids) > 1), (layout, causal, rank, step)
+
+def _indices(rows, n):
+    if rows is None:
+        return list(range(n))
+    if isinstance(rows, slice):
+        return list(range(rows.start, rows.stop))
+    return rows.tolist()
+
+
+def test_plan_local_calls_split_documents_in_separate_runs():
+    """A document in two separate runs of a shard: the causal call over the runs, then one
+    full call of the later run against the earlier; three runs need two more calls."""
+    ids = torch.tensor([[0, 0, 1, 1, 0, 0, 2, 0]])
+    plan = plan_documents(ids, world_size=1, rank=0)
+    causal, *cross = plan.local_calls
+    assert causal.causal and causal.q_rows is None and causal.segments.cu_seqlens_q.tolist() == [0, 2, 4, 6, 7, 8]
+    assert [c.q_rows.tolist() if not isinstance(c.q_rows, slice) else c.q_rows for c in cross] == \
+        [[4, 5, 7], slice(7, 8)]
+    assert [_indices(c.k_rows, 0) for c in cross] == [[0, 1, 4, 5], [0, 1]]
+    assert sum(c.pairs for c in plan.local_calls) == 3 + 3 + 3 + 1 + 1 + 6 + 2  # causal runs, then cross
+    with pytest.raises(ValueError, match="rank 4 is outside"):
+        plan_documents(ids, world_size=4, rank=4)
+    with pytest.raises(ValueError, match="cannot be split"):
+        plan_documents(ids, world_size=3, rank=0)
+    with pytest.raises(TypeError, match="must hold integers"):
+        plan_documents(ids.float(), world_size=1, rank=0)
+
+
+def test_plan_refuses_a_call_it_was_not_built_for():
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    ids[0, 4:] = 1
+    plan = plan_documents(ids, world_size=1, rank=0)
+    q = torch.randn(1, 6, 2, 4)
+    with pytest.raises(ValueError, match=r"document plan does not fit this call: the plan is for shards"):
+        ring_attention(q, q, q, document_ids=plan)
+    q = torch.randn(1, 8, 2, 4)
+    with pytest.raises(ValueError, match="the plan is for causal=True"):
+        ring_attention(q, q, q, document_ids=plan, causal=False)
 
 
 def test_document_ids_validation():

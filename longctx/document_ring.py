@@ -1,0 +1,244 @@
+"""Document-masked context-parallel attention, driven by a ``DocumentPlan``.
+
+The plain ring passes every K/V shard around; with packed documents most of that is
+wasted, since a query sees only its own document. Here rank r, at step s, receives from
+rank r - s exactly the key/value rows its queries see of that rank (the plan's
+``Exchange``: gathered on the sender, grouped by document) and sends rank r + s what that
+rank's queries see of its own shard - point to point, nothing forwarded. A step where
+neither side sees anything of the other posts nothing and launches nothing, so ranks that
+share no document exchange nothing at all, and the time follows the visible work.
+
+Forward: the next step's exchange is posted before the current one is computed; each
+step is one varlen kernel call (the local step one causal call, plus one per extra run of
+a document split inside the shard), partial results merged in fp32 through the
+log-sum-exp. Backward: steps in the same order, then the local step, while the dK/dV of
+every received block go straight back to their owner (bf16 partials where the kernels
+write bf16, summed there in fp32). The forward's messages are kept for the backward
+where they add up to at most one shard (always at P = 2, like the plain ring's kept
+shard); otherwise the backward exchanges them again.
+
+``forward_calls`` / ``backward_calls`` run a list of the plan's calls on one device;
+Ulysses uses them over the whole sequence.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from longctx.kernels import VENDOR_BACKENDS, attention_backward, attention_forward, resolve_backend
+from longctx.kernels.merge import merge_partials_
+
+from .documents import BlockCall, DocumentPlan, Rows, rows_of
+from .head_groups import by_head_groups, grads_by_head_groups
+from .ring_comm import RingExchange
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """(B, S, H, D) -> (1, B * S, H, D): the plan's rows are the flattened shard's."""
+    return t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:])
+
+
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _partial(backend: str, dtype: torch.dtype) -> Optional[torch.dtype]:
+    """dtype the kernels return partials in: fp32 from ours (free), the input dtype from the
+    vendor kernels (the merge upcasts while reading; asking for fp32 would add a cast)."""
+    return None if backend in VENDOR_BACKENDS else _accumulator(dtype)
+
+
+def _merge_at(out, lse, rows: Rows, out_b, lse_b) -> None:
+    if rows is None or isinstance(rows, slice):
+        merge_partials_(rows_of(out, rows), rows_of(lse, rows, dim=2), out_b, lse_b)
+        return
+    out_rows, lse_rows = out.index_select(1, rows), lse.index_select(2, rows)
+    merge_partials_(out_rows, lse_rows, out_b, lse_b)
+    out.index_copy_(1, rows, out_rows)
+    lse.index_copy_(2, rows, lse_rows)
+
+
+class _Accumulator:
+    """An fp32 (fp64) gradient of the shard's rows, allocated by its first contribution: a
+    copy where that covers every row (no zero fill, no add pass), zeros otherwise."""
+
+    def __init__(self, like: torch.Tensor):
+        self.like, self.value = like, None
+
+    def add(self, rows: Rows, grad: torch.Tensor) -> None:
+        acc = _accumulator(self.like.dtype)
+        if self.value is None:
+            if rows is None:
+                self.value = grad.to(acc, memory_format=torch.contiguous_format, copy=True)
+                return
+            self.value = torch.zeros(self.like.shape, dtype=acc, device=self.like.device)
+        if rows is None or isinstance(rows, slice):
+            rows_of(self.value, rows).add_(grad)
+        else:
+            self.value.index_add_(1, rows, grad.to(acc))
+
+    def result(self) -> torch.Tensor:
+        value = self.value if self.value is not None else torch.zeros_like(self.like)
+        return value.to(self.like.dtype)
+
+
+def _call_forward(call: BlockCall, q, k, v, out, lse, scale, backend, only: bool = False):
+    """Runs ``call`` and merges it into ``(out, lse)``; ``only``: the plan's one call, whose
+    output is final as the kernel writes it (no fp32 accumulator, no casts)."""
+    out_b, lse_b = attention_forward(
+        rows_of(q, call.q_rows), rows_of(k, call.k_rows), rows_of(v, call.k_rows), causal=call.causal,
+        softmax_scale=scale, backend=backend, out_dtype=None if only else _partial(backend, q.dtype),
+        q_document_ids=call.q_ids, k_document_ids=call.k_ids, segments=call.segments)
+    if only:
+        return out_b, lse_b
+    if out is None:  # the first call of a plan covers every row
+        acc = _accumulator(q.dtype)
+        return out_b.to(acc, memory_format=torch.contiguous_format), lse_b.to(acc)
+    _merge_at(out, lse, call.q_rows, out_b, lse_b)
+    return out, lse
+
+
+def _call_backward(call: BlockCall, dout, q, k, v, out, lse, scale, backend):
+    rows = call.q_rows
+    return attention_backward(
+        rows_of(dout, rows), rows_of(q, rows), rows_of(k, call.k_rows), rows_of(v, call.k_rows),
+        rows_of(out, rows), rows_of(lse, rows, dim=2).contiguous(), causal=call.causal, softmax_scale=scale,
+        backend=backend, grad_dtype=_partial(backend, q.dtype),
+        q_document_ids=call.q_ids, k_document_ids=call.k_ids, segments=call.segments)
+
+
+def forward_calls(q, k, v, calls: list, scale, backend: str, only: bool = False):
+    """``(out, lse)`` of flattened ``q, k, v`` (``(1, N, H, D)`` / ``(1, H, N)``) over
+    ``calls`` (the first covering every row): fp32 accumulators, or, with ``only`` (one call
+    and nothing else to merge), the kernel's own output."""
+    out = lse = None
+    for call in calls:
+        out, lse = _call_forward(call, q, k, v, out, lse, scale, backend, only and len(calls) == 1)
+    return out, lse
+
+
+def backward_calls(dout, q, k, v, out, lse, calls: list, scale, backend: str, grads=None):
+    """Adds every call's gradients into ``grads`` (``_Accumulator`` for dq, dk, dv; new ones
+    if None); returns them."""
+    grads = grads or tuple(_Accumulator(t) for t in (q, k, v))
+    dq, dk, dv = grads
+    for call in calls:
+        dq_b, dk_b, dv_b = _call_backward(call, dout, q, k, v, out, lse, scale, backend)
+        dq.add(call.q_rows, dq_b)
+        dk.add(call.k_rows, dk_b)
+        dv.add(call.k_rows, dv_b)
+    return grads
+
+
+def _post_kv(plan: DocumentPlan, comm, step: int, k, v):
+    """Start step ``step``'s exchange: returns (receive buffer or None, pending, send buffer)."""
+    ex = plan.exchanges[step - 1]
+    send = torch.stack([rows_of(k, ex.send_rows), rows_of(v, ex.send_rows)]) if ex.n_send else None
+    recv = k.new_empty((2, 1, ex.n_recv, *k.shape[2:])) if ex.n_recv else None
+    return recv, comm.swap(step, send, recv), send
+
+
+def _ring_forward(q, k, v, plan: DocumentPlan, comm, scale, backend, keep: bool):
+    shape = q.shape
+    q, k, v = _flat(q), _flat(k), _flat(v)
+    world = plan.world_size
+    pending = _post_kv(plan, comm, 1, k, v) if world > 1 else None
+    only = plan.calls == 1
+    out, lse = forward_calls(q, k, v, plan.local_calls, scale, backend, only=only)
+    kept = []
+    for step in range(1, world):
+        recv, work, _ = pending
+        work.wait()
+        pending = _post_kv(plan, comm, step + 1, k, v) if step + 1 < world else None
+        call = plan.exchanges[step - 1].call
+        if call is not None:
+            out, lse = _call_forward(call, q, recv[0], recv[1], out, lse, scale, backend)
+        if keep:
+            kept.append(recv if recv is not None else k.new_empty(0))
+    return out.to(q.dtype).view(*shape[:3], -1), lse, kept
+
+
+def _ring_backward(dout, q, k, v, out, lse, kept: Optional[list], plan: DocumentPlan, comm, scale, backend):
+    shapes = (q.shape, k.shape, v.shape)
+    dout, q, k, v, out = (_flat(t) for t in (dout, q, k, v, out))
+    dq, dk, dv = grads = tuple(_Accumulator(t) for t in (q, k, v))
+    grad_dtype = _partial(backend, q.dtype) or q.dtype
+    world = plan.world_size
+    pending = _post_kv(plan, comm, 1, k, v) if world > 1 and kept is None else None
+    # dQ of the steps, added after the local step's (which then allocates dq as a copy)
+    # where they hold at most one shard's rows; else added as they come.
+    gathered = sum(ex.call.q_ids.shape[1] for ex in plan.exchanges if ex.call is not None)
+    later_dq = [] if gathered <= q.shape[1] else None
+    returning = []
+    for step in range(1, world):
+        ex = plan.exchanges[step - 1]
+        if kept is not None:
+            recv = kept[step - 1]
+        else:
+            recv, work, _ = pending
+            work.wait()
+            pending = _post_kv(plan, comm, step + 1, k, v) if step + 1 < world else None
+        message = None
+        if ex.call is not None:
+            dq_b, dk_b, dv_b = _call_backward(ex.call, dout, q, recv[0], recv[1], out, lse, scale, backend)
+            if later_dq is None:
+                dq.add(ex.call.q_rows, dq_b)
+            else:
+                later_dq.append((ex.call.q_rows, dq_b))
+            message = torch.stack([dk_b.to(grad_dtype), dv_b.to(grad_dtype)])
+        # This block's dK/dV go home to rank - step; rank + step's for my rows come back.
+        back = torch.empty((2, 1, ex.n_send, *k.shape[2:]), dtype=grad_dtype, device=k.device) if ex.n_send else None
+        returning.append((back, comm.swap(-step, message, back), message, ex.send_rows))
+    # The local step last: it runs while the dK/dV partials travel home.
+    if plan.calls == 1 and not any(ex.n_send for ex in plan.exchanges):
+        # One call, nothing coming back: its gradients are the result as the kernel writes them.
+        grads = _call_backward(plan.local_calls[0], dout, q, k, v, out, lse, scale, backend)
+        return tuple(g.to(t.dtype).view(shape) for g, t, shape in zip(grads, (q, k, v), shapes))
+    backward_calls(dout, q, k, v, out, lse, plan.local_calls, scale, backend, grads=grads)
+    for rows, dq_b in later_dq or ():
+        dq.add(rows, dq_b)
+    for back, work, _, rows in returning:
+        work.wait()
+        if back is not None:
+            dk.add(rows, back[0])
+            dv.add(rows, back[1])
+    return tuple(g.result().view(shape) for g, shape in zip(grads, shapes))
+
+
+class _DocumentAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan, group, scale, backend, chunks):
+        comm = RingExchange(group) if plan.world_size > 1 else None
+        name = resolve_backend(backend, q, k, plan.causal, documents=True)
+        # One decision for the whole group (every rank's plan holds every rank's count): a
+        # rank that exchanges again in the backward needs its peers to do so too.
+        keep = int(plan.received.max(initial=0)) <= plan.batch * plan.local_len
+
+        def run(q_h, k_h, v_h, g):
+            return _ring_forward(q_h, k_h, v_h, plan, comm, scale, name, keep)
+
+        out, lse, kept = by_head_groups(q, k, v, chunks, run)
+        messages = [m for group_kept in kept for m in group_kept[0]]
+        ctx.save_for_backward(q, k, v, out, lse, *messages)
+        ctx.args = (plan, comm, scale, name, chunks, keep)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, *messages = ctx.saved_tensors
+        plan, comm, scale, name, chunks, keep = ctx.args
+        steps = plan.world_size - 1
+
+        def run(dout_h, q_h, k_h, v_h, out_h, lse_h, g):
+            kept = messages[g * steps:(g + 1) * steps] if keep else None
+            return _ring_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, kept, plan, comm, scale, name)
+
+        dq, dk, dv = grads_by_head_groups(dout.contiguous(), q, k, v, out, lse, chunks, run)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def document_attention(q, k, v, plan: DocumentPlan, group, softmax_scale, backend: str,
+                       head_chunks: int = 1) -> torch.Tensor:
+    """Exact document-masked attention of this rank's shard by ``plan`` (checked by the caller)."""
+    return _DocumentAttention.apply(q, k, v, plan, group, softmax_scale, backend, head_chunks)

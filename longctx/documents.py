@@ -1,0 +1,438 @@
+"""The document plan of a packed batch under context parallelism: built once per step.
+
+``plan_documents(full_ids, world_size=P, rank=r)`` reads the FULL sequence's document ids
+(``(B, S)``, as given to the model: packed, or reordered by ``balance_documents``) once on
+the host and decides everything the attention layers need for rank r, for every layer,
+head group, ring step, recompute and backward of the step:
+
+* the local step (r's queries over r's own keys): one causal call whose varlen segments
+  are the runs of equal ids in r's shard, plus, for a document whose tokens lie in
+  several separate runs of the shard (its two zigzag pieces), calls over the later runs
+  against the earlier ones (full blocks; a document with m runs needs m - 1 of them);
+* every other step s (r's queries over rank (r - s)'s keys): which of r's query rows see
+  anything of that rank and which of its key rows they see - only rows of documents the
+  two ranks share, and of those only the keys some query can see. Rank r - s sends
+  exactly those rows (gathered, grouped by document), and r attends to them in one full
+  varlen call (under the zigzag and contiguous layouts every query of a document there
+  sees every key of it that any query sees: proved per chunk, checked here). A step with
+  nothing to see moves nothing and launches nothing.
+
+Everything the kernels take - row indices, ``cu_seqlens`` (``longctx.kernels.Segments``)
+and per-row segment numbers for the kernels that mask with ids - is shipped to the device
+in two copies per plan, so a layer reads nothing back to the host.
+``ring_attention`` / ``ulysses_attention`` take the plan as ``document_ids``.
+
+Visibility is the contract of ``ring_attention``: query i sees key j iff both carry the
+same id in the same batch row (and j <= i in the sequence when causal).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from longctx.kernels import Segments
+
+from .layouts import check_layout, check_seq_len, chunks_per_rank, rank_chunks
+
+# Rows of a block call: None = every row in order, a slice = a contiguous range, a tensor
+# = gathered rows (int64 indices on the device).
+Rows = Union[None, slice, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class BlockCall:
+    """One kernel call: ``q[q_rows]`` against ``k[k_rows]`` (rows of the flattened
+    ``(B * S_local)`` shard, or of a received message in its order), ``segments`` tiling
+    both gathered sides, ``q_ids`` / ``k_ids`` the segment number of each gathered row
+    (``(1, n)`` int32) for kernels that mask with ids; ``pairs`` visible (query, key) pairs."""
+
+    causal: bool
+    q_rows: Rows
+    k_rows: Rows
+    segments: Segments
+    q_ids: torch.Tensor
+    k_ids: torch.Tensor
+    pairs: int
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """Ring step s of this rank: ``send_rows`` (``n_send`` of them) go to rank + s, rank -
+    s sends ``n_recv`` rows, which this rank's ``call`` attends to (None: nothing)."""
+
+    send_rows: Rows
+    n_send: int
+    n_recv: int
+    call: Optional[BlockCall]
+
+
+def rows_of(t: torch.Tensor, rows: Rows, dim: int = 1) -> torch.Tensor:
+    """``t``'s rows ``rows`` along ``dim`` (a view for None and slices, a gather otherwise)."""
+    if rows is None:
+        return t
+    if isinstance(rows, slice):
+        return t.narrow(dim, rows.start, rows.stop - rows.start)
+    return t.index_select(dim, rows)
+
+
+class DocumentPlan:
+    """Rank ``rank``'s document plan for one batch (see the module doc); build it with
+    ``plan_documents``. ``one_document``: every batch row is a single document, so no mask
+    is needed at all (the plain ring runs). ``local_calls``: the local step;
+    ``exchanges[s - 1]``: step s; ``pairs``: visible (query, key) pairs of every rank's
+    queries (``pairs[r] / pairs.mean()`` is the load imbalance); ``received[r]``: K/V rows
+    rank r receives in a forward (``moved``: their sum)."""
+
+    def __init__(self, *, world_size, rank, layout, causal, batch, seq_len, device, one_document,
+                 local_calls, exchanges, pairs, received, fingerprint, full_doc=None):
+        self.world_size, self.rank, self.layout, self.causal = world_size, rank, layout, causal
+        self.batch, self.seq_len, self.local_len = batch, seq_len, seq_len // world_size
+        self.device = device
+        self.one_document = one_document
+        self.local_calls: list[BlockCall] = local_calls
+        self.exchanges: list[Exchange] = exchanges
+        self.pairs: np.ndarray = pairs
+        self.received: np.ndarray = received
+        self.moved = int(received.sum())
+        self.fingerprint = fingerprint
+        self._full_doc = full_doc  # (B, S) document numbers, for sequence_calls
+        self._sequence_calls: Optional[list[BlockCall]] = None
+
+    def __repr__(self) -> str:
+        return (f"DocumentPlan(rank {self.rank} of {self.world_size}, {self.layout}, B={self.batch}, "
+                f"S={self.seq_len}, imbalance {self.imbalance:.3f}, K/V rows moved {self.moved})")
+
+    @property
+    def calls(self) -> int:
+        """Kernel calls of this rank's forward (the local step's and every step's)."""
+        return len(self.local_calls) + sum(ex.call is not None for ex in self.exchanges)
+
+    @property
+    def imbalance(self) -> float:
+        """Busiest rank's visible pairs over the mean (1.0: balanced)."""
+        mean = float(self.pairs.mean())
+        return float(self.pairs.max()) / mean if mean else 1.0
+
+    def sequence_calls(self) -> list[BlockCall]:
+        """The calls of attention over the whole sequence (``B * S`` rows in sequence order),
+        as Ulysses runs it after its all-to-all: built on first use, then reused."""
+        if self._sequence_calls is None:
+            ship = _Shipper()
+            calls = _diagonal_calls(self._full_doc.reshape(-1), self.causal, ship)
+            self._sequence_calls = ship.send(calls, self.device)
+        return self._sequence_calls
+
+    def check_call(self, q: torch.Tensor, group, layout: str, causal: bool, name: str) -> None:
+        """Raise ValueError where this rank's call does not match the plan (no collective)."""
+        world = 1 if group is None else dist.get_world_size(group)
+        rank = 0 if group is None else dist.get_rank(group)
+        problems = []
+        if (world, rank) != (self.world_size, self.rank):
+            problems.append(f"the plan is for rank {self.rank} of {self.world_size}, the call runs on rank "
+                            f"{rank} of {world}")
+        if layout != self.layout:
+            problems.append(f"the plan is for layout {self.layout!r}, the call uses {layout!r}")
+        if bool(causal) != self.causal:
+            problems.append(f"the plan is for causal={self.causal}, the call has causal={causal}")
+        if tuple(q.shape[:2]) != (self.batch, self.local_len):
+            problems.append(f"the plan is for shards (B, S_local) = {(self.batch, self.local_len)}, q has "
+                            f"{tuple(q.shape[:2])}")
+        if torch.device(q.device) != self.device:
+            problems.append(f"the plan's tensors are on {self.device}, q on {q.device}")
+        if problems:
+            raise ValueError(f"{name}: document plan does not fit this call: " + "; ".join(problems))
+
+    def check_group(self, group) -> None:
+        """Raise ValueError unless every rank of ``group`` built its plan from the same ids,
+        world size, layout and causality (one small all-gather; once per step)."""
+        if group is None or dist.get_world_size(group) == 1:
+            return
+        device = self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        mine = torch.tensor(self.fingerprint, dtype=torch.int64, device=device)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, mine, group=group)
+        differ = [r for r, t in enumerate(everyone) if not torch.equal(t, everyone[0])]
+        if differ:
+            raise ValueError(f"document plans differ across the context-parallel group (ranks {differ} "
+                             "built theirs from other ids, sizes or layout than rank 0): every rank of a "
+                             "group must plan the same full batch")
+
+
+def plan_documents(document_ids: torch.Tensor, *, world_size: int, rank: int, layout: str = "zigzag",
+                   causal: bool = True, device=None) -> DocumentPlan:
+    """Rank ``rank``'s ``DocumentPlan`` for the FULL sequence ids ``document_ids`` ``(B, S)``
+    (or ``(S,)``), sharded over ``world_size`` ranks by ``layout``. One copy of the ids to
+    the host; the plan's tensors go to ``device`` (default: the ids' device)."""
+    if not isinstance(document_ids, torch.Tensor):
+        raise TypeError(f"document_ids must be a torch.Tensor of the full sequence's ids, got "
+                        f"{type(document_ids).__name__}")
+    if document_ids.dtype.is_floating_point or document_ids.dtype.is_complex or document_ids.dtype == torch.bool:
+        raise TypeError(f"document_ids must hold integers, got dtype {document_ids.dtype}")
+    ids = document_ids[None] if document_ids.dim() == 1 else document_ids
+    if ids.dim() != 2:
+        raise ValueError(f"document_ids must be (B, S) or (S,), got shape {tuple(document_ids.shape)}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank!r} is outside [0, {world_size})")
+    check_layout(layout)
+    batch, seq_len = ids.shape
+    if world_size > 1:
+        check_seq_len(seq_len, world_size, layout)
+    elif seq_len == 0:
+        raise ValueError("document_ids hold no tokens")
+    device = torch.device(device) if device is not None else ids.device
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    host = ids.detach().cpu().numpy().astype(np.int64, copy=False)
+    doc = _document_numbers(host)
+    one_document = bool((doc == doc[:, :1]).all())
+    fingerprint = _fingerprint(host, world_size, layout, causal)
+
+    owner, local = _layout_maps(seq_len, world_size, layout)
+    s_local = seq_len // world_size
+    tokens = [_Tokens.of(doc, owner, local, r, s_local) for r in range(world_size)]
+    pairs = np.zeros(world_size, dtype=np.float64)
+    received = np.zeros(world_size, dtype=np.int64)
+    ship = _Shipper()
+    local_calls, exchanges = [], []
+    for r in range(world_size):
+        diagonal = _diagonal_calls(tokens[r].doc, causal, ship if r == rank else None)
+        pairs[r] += sum(call.pairs for call in diagonal)
+        if r == rank:
+            local_calls = diagonal
+    for step in range(1, world_size):
+        for r in range(world_size):
+            source = (r - step) % world_size
+            q_index, k_index, q_lens, k_lens = _visible(tokens[r], tokens[source], causal)
+            pairs[r] += float(np.dot(q_lens, k_lens))
+            received[r] += len(k_index)
+            if r == rank:
+                call = (None if not len(q_index) else
+                        ship.call(False, ship.rows(q_index, s_local * batch), None, q_lens, k_lens))
+                send = _visible(tokens[(rank + step) % world_size], tokens[rank], causal)[1]
+                exchanges.append(Exchange(ship.rows(send, s_local * batch) if len(send) else None,
+                                          len(send), len(k_index), call))
+    local_calls, exchanges = ship.send((local_calls, exchanges), device)
+    return DocumentPlan(world_size=world_size, rank=rank, layout=layout, causal=bool(causal), batch=batch,
+                        seq_len=seq_len, device=device, one_document=one_document, local_calls=local_calls,
+                        exchanges=exchanges, pairs=pairs, received=received, fingerprint=fingerprint, full_doc=doc)
+
+
+def gather_document_ids(document_ids: torch.Tensor, group, layout: str) -> torch.Tensor:
+    """Every rank's shard of ids -> the full ``(B, S)`` ids in sequence order (one all-gather)."""
+    world = dist.get_world_size(group)
+    parts = [torch.empty_like(document_ids, memory_format=torch.contiguous_format) for _ in range(world)]
+    dist.all_gather(parts, document_ids.contiguous(), group=group)
+    per_rank = chunks_per_rank(layout)
+    chunk = document_ids.shape[1] // per_rank
+    ordered = [None] * (world * per_rank)
+    for r, shard in enumerate(parts):
+        for i, c in enumerate(rank_chunks(r, world, layout)):
+            ordered[c] = shard[:, i * chunk:(i + 1) * chunk]
+    return torch.cat(ordered, dim=1)
+
+
+# ------------------------------------------------------------------------ host side
+
+
+def _document_numbers(ids: np.ndarray) -> np.ndarray:
+    """(B, S) ids -> document numbers unique over the whole batch (row b's ids are its own)."""
+    out = np.empty(ids.shape, dtype=np.int64)
+    offset = 0
+    for b, row in enumerate(ids):
+        values, inverse = np.unique(row, return_inverse=True)
+        out[b] = inverse.reshape(-1) + offset
+        offset += len(values)
+    return out
+
+
+def _fingerprint(ids: np.ndarray, world_size: int, layout: str, causal: bool) -> list:
+    digest = hashlib.blake2b(np.ascontiguousarray(ids).tobytes(), digest_size=8)
+    digest.update(f"{ids.shape}|{world_size}|{layout}|{bool(causal)}".encode())
+    return [int.from_bytes(digest.digest()[:7], "little")]
+
+
+def _layout_maps(seq_len: int, world_size: int, layout: str) -> tuple[np.ndarray, np.ndarray]:
+    """(owner rank, local index) of every position of the full sequence."""
+    per_rank = chunks_per_rank(layout) if world_size > 1 else 1
+    chunk = seq_len // (world_size * per_rank)
+    owner = np.empty(seq_len, dtype=np.int64)
+    local = np.empty(seq_len, dtype=np.int64)
+    for r in range(world_size):
+        chunks = rank_chunks(r, world_size, layout) if world_size > 1 else (0,)
+        for i, c in enumerate(chunks):
+            owner[c * chunk:(c + 1) * chunk] = r
+            local[c * chunk:(c + 1) * chunk] = np.arange(i * chunk, (i + 1) * chunk)
+    return owner, local
+
+
+@dataclass
+class _Tokens:
+    """One rank's tokens in the order of its flattened shard rows: document number and
+    position in the sequence (comparable within a document)."""
+
+    doc: np.ndarray
+    pos: np.ndarray
+
+    @classmethod
+    def of(cls, doc: np.ndarray, owner: np.ndarray, local: np.ndarray, rank: int, s_local: int) -> "_Tokens":
+        mine = np.flatnonzero(owner == rank)
+        order = mine[np.argsort(local[mine], kind="stable")]  # positions in shard order
+        return cls(doc[:, order].reshape(-1), np.tile(order, doc.shape[0]))
+
+
+def _visible(receiver: _Tokens, source: _Tokens, causal: bool):
+    """What the receiver's queries see of the source's keys (another rank's): (query rows,
+    key rows, per-document query counts, per-document key counts), rows grouped by
+    document (increasing), each group in shard order."""
+    n_docs = int(max(receiver.doc.max(initial=-1), source.doc.max(initial=-1))) + 1
+    if causal:
+        first_key = np.full(n_docs, np.iinfo(np.int64).max)
+        np.minimum.at(first_key, source.doc, source.pos)
+        last_query = np.full(n_docs, -1)
+        np.maximum.at(last_query, receiver.doc, receiver.pos)
+        q_sel = np.flatnonzero(receiver.pos > first_key[receiver.doc])
+        k_sel = np.flatnonzero(source.pos < last_query[source.doc])
+    else:
+        q_sel = np.flatnonzero(np.isin(receiver.doc, source.doc))
+        k_sel = np.flatnonzero(np.isin(source.doc, receiver.doc))
+    q_sel = q_sel[np.argsort(receiver.doc[q_sel], kind="stable")]
+    k_sel = k_sel[np.argsort(source.doc[k_sel], kind="stable")]
+    q_docs, q_lens = np.unique(receiver.doc[q_sel], return_counts=True)
+    k_docs, k_lens = np.unique(source.doc[k_sel], return_counts=True)
+    if not np.array_equal(q_docs, k_docs):
+        raise RuntimeError("document plan: queries and keys of a ring step disagree on their documents")
+    if causal and len(q_sel):
+        # Each document is one full segment only if all its participating keys come before
+        # all its participating queries (true for the zigzag and contiguous layouts).
+        q_first = np.minimum.reduceat(receiver.pos[q_sel], np.concatenate(([0], np.cumsum(q_lens)[:-1])))
+        k_last = np.maximum.reduceat(source.pos[k_sel], np.concatenate(([0], np.cumsum(k_lens)[:-1])))
+        if np.any(q_first <= k_last):
+            raise RuntimeError("document plan: a ring step's document is not one full block")
+    return q_sel, k_sel, q_lens, k_lens
+
+
+def _diagonal_calls(doc: np.ndarray, causal: bool, ship: Optional["_Shipper"]) -> list:
+    """Calls of attention among rows in sequence order (one rank's shard, or the whole
+    sequence): call 0 over every run of equal documents (causal), then call d over the
+    runs that are d runs later in their document against those runs (full; for
+    non-causal attention also the reverse). ``ship=None``: only the pair counts."""
+    n = len(doc)
+    cut = np.flatnonzero(doc[1:] != doc[:-1]) + 1
+    starts = np.concatenate(([0], cut))
+    lengths = np.diff(np.concatenate((starts, [n])))
+    run_doc = doc[starts]
+    if causal:
+        own = float(np.sum(lengths * (lengths + 1) // 2))
+    else:
+        own = float(np.sum(lengths.astype(np.float64) ** 2))
+    calls = [ship.call(causal, None, None, lengths, lengths, own) if ship else _Count(own)]
+    by_doc = np.argsort(run_doc, kind="stable")  # runs grouped by document, in order
+    grouped = run_doc[by_doc]
+    first_of_doc = np.concatenate(([0], np.flatnonzero(grouped[1:] != grouped[:-1]) + 1))
+    ordinal = np.arange(len(grouped)) - np.repeat(first_of_doc, np.diff(np.concatenate((first_of_doc, [len(grouped)]))))
+    most = int(ordinal.max()) + 1 if len(ordinal) else 0
+    for distance in range(1, most):
+        later = by_doc[ordinal >= distance]
+        earlier = by_doc[np.flatnonzero(ordinal >= distance) - distance]
+        directions = [(later, earlier)] if causal else [(later, earlier), (earlier, later)]
+        for q_runs, k_runs in directions:
+            q_lens, k_lens = lengths[q_runs], lengths[k_runs]
+            pairs = float(np.dot(q_lens, k_lens))
+            if ship is None:
+                calls.append(_Count(pairs))
+                continue
+            q_rows = _ranges(starts[q_runs], q_lens)
+            k_rows = _ranges(starts[k_runs], k_lens)
+            calls.append(ship.call(False, ship.rows(q_rows, n), ship.rows(k_rows, n), q_lens, k_lens, pairs))
+    return calls
+
+
+@dataclass
+class _Count:
+    pairs: float
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated ``arange(start, start + length)`` for every (start, length)."""
+    total = int(lengths.sum())
+    offsets = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+    return np.arange(total) + offsets
+
+
+class _Shipper:
+    """Collects a plan's host arrays and sends them to the device in two copies (int64 row
+    indices, int32 segment tables), then fills in the tensors."""
+
+    def __init__(self):
+        self.int64: list[np.ndarray] = []
+        self.int32: list[np.ndarray] = []
+
+    def _add(self, array: np.ndarray, dtype) -> "_Pending":
+        store = self.int64 if dtype == np.int64 else self.int32
+        store.append(np.ascontiguousarray(array, dtype=dtype))
+        return _Pending(dtype == np.int64, len(store) - 1)
+
+    def rows(self, index: np.ndarray, n: int):
+        """None (all n rows in order), a slice (a contiguous range) or a pending index."""
+        if len(index) == n and (n == 0 or (index[0] == 0 and np.all(np.diff(index) == 1))):
+            return None
+        if len(index) and index[-1] - index[0] + 1 == len(index) and np.all(np.diff(index) == 1):
+            return slice(int(index[0]), int(index[-1]) + 1)
+        return self._add(index, np.int64)
+
+    def call(self, causal, q_rows, k_rows, q_lens, k_lens, pairs=None) -> BlockCall:
+        segment = np.arange(len(q_lens), dtype=np.int32)
+        cu_q = np.concatenate(([0], np.cumsum(q_lens)))
+        cu_k = np.concatenate(([0], np.cumsum(k_lens)))
+        return BlockCall(
+            causal=bool(causal), q_rows=q_rows, k_rows=k_rows,
+            segments=Segments(self._add(cu_q, np.int32), self._add(cu_k, np.int32),
+                              int(q_lens.max(initial=0)), int(k_lens.max(initial=0))),
+            q_ids=self._add(np.repeat(segment, q_lens)[None], np.int32),
+            k_ids=self._add(np.repeat(segment, k_lens)[None], np.int32),
+            pairs=float(np.dot(q_lens, k_lens)) if pairs is None else pairs)
+
+    def send(self, value, device):
+        """``value`` with every pending array replaced by its tensor on ``device``."""
+        tensors = {}
+        for wide, store in ((True, self.int64), (False, self.int32)):
+            if not store:
+                continue
+            flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in store]))
+            if device.type == "cuda":
+                flat = flat.pin_memory().to(device, non_blocking=True)
+            else:
+                flat = flat.to(device)
+            offset = 0
+            for i, a in enumerate(store):
+                tensors[(wide, i)] = flat[offset:offset + a.size].view(a.shape)
+                offset += a.size
+        return _resolve(value, tensors)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    wide: bool
+    index: int
+
+
+def _resolve(value, tensors):
+    if isinstance(value, _Pending):
+        return tensors[(value.wide, value.index)]
+    if isinstance(value, list):
+        return [_resolve(v, tensors) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_resolve(v, tensors) for v in value)
+    if isinstance(value, Segments):
+        return Segments(_resolve(value.cu_seqlens_q, tensors), _resolve(value.cu_seqlens_k, tensors),
+                        value.max_seqlen_q, value.max_seqlen_k)
+    if isinstance(value, (BlockCall, Exchange)):
+        return type(value)(**{f: _resolve(getattr(value, f), tensors) for f in value.__dataclass_fields__})
+    return value
