@@ -31,7 +31,8 @@ import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
-from longctx.balance import AUTO_MIN_SHARD, balance_documents
+from longctx.balance import balance_documents
+from longctx.documents import plan_documents
 from longctx.loss import TokenWeightedAccumulator
 from longctx.sharding import document_position_ids, is_sharded
 from longctx.parallel import ParallelDims, ParallelPlan, parallelize
@@ -98,14 +99,15 @@ class CausalLMModule(L.LightningModule):
             default with document masking) or ``"global"`` (positions in the packed
             sequence; the default with causal attention).
         load_balance: reorder each batch's tokens so that the context-parallel ranks get
-            equal document-masked attention work (``longctx.balance_documents``: exact, same
-            loss and gradients). None (default): where it applies (document attention,
-            CP > 1, zigzag layout, batches with ``document_ids``) and measured to pay (at
-            least ``longctx.balance.AUTO_MIN_SHARD`` tokens per rank, and the sequence's
-            predicted gain at least ``min_gain``); True: every such batch, and raise where it
-            cannot (contiguous layout, batches sharded by the user); False: never. The
-            model then sees each batch in balanced order (positions, labels and ids travel
-            with their tokens).
+            equal document-masked attention work and documents stay whole on one rank where
+            that keeps the balance (``longctx.balance_documents``: exact, same loss and
+            gradients). None (default): where it applies (document attention, CP > 1, the
+            ring, zigzag layout, full batches with ``document_ids``); True: every such
+            batch, also under Ulysses, and raise where it cannot (contiguous layout, batches
+            sharded by the user); False: never. The model then sees each batch in balanced
+            order (positions, labels and ids travel with their tokens). With document
+            attention every full batch also gets its ``longctx.documents.DocumentPlan``
+            here, once per step, which every layer reuses; the first one is reported.
         init_from: a Hugging Face directory or ``.gguf`` file to start from
             (``load_pretrained``); ``model`` then holds overrides (e.g. ``rope_theta``),
             not sizes.
@@ -180,6 +182,7 @@ class CausalLMModule(L.LightningModule):
         self.seq_len = seq_len
         self.memory_check = memory_check
         self._memory_checked = False
+        self._documents_reported = False
         self.acc = TokenWeightedAccumulator()
         # nan_strategy="disable": a NaN validation loss must show, not be dropped with a warning.
         self.val_loss = MeanMetric(nan_strategy="disable")
@@ -223,9 +226,26 @@ class CausalLMModule(L.LightningModule):
         if self.rope_positions == "document":
             batch = {**batch, "position_ids": document_position_ids(batch["document_ids"])}
         if balance_over is not None:
-            forced = {} if self.load_balance is None else {"min_gain": 1.0}
-            batch = balance_documents(batch, world_size=balance_over[0], layout=balance_over[1], **forced)
+            batch = balance_documents(batch, world_size=balance_over[0], layout=balance_over[1])
+        if self.attention == "document" and not is_sharded(batch):
+            batch = {**batch, "document_plan": self._document_plan(batch["document_ids"])}
         return batch
+
+    def _document_plan(self, document_ids: torch.Tensor):
+        """This rank's plan of the full batch, checked against the CP group's (one tiny
+        all-gather per step: every rank must plan the same batch); the first is reported."""
+        strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
+        cp = _cp_size(self._trainer) if self._trainer is not None else 1
+        rank = int(getattr(strategy, "cp_rank", 0)) if cp > 1 else 0
+        layout = getattr(strategy, "layout", "zigzag")
+        plan = plan_documents(document_ids, world_size=cp, rank=rank, layout=layout, causal=True,
+                              device=document_ids.device)
+        if cp > 1:
+            plan.check_group(strategy.cp_group)
+        if not self._documents_reported and self._trainer is not None and self.trainer.global_rank == 0:
+            self._documents_reported = True
+            print(_document_report(plan, document_ids), flush=True)
+        return plan
 
     def _balance_over(self, batch: Mapping[str, Any]) -> Optional[tuple[int, str]]:
         """(CP size, layout) to balance ``batch`` for (``load_balance``), None for none."""
@@ -235,7 +255,7 @@ class CausalLMModule(L.LightningModule):
         if cp == 1:
             return None
         if self.load_balance is None and (layout != "zigzag" or is_sharded(batch)
-                                          or batch["document_ids"].shape[-1] // cp < AUTO_MIN_SHARD):
+                                          or self.plan.cp_attention != "ring"):
             return None
         return cp, layout
 
@@ -281,7 +301,9 @@ class CausalLMModule(L.LightningModule):
             print(est.summary(), flush=True)
 
     def _loss(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        docs = batch.get("document_ids") if self.attention == "document" else None
+        docs = None
+        if self.attention == "document":
+            docs = batch.get("document_plan", batch.get("document_ids"))
         return self.model(batch["input_ids"], batch.get("position_ids"), labels=batch["labels"],
                           document_ids=docs)
 
@@ -429,6 +451,18 @@ def _check_arguments(args: Mapping[str, Any]) -> None:
         check_checkpoint_spec("init_from", init_from)
     elif not isinstance(model, GPTConfig):
         GPTConfig.from_dict(dict(model or {}))  # unknown keys and bad sizes
+
+
+def _document_report(plan, document_ids: torch.Tensor) -> str:
+    """One line: the batch's documents over the CP ranks (work balance, K/V moved)."""
+    docs = sum(int(torch.unique(row).numel()) for row in document_ids.detach().cpu())
+    if plan.world_size == 1:
+        return f"documents: {docs} in the first batch, one rank (no context parallelism)"
+    ring_rows = plan.world_size * (plan.world_size - 1) * plan.batch * plan.local_len
+    return (f"documents: {docs} in the first batch over CP={plan.world_size}: busiest rank "
+            f"{plan.imbalance:.3f}x the mean visible pairs; K/V rows exchanged per layer "
+            f"{plan.moved / ring_rows:.1%} of the plain ring's"
+            + (" (every document whole on one rank: the ranks run data-parallel here)" if plan.moved == 0 else ""))
 
 
 def _cp_size(trainer: "L.Trainer") -> int:
