@@ -37,7 +37,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .layouts import check_layout, check_seq_len
+from .layouts import check_layout, check_seq_len, document_work_per_rank
 from .sharding import is_sharded
 
 # The busiest rank's visible pairs may exceed the mean by this factor before another
@@ -190,18 +190,28 @@ def _rank_work(chunks: list, lengths: list, world_size: int, causal: bool) -> li
     return work
 
 
-def _balanced_chunks(lengths: list, world_size: int, chunk: int, causal: bool) -> list:
-    """The arrangement within ``TOLERANCE`` (cutting more documents head-tail while the
-    busiest rank is over it and holds a whole document that can be cut)."""
+def _balanced_chunks(lengths: list, world_size: int, chunk: int, causal: bool) -> tuple[list, float]:
+    """The arrangement within ``TOLERANCE`` and its busiest rank over the mean: while the
+    busiest rank is over it, the longest document it holds a piece of (not yet cut, at least
+    2P tokens) is cut head-tail too; where none is left, the best arrangement seen."""
+    n = 2 * world_size
     split: set = set()
+    best = None
     while True:
-        chunks, cut, whole = _arrange(lengths, world_size, chunk, causal, split)
+        chunks, cut, _ = _arrange(lengths, world_size, chunk, causal, split)
         work = _rank_work(chunks, lengths, world_size, causal)
         mean = sum(work) / world_size
+        ratio = max(work) / mean if mean else 1.0
+        if best is None or ratio < best[1]:
+            best = (chunks, ratio)
+        if ratio <= TOLERANCE:
+            return chunks, ratio
         busiest = max(range(world_size), key=work.__getitem__)
-        candidates = [d for d in whole[busiest] if lengths[d] >= 2 * world_size and d not in split]
-        if not mean or work[busiest] <= TOLERANCE * mean or not candidates:
-            return chunks
+        held = {d for c in (busiest, n - 1 - busiest) for d, _, _ in chunks[c]}
+        candidates = held - {d for d, _ in cut} - split
+        candidates = [d for d in candidates if lengths[d] >= n]
+        if not candidates:
+            return best
         split.add(max(candidates, key=lengths.__getitem__))
 
 
@@ -239,8 +249,13 @@ def balance_permutation(
     device = document_ids.device
     if world_size == 1:
         return torch.arange(seq_len, device=device)
-    tokens, doc_starts, lengths = _documents(document_ids.detach().cpu().long())
-    chunks = _balanced_chunks(lengths.tolist(), world_size, seq_len // (2 * world_size), causal)
+    ids = document_ids.detach().cpu().long()
+    tokens, doc_starts, lengths = _documents(ids)
+    chunks, ratio = _balanced_chunks(lengths.tolist(), world_size, seq_len // (2 * world_size), causal)
+    if ratio > TOLERANCE:  # short of the tolerance: never worse than the sequence as it came
+        packed = document_work_per_rank(ids, world_size, causal=causal).double()
+        if float(packed.max() / packed.mean()) <= ratio:
+            return torch.arange(seq_len, device=device)
     seg_doc, seg_start, seg_size = torch.tensor([piece for pieces in chunks for piece in pieces],
                                                 dtype=torch.int64).view(-1, 3).unbind(1)
     source = doc_starts[seg_doc] + seg_start  # where each piece starts in `tokens`
