@@ -49,19 +49,34 @@ def _partial(backend: str, dtype: torch.dtype) -> Optional[torch.dtype]:
     return None if backend in VENDOR_BACKENDS else _accumulator(dtype)
 
 
-def _merge_at(out, lse, rows: Rows, out_b, lse_b) -> None:
+def _write_rows(t: torch.Tensor, rows: Rows, value: torch.Tensor, dim: int = 1) -> None:
     if rows is None or isinstance(rows, slice):
+        rows_of(t, rows, dim).copy_(value)
+    else:
+        t.index_copy_(dim, rows, value.to(t.dtype))
+
+
+def _merge_at(out, lse, rows: Rows, out_b, lse_b) -> None:
+    """Merges a call's partial result into ``out``/``lse`` at ``rows``. ``out`` in fp32 takes
+    it in place; ``out`` in the kernel's dtype (the first call's output, kept as written) has
+    just these rows merged in fp32 and written back once (vendor partials are in that dtype
+    anyway, so a single merge rounds exactly as a full fp32 buffer would)."""
+    in_place = out.dtype == _accumulator(out.dtype) and (rows is None or isinstance(rows, slice))
+    if in_place:
         merge_partials_(rows_of(out, rows), rows_of(lse, rows, dim=2), out_b, lse_b)
         return
-    out_rows, lse_rows = out.index_select(1, rows), lse.index_select(2, rows)
+    out_rows = rows_of(out, rows).to(_accumulator(out.dtype), memory_format=torch.contiguous_format, copy=True)
+    lse_rows = rows_of(lse, rows, dim=2).contiguous()
     merge_partials_(out_rows, lse_rows, out_b, lse_b)
-    out.index_copy_(1, rows, out_rows)
-    lse.index_copy_(2, rows, lse_rows)
+    _write_rows(out, rows, out_rows)
+    _write_rows(lse, rows, lse_rows, dim=2)
 
 
 class _Accumulator:
-    """An fp32 (fp64) gradient of the shard's rows, allocated by its first contribution: a
-    copy where that covers every row (no zero fill, no add pass), zeros otherwise."""
+    """A gradient of the shard's rows, allocated by its first contribution: where that covers
+    every row it is kept as the kernel wrote it (fp32 from ours; the input dtype from the
+    vendor kernels: no zero fill, no copy), else zeros in fp32. Later contributions add in
+    fp32: in place into an fp32 buffer, or on just their rows of one in the input dtype."""
 
     def __init__(self, like: torch.Tensor):
         self.like, self.value = like, None
@@ -70,9 +85,15 @@ class _Accumulator:
         acc = _accumulator(self.like.dtype)
         if self.value is None:
             if rows is None:
-                self.value = grad.to(acc, memory_format=torch.contiguous_format, copy=True)
+                self.value = grad.contiguous()
                 return
             self.value = torch.zeros(self.like.shape, dtype=acc, device=self.like.device)
+        if self.value.dtype != acc:
+            if rows is None:  # a second full contribution: from here on in fp32
+                self.value = self.value.to(acc)
+            else:
+                _write_rows(self.value, rows, rows_of(self.value, rows).to(acc).add_(grad))
+                return
         if rows is None or isinstance(rows, slice):
             rows_of(self.value, rows).add_(grad)
         else:
@@ -92,9 +113,8 @@ def _call_forward(call: BlockCall, q, k, v, out, lse, scale, backend, only: bool
         q_document_ids=call.q_ids, k_document_ids=call.k_ids, segments=call.segments)
     if only:
         return out_b, lse_b
-    if out is None:  # the first call of a plan covers every row
-        acc = _accumulator(q.dtype)
-        return out_b.to(acc, memory_format=torch.contiguous_format), lse_b.to(acc)
+    if out is None:  # the first call of a plan covers every row: kept as the kernel wrote it
+        return out_b.contiguous(), lse_b.to(_accumulator(q.dtype))
     _merge_at(out, lse, call.q_rows, out_b, lse_b)
     return out, lse
 

@@ -265,3 +265,35 @@ def test_document_work_per_rank_counts_visible_pairs(layout, causal):
     if causal and layout == "zigzag":
         work = document_work_per_rank(torch.zeros(seq, dtype=torch.long), world)
         assert (work == work[0]).all() and int(work.sum()) == seq * (seq + 1) // 2
+
+
+def test_kernel_dtype_results_merge_and_accumulate_in_fp32_on_their_rows():
+    """The vendor kernels' bf16 outputs are kept as written; later partial results are merged
+    (and gradients added) in fp32 on just their rows, rounding once, as a full fp32 buffer
+    would (checked against it), for every kind of rows."""
+    from longctx.document_ring import _Accumulator, _merge_at
+    from longctx.kernels.merge import merge_partials_
+
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    n, h, d = 12, 2, 4
+    for rows in (None, slice(3, 9), torch.tensor([0, 5, 7, 11])):
+        m = n if rows is None else (rows.stop - rows.start if isinstance(rows, slice) else len(rows))
+        out = torch.randn(1, n, h, d, generator=g).to(torch.bfloat16)
+        lse = torch.randn(1, h, n, generator=g)
+        out_b, lse_b = torch.randn(1, m, h, d, generator=g).to(torch.bfloat16), torch.randn(1, h, m, generator=g)
+        want_out, want_lse = out.float().clone(), lse.clone()
+        index = torch.arange(n) if rows is None else (torch.arange(n)[rows] if isinstance(rows, slice) else rows)
+        o, l_ = want_out[:, index].clone(), want_lse[:, :, index].clone()
+        merge_partials_(o, l_, out_b, lse_b)
+        want_out[:, index], want_lse[:, :, index] = o, l_
+        _merge_at(out, lse, rows, out_b, lse_b)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, want_out.to(torch.bfloat16)) and torch.allclose(lse, want_lse)
+
+        first, part = torch.randn(1, n, h, d, generator=g).to(torch.bfloat16), torch.randn(1, m, h, d, generator=g)
+        want = first.float()
+        want[:, index] += part.to(torch.bfloat16).float()
+        acc = _Accumulator(first)
+        acc.add(None, first)  # kept as written (the kernel's own tensor: no copy)
+        acc.add(rows, part.to(torch.bfloat16))
+        assert torch.equal(acc.result(), want.to(torch.bfloat16))
