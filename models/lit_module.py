@@ -458,6 +458,9 @@ def _document_report(plan, document_ids: torch.Tensor) -> str:
     docs = sum(int(torch.unique(row).numel()) for row in document_ids.detach().cpu())
     if plan.world_size == 1:
         return f"documents: {docs} in the first batch, one rank (no context parallelism)"
+    if plan.one_document:
+        return (f"documents: {docs} in the first batch over CP={plan.world_size}: every sequence is one "
+                "document, so it runs as plain causal attention (the ring, no mask)")
     ring_rows = plan.world_size * (plan.world_size - 1) * plan.batch * plan.local_len
     return (f"documents: {docs} in the first batch over CP={plan.world_size}: busiest rank "
             f"{plan.imbalance:.3f}x the mean visible pairs; K/V rows exchanged per layer "
