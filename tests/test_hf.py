@@ -79,15 +79,18 @@ def reference_run(model, ids, weight, **kwargs):
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def sharded_run(model, ids, weight, group, layout, docs=None):
+def sharded_run(model, ids, weight, group, layout, docs=None, plan=False):
     """Each rank: its shard of ids/weights and positions (global ones; with documents, each
-    document's own, as packed training uses them); logits gathered, grads summed."""
+    document's own, as packed training uses them); logits gathered, grads summed. ``plan``:
+    the documents as the step's DocumentPlan (as CausalLMModule passes them), not ids."""
+    from longctx.documents import plan_documents
+
     world = dist.get_world_size(group)
     where = dict(rank=dist.get_rank(group), world_size=world, layout=layout)
     if docs is None:
         extra = {"position_ids": position_ids(SEQ, **where).unsqueeze(0)}
     else:
-        extra = {"document_ids": shard_sequence(docs, 1, **where),
+        extra = {"document_ids": plan_documents(docs, **where) if plan else shard_sequence(docs, 1, **where),
                  "position_ids": shard_sequence(document_position_ids(docs), 1, **where)}
     set_context_parallel_group(model, group, layout=layout)
     model.zero_grad()
@@ -137,8 +140,9 @@ def _sharded_equals_sdpa(rank, world, seed):
                     case = (arch, implementation, size, layout)
                     bad += compare(case, *sharded_run(model, ids, weight, group, layout), *ref)
                     if DOCUMENT_IDS[implementation]:
-                        out = sharded_run(model, ids, weight, group, layout, docs=docs)
-                        bad += compare(case + ("document_ids",), *out, *ref_docs)
+                        for plan in (False, True):
+                            out = sharded_run(model, ids, weight, group, layout, docs=docs, plan=plan)
+                            bad += compare(case + ("document_ids", "plan" if plan else "ids"), *out, *ref_docs)
     # NaN in one token's embedding reaches exactly the logits it reaches under sdpa.
     reference, model = model_pair("llama", RING, seed)
     with torch.no_grad():
