@@ -14,15 +14,14 @@ as train.py leaves it (its config.yaml and a checkpoint halfway) stands in for i
 """
 from __future__ import annotations
 
-import importlib.util
 import re
 import shlex
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from train_script import load_train
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
@@ -78,10 +77,7 @@ def test_the_readme_has_train_commands():
 
 @pytest.fixture(scope="module")
 def train():
-    spec = importlib.util.spec_from_file_location("train_readme_commands", REPO / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
+    module = load_train("train_readme_commands")
     return module
 
 

@@ -17,16 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from train_script import load_train
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def train():
-    spec = importlib.util.spec_from_file_location("train_cli_errors", REPO / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
+    module = load_train("train_cli_errors")
     module.resolve_config([])  # the one-time imports (torch, Lightning): timed in test_error_as_a_command
     return module
 
