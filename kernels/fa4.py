@@ -8,8 +8,10 @@ with ``return_lse=True`` and its backward with the ring's final ``out``/``lse``,
 a ring merge needs. The kernels write the input dtype only (like the other vendor kernels):
 fp32 partials are a cast, and the backward recomputes delta = rowsum(dO * O) itself.
 
-Document-masked blocks run as varlen: each batch row's query and key ids are cut into runs of
-equal ids on the host (one device->host copy of the ids per call), and every document present
+Document-masked blocks run as varlen. From a caller's prebuilt ``kernels.Segments``
+(``longctx.documents``: built once per step for every layer) ``forward_segments`` /
+``backward_segments`` touch nothing on the host. From ids alone: each batch row's query and key
+ids are cut into runs of equal ids on the host (one device->host copy of the ids per call), and every document present
 in both becomes one varlen segment (``cu_seqlens`` = where its runs start, ``seqused`` = their
 lengths). A diagonal (causal) block with equal query/key ids is a causal varlen call over all
 runs; an off-diagonal (full) block is a non-causal call over the documents the two sides
