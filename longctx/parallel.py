@@ -304,6 +304,8 @@ def apply_run_settings(model: nn.Module, plan: ParallelPlan) -> None:
         raise ValueError(f"{type(model).__name__} does not support fuse_pointwise")
     if hasattr(model, "loss_chunk_size"):
         model.loss_chunk_size = plan.loss_chunk_size
+    elif plan.loss_chunk_size != ParallelPlan.loss_chunk_size:
+        raise ValueError(f"{type(model).__name__} does not support loss_chunk_size (it has no chunked loss)")
     if hasattr(model, "offload_activations"):
         model.offload_activations = plan.offload_activations
     elif plan.offload_activations:
@@ -312,8 +314,19 @@ def apply_run_settings(model: nn.Module, plan: ParallelPlan) -> None:
         model.set_mlp_tile_size(plan.mlp_tile_size)
     elif plan.mlp_tile_size is not None:
         raise ValueError(f"{type(model).__name__} does not support mlp_tile_size")
-    for core in (m for m in model.modules() if isinstance(m, ContextParallelAttention)):
+    cores = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
+    if not cores and plan.attention_head_chunks != 1 and not _loaded_for_longctx(model):
+        raise ValueError(f"{type(model).__name__} does not support attention_head_chunks (it has no "
+                         "ContextParallelAttention)")
+    for core in cores:
         core.configure(head_chunks=plan.attention_head_chunks)
+
+
+def _loaded_for_longctx(model: nn.Module) -> bool:
+    """A Hugging Face model (or a wrapper of one) on a longctx attention implementation,
+    which ``parallelize`` checks itself."""
+    return any(isinstance(getattr(getattr(m, "config", None), "_attn_implementation", None), str)
+               and m.config._attn_implementation.startswith("longctx_") for m in model.modules())
 
 
 def _apply_fsdp(model: nn.Module, dims: ParallelDims) -> None:

@@ -26,10 +26,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from longctx.parallel import ParallelPlan
+
 ROPE_SCALING_TYPES = ("linear", "ntk")
 # How a model runs is not its architecture: these keys belong to longctx.ParallelPlan.
-RUNTIME_KEYS = ("activation_checkpointing", "loss_chunk_size", "fuse_pointwise", "cp_attention",
-                "attention_backend")
+RUNTIME_KEYS = tuple(f.name for f in dataclasses.fields(ParallelPlan))
 
 
 @dataclass
@@ -96,7 +97,7 @@ class GPTConfig:
         if runtime:
             raise ValueError(
                 f"{runtime} describe how the model runs, not its architecture: they moved from GPTConfig "
-                "to longctx.ParallelPlan (the `parallel:` section of a config, --parallel.<key> on the CLI)"
+                "to longctx.ParallelPlan (the model's `parallel:` section of a config, --model.parallel.<key> on the CLI)"
             )
         unknown = sorted(set(d) - names)
         if unknown:

@@ -75,7 +75,7 @@ def _explain_compile_failure(compiled):
             raise RuntimeError(
                 "fuse_pointwise=True compiles RMSNorm/RoPE/SwiGLU with torch.compile, which "
                 f"failed on this machine ({type(e).__name__}); set fuse_pointwise: false "
-                "(--set parallel.fuse_pointwise=false) to run them eagerly"
+                "(--model.parallel.fuse_pointwise false) to run them eagerly"
             ) from e
 
     return call

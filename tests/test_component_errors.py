@@ -79,3 +79,22 @@ def test_world_checks_where_the_world_is_known(train, capsys, cache):  # noqa: F
     with pytest.raises(ValueError) as refused:
         check_seq_len(502, 2, "zigzag")
     assert _error(train, ["--seq-len", "502"], capsys, cache) == f"train.py: error: data: {refused.value}"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("activation_checkpointing", "full"), ("fuse_pointwise", True), ("loss_chunk_size", 1024),
+    ("offload_activations", True), ("mlp_tile_size", 2048), ("attention_head_chunks", 2)])
+def test_plan_fields_a_model_cannot_take_are_refused(field, value):
+    """A plan field applied to a model without the hook for it is refused (one line naming the
+    field and the model), never silently ignored; the defaults apply to any model."""
+    import torch.nn as nn
+
+    from longctx import ParallelPlan, parallelize
+
+    class Plain(nn.Module):
+        def forward(self, x):
+            return x
+
+    parallelize(Plain(), plan=ParallelPlan())
+    with pytest.raises(ValueError, match=rf"^Plain does not support {field}"):
+        parallelize(Plain(), plan=ParallelPlan(**{field: value}))

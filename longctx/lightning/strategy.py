@@ -464,8 +464,8 @@ class ContextParallelStrategy(ModelParallelStrategy):
         if isinstance(exception, torch.OutOfMemoryError):
             hint = ("data_parallel='fsdp' (--data-parallel fsdp) shards weights, gradients and optimizer state"
                     if self.data_parallel == "ddp" else
-                    "activation_checkpointing (--set parallel.activation_checkpointing=full), a larger "
-                    "--context-parallel, or cpu_offload=True (--set cpu_offload=true)")
+                    "activation_checkpointing (--model.parallel.activation_checkpointing full), a larger "
+                    "--context-parallel, or cpu_offload=True (--strategy.cpu_offload true)")
             print(f"[longctx] rank {self.global_rank}: out of GPU memory; try {hint}", flush=True)
         if self._watchdog is not None:
             self._watchdog.report_failure(exception)
