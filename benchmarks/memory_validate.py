@@ -382,7 +382,7 @@ def main(argv=None):
             if not wanted or c["case"] in wanted]
     meta = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", torch=torch.__version__,
                 alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), date=time.strftime("%Y-%m-%d %H:%M"), cp=world,
-                attention_kernel=auto_attention_kernel() if cuda else "torch")
+                attention_kernel=auto_attention_kernel(128, 512 * 1024) if cuda else "torch")
     rows: list[dict] = []
     start = time.time()
     for case in todo:

@@ -145,15 +145,19 @@ def _offload_layers(setting, n_layer: int) -> int:
     return offload_count(setting, n_layer)
 
 
-def auto_attention_kernel() -> str:
-    """The dense kernel backend="auto" runs for bf16 on this machine's first GPU."""
+def auto_attention_kernel(head_dim: int = 128, seq_len: int = 128 * 1024) -> str:
+    """The block kernel ``backend="auto"`` runs for bf16 causal blocks of ``seq_len`` tokens and
+    ``head_dim`` on this machine's first GPU, by the kernels' own table
+    (``longctx.kernels.selection``), as the memory model counts it: "flash" like "cudnn"
+    (GQA expanded), the reference like "triton". Without a GPU: "triton"."""
     import torch
 
     if not torch.cuda.is_available():
         return "triton"
-    from longctx.kernels import fa4
+    from longctx.kernels.selection import choose_backend
 
-    return "fa4" if fa4.is_available("cuda") else "cudnn"
+    name = choose_backend("cuda", torch.bfloat16, head_dim, seq_len, seq_len, True)
+    return {"flash": "cudnn", "torch": "triton"}.get(name, name)
 
 
 def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, data_parallel: str = "fsdp",
@@ -167,8 +171,9 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     ``"ddp"`` or ``"none"`` (replicated). ``precision``: ``"bf16-mixed"`` (fp32 masters,
     bf16 compute) or ``"32-true"``. ``attention_kernel``: the block kernels' backward
     buffers differ: ``"cudnn"`` expands GQA K/V to every query head, ``"fa4"`` and
-    ``"triton"`` take GQA natively; ``"auto"`` is what ``backend="auto"`` runs here
-    (FlashAttention-4 where installed on this machine's GPU, else cuDNN on GPUs).
+    ``"triton"`` take GQA natively; ``"auto"``: the plan's ``attention_backend``, and where
+    that is "auto" too, what the kernels' selection table picks here for this head dim and
+    shard length (``auto_attention_kernel``).
     """
     for name, value in (("seq_len", seq_len), ("cp", cp), ("dp", dp), ("batch_size", batch_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -177,14 +182,16 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
         raise ValueError(f"data_parallel must be 'fsdp', 'ddp' or 'none', got {data_parallel!r}")
     if attention_kernel not in ("auto", "fa4", "triton", "cudnn"):
         raise ValueError(f"attention_kernel must be 'auto', 'fa4', 'triton' or 'cudnn', got {attention_kernel!r}")
-    if attention_kernel == "auto":
-        attention_kernel = auto_attention_kernel()
     if precision not in ("bf16-mixed", "32-true"):
         raise ValueError(f"precision must be 'bf16-mixed' or '32-true', got {precision!r}")
     if cpu_offload and data_parallel != "fsdp":
         raise ValueError("cpu_offload needs data_parallel='fsdp'")
     plan = _plan(plan)
     s = _shape(config)
+    if attention_kernel == "auto":  # the plan's backend; "auto" as the kernels will choose it
+        chosen = plan.attention_backend
+        attention_kernel = ({"flash": "cudnn", "torch": "triton"}.get(chosen, chosen) if chosen != "auto"
+                            else auto_attention_kernel(s.hd, -(-seq_len // cp)))
     world = cp * dp
     T = batch_size * -(-seq_len // cp)
     mixed = precision == "bf16-mixed"
