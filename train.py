@@ -302,6 +302,7 @@ def prepare(argv: list[str], *, device_checks: bool = True) -> Prepared:
         # starts the same run afresh.
         if trainer.is_global_zero:
             cfg.resume = None
+            cfg.model.parallel = _module.plan.to_dict()  # as the run decided it (memory check)
             write_atomic(out / "config.yaml", resolved.dump())
 
     # The world is known once the Trainer exists: a CP size that does not divide it is

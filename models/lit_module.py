@@ -123,13 +123,15 @@ class CausalLMModule(L.LightningModule):
         decay_steps: where the cosine reaches its floor; None = the Trainer's max_steps.
         seq_len: the full (unsharded) training sequence length, for FLOPs/MFU; None = read
             from the first batch.
-        memory_check: before the first training step, predict this rank's peak memory
+        memory_check: in ``setup`` (before the model is built; from the data module's
+            ``seq_len``/``batch_size``, else on the first batch), predict this rank's peak memory
             (``longctx.memory.estimate``) and print it (one line, rank 0). Where it would not
             fit the GPU and the plan leaves the MLP untiled and nothing offloaded, the MLP is
             tiled and the saved inputs of the fewest blocks predicted to fit go to host memory
             (``longctx.memory.fitting_plan``; printed); what still cannot fit raises a
             one-line ``ValueError`` naming what to change. On CPU only the prediction is
-            printed. False: none of this.
+            printed. The plan taken is ``hparams["parallel"]`` (train.py's config.yaml too).
+            False: none of this.
     """
 
     def __init__(
@@ -259,13 +261,29 @@ class CausalLMModule(L.LightningModule):
             return None
         return cp, layout
 
+    def setup(self, stage: str) -> None:
+        # Before configure_model: the memory plan is decided once, on the run's shapes (the data
+        # module's), so the model is parallelized with it and config.yaml and the checkpoint
+        # record it.
+        if stage == "fit" and self.memory_check and not self._memory_checked:
+            datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+            seq_len = self.seq_len or getattr(datamodule, "seq_len", None)
+            batch_size = getattr(datamodule, "batch_size", None)
+            if seq_len and batch_size:
+                self._memory_checked = True
+                self._check_memory(int(batch_size), int(seq_len))
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Data without a known sequence length: checked on the first batch instead.
         if self.memory_check and not self._memory_checked and isinstance(batch, Mapping) and "input_ids" in batch:
             self._memory_checked = True
-            self._check_memory(batch["input_ids"])
+            ids = batch["input_ids"]  # sharded by now
+            self._check_memory(int(ids.shape[0]), int(ids.shape[1]) * _cp_size(self.trainer))
 
-    def _check_memory(self, input_ids: torch.Tensor) -> None:
-        """Predict this rank's peak (longctx.memory), print it on rank 0, refuse what cannot fit."""
+    def _check_memory(self, batch_size: int, seq_len: int) -> None:
+        """Predict this rank's peak (longctx.memory), print it on rank 0, refuse what cannot fit;
+        where the plan leaves room to fit, take the fitting plan (``hparams["parallel"]`` and the
+        run's config.yaml record it)."""
         from longctx.memory import check_fits, estimate, fitting_plan, host_memory_bytes
         from longctx.parallel import apply_run_settings
 
@@ -275,16 +293,16 @@ class CausalLMModule(L.LightningModule):
         precision = str(getattr(trainer, "precision", "32-true"))
         kw = dict(plan=self.plan, cp=cp, dp=max(trainer.world_size // cp, 1),
                   data_parallel=getattr(dims, "data_parallel", "none"), cpu_offload=bool(getattr(dims, "cpu_offload", False)),
-                  batch_size=int(input_ids.shape[0]),
+                  batch_size=batch_size,
                   precision="32-true" if precision.startswith("32") or precision.startswith("64") else "bf16-mixed")
-        seq_len = int(input_ids.shape[1]) * cp  # the strategy has sharded the batch by now
         try:
             est = estimate(self.config, seq_len, **kw)
         except (ValueError, AttributeError, TypeError):
             return  # a model shape the memory model cannot read: no prediction, no check
-        if self.device.type == "cuda":
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
             # The host holds every local rank's share (pinned offload buffers, offloaded state).
-            totals = dict(gpu_total=torch.cuda.mem_get_info(self.device)[1], host_total=host_memory_bytes())
+            totals = dict(gpu_total=torch.cuda.mem_get_info(device)[1], host_total=host_memory_bytes())
             host_ranks = max(int(trainer.num_devices), 1)
             plan = fitting_plan(self.config, seq_len, **kw, gpu_total=totals["gpu_total"],
                                 host_total=totals["host_total"] // host_ranks)
@@ -296,6 +314,7 @@ class CausalLMModule(L.LightningModule):
                           f"offload_activations={plan.offload_activations}",
                           flush=True)
                 self.plan = kw["plan"] = plan
+                self.hparams["parallel"] = plan.to_dict()
             est = check_fits(self.config, seq_len, **kw, **totals, host_ranks=host_ranks)
         if trainer.global_rank == 0:
             print(est.summary(), flush=True)

@@ -194,3 +194,39 @@ def test_the_model_bounds_the_committed_measurements(results):
     assert len(rows) >= 2
     for r in rows:
         assert 0.9 <= r["ratio"] <= 1.0, r
+
+
+def test_the_fitting_plan_is_decided_before_the_model_is_built(monkeypatch, capsys):
+    """A run predicted not to fit takes the fitting plan in ``setup`` (before configure_model),
+    from the data module's shapes: the module's plan, ``hparams["parallel"]`` (what the
+    checkpoint and train.py's config.yaml record) and the settings the parallelized model
+    runs with are the same plan; a second module given that plan resolves to it unchanged."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from longctx.models.lit_module import CausalLMModule
+    from longctx.parallel import ParallelDims
+
+    gpu = 9 * 2**30  # a small "GPU": the 1M-token tiny run fits only with the MLP tiled
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (gpu, gpu))
+
+    def run(parallel):
+        module = CausalLMModule(dict(preset="tiny", vocab_size=256), parallel=parallel, attention="causal")
+        trainer = SimpleNamespace(
+            strategy=SimpleNamespace(root_device=torch.device("cuda"), cp_size=1, parallel_dims=ParallelDims()),
+            datamodule=SimpleNamespace(seq_len=1 << 20, batch_size=1), precision="bf16-mixed", world_size=1,
+            num_devices=1, global_rank=0)
+        module._trainer = trainer
+        module.setup("fit")
+        module.configure_model()
+        return module
+
+    module = run({"activation_checkpointing": "full"})
+    assert "does not fit; running with" in capsys.readouterr().out
+    assert module.plan.mlp_tile_size is not None
+    assert module.hparams["parallel"] == module.plan.to_dict()
+    assert {block.mlp.tile_size for block in module.model.blocks} == {module.plan.mlp_tile_size}
+    assert module.model.offload_activations == module.plan.offload_activations
+    again = run(module.hparams["parallel"])  # the run's config.yaml / checkpoint, loaded back
+    assert again.plan == module.plan and "does not fit" not in capsys.readouterr().out
