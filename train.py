@@ -33,8 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from longctx.lightning.cli import (check_sections, cli_class, flag_values, flatten, hf_model_drops_config_models,
-                                   one_line)
+from longctx.lightning.cli import (
+    check_sections,
+    cli_class,
+    flag_values,
+    flatten,
+    hf_model_drops_config_models,
+    one_line,
+)
 from longctx.lightning.training import say
 
 REPO = Path(__file__).resolve().parent

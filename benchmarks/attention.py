@@ -39,9 +39,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, ROOT)
 
-from longctx.kernels import attention_backward, attention_forward  # noqa: E402
+from longctx.kernels import (  # noqa: E402
+    attention_backward,
+    attention_forward,
+    vendor,  # noqa: E402
+)
 from longctx.kernels import triton_attention as ta  # noqa: E402
-from longctx.kernels import vendor  # noqa: E402
 
 PROVIDERS = ["triton", "triton-atomic", "sdpa-flash", "sdpa-cudnn", "flash", "cudnn"]
 

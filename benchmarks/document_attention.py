@@ -47,6 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]  # the checkout, and the sibling benchmark scripts
 
 from attention import bench_ms, gpu_tag, poison_allocator, rel_err  # noqa: E402
+
 from longctx.kernels import attention_backward, attention_forward  # noqa: E402
 from longctx.kernels import triton_attention as ta  # noqa: E402
 
@@ -265,7 +266,7 @@ def section_kernels(report, args):
                       f"triton causal) {row.get('fraction_of_ideal_vs_cudnn-causal', float('nan')):.2f}"
                       f" / {row.get('fraction_of_ideal_vs_triton-causal', float('nan')):.2f}", flush=True)
             torch.cuda.empty_cache()
-        del q, k, v, dout
+        q = k = v = dout = None  # free the tensors (closures above name them)
 
 
 def block_map_cost(report, args):
@@ -347,10 +348,10 @@ def part_ring(args):
     kernels, flex_attention) and then on all GPUs (the document ring, packed and balanced),
     plus the plain causal ring for reference."""
     import torch.distributed as dist
+    from ring import log, time_in_group
 
     from longctx import balance_documents, ring_attention, shard_sequence
     from longctx.documents import plan_documents
-    from ring import log, time_in_group
 
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
@@ -429,7 +430,7 @@ def part_ring(args):
                             record_error(cell, e)
                         one.append(cell)
                         log(f"[one GPU] {json.dumps({k: v for k, v in cell.items() if k != 'traceback'})}")
-                    del q1, k1, v1, d1
+                    q1 = k1 = v1 = d1 = None  # free the tensors (closures above name them)
                     torch.cuda.empty_cache()
                 dist.barrier()
                 for arrangement in ("packed", "balanced"):

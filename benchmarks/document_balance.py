@@ -44,6 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]  # the checkout, and the sibling benchmark scripts
 
 from document_attention import MIXES, document_lengths, ids_from_lengths  # noqa: E402
+
 from longctx.balance import TOLERANCE, balance_documents, balance_permutation  # noqa: E402
 from longctx.documents import plan_documents  # noqa: E402
 
@@ -128,10 +129,10 @@ def corpus_windows(seq_len: int) -> list:
 def ring_times(args) -> None:
     """The ``--ring`` part (torchrun, one GPU per process)."""
     import torch.distributed as dist
-
     from attention import gpu_tag
-    from longctx import ring_attention
     from ring import log, time_fn
+
+    from longctx import ring_attention
 
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))

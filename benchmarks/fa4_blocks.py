@@ -41,12 +41,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 from attention import bench_ms, gpu_tag, poison_allocator  # noqa: E402
-from longctx import shard_sequence, unshard_sequence  # noqa: E402
-from longctx.kernels import attention_backward, attention_forward, fa4  # noqa: E402
-from longctx.kernels.merge import merge_partials_  # noqa: E402
+
+from longctx import shard_sequence  # noqa: E402
 from longctx.document_ring import _call_forward, backward_calls, forward_calls  # noqa: E402
 from longctx.documents import plan_documents, rows_of  # noqa: E402
-from longctx.kernels import resolve_backend  # noqa: E402
+from longctx.kernels import (  # noqa: E402
+    attention_backward,
+    attention_forward,
+    fa4,
+    resolve_backend,  # noqa: E402
+)
+from longctx.kernels.merge import merge_partials_  # noqa: E402
 from longctx.ring import _ring_blocks  # noqa: E402
 
 K = 1024

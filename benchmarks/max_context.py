@@ -466,8 +466,9 @@ class LossOnly(torch.nn.Module):
 
 class Job:
     def __init__(self, args):
-        import torch.distributed as dist
         from datetime import timedelta
+
+        import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         from longctx.models import GPT, GPTConfig

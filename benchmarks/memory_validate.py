@@ -19,7 +19,8 @@ against ``estimate(...).host_bytes``.
 Cases, cheapest first; an out-of-memory error is recorded and the next case runs. The
 128K cases are plain causal (backend "auto", as train.py's Llama-3.2-1B config). The longer ones
 use packed documents of 16K tokens (document-masked kernels, FlashAttention-4 varlen where
-installed: attention work linear in the length, so each step takes seconds). ``1b-128k-ab`` times 3 steps after a warm-up (the measured step), untiled vs tiled MLP +
+installed: attention work linear in the length, so each step takes seconds). ``1b-128k-ab`` times 3 steps
+after a warm-up (the measured step), untiled vs tiled MLP +
 offload of every block (the issue's limit: <= 10% slower), and that plus 8 attention head
 chunks.
 

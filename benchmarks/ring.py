@@ -32,8 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from longctx import ring_attention, shard_sequence, ulysses_attention
-from longctx import ring_comm
+from longctx import ring_attention, ring_comm, shard_sequence, ulysses_attention
 
 K = 1024
 
@@ -151,7 +150,7 @@ def section_check(res, args, groups):
             r["pass"] = all(e < 2e-2 for e in errs_t.tolist())
             res.setdefault("check", []).append(r)
             log("check", json.dumps(r))
-        del full, ref
+        full = ref = None  # free the tensors (closures above name them)
         torch.cuda.empty_cache()
 
 
@@ -173,7 +172,7 @@ def section_memory(res, args, groups):
             torch.cuda.synchronize()
             peak[0] = (torch.cuda.max_memory_allocated() - base) / 2**20
             peak[1] = torch.cuda.max_memory_allocated() / 2**20
-            del q, k, v, dout
+            q = k = v = dout = None  # free the tensors (closures above name them)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         shard_mib = 1 * (s_total // p) * h * d * 2 / 2**20
         r = dict(P=p, S_total=s_total, S_local=s_total // p, backend=args.backends[0],
@@ -196,7 +195,7 @@ def run_ring_timing(res_key, res, args, groups, s_total, p, hq, hkv, backend, ex
             iters = 5 if s_total <= 128 * K else 2
             # Ranks outside the subgroup must not join its barrier: time inside the group.
             t[0] = time_in_group(ring_step(q, k, v, dout, group, backend, impl), group, iters=iters)
-            del q, k, v, dout
+            q = k = v = dout = None  # free the tensors (closures above name them)
         except Exception as ex:
             log("speed fail", backend, s_total, p, repr(ex)[:300])
             t[0] = float("nan")
@@ -261,7 +260,8 @@ def section_peer(res, args, groups):
             t = torch.zeros(1, device="cuda")
             if rank == 0 and s_total <= 128 * K:
                 try:
-                    q, k, v = (torch.randn(1, h, s_total, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+                    q, k, v = (torch.randn(1, h, s_total, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                               for _ in range(3))
                     do = torch.randn_like(q)
 
                     def fb():
@@ -269,7 +269,7 @@ def section_peer(res, args, groups):
                             F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
 
                     t[0] = time_in_group(fb, None, iters=3)
-                    del q, k, v, do
+                    q = k = v = do = None  # free the tensors (closures above name them)
                 except Exception as ex:
                     log("sdpa fail", name, s_total, repr(ex)[:200])
                     t[0] = float("nan")
@@ -291,8 +291,8 @@ def section_peer(res, args, groups):
 def time_torch_cp(res, res_key, method, s_total, h, d, be, name):
     """PyTorch's context_parallel (SDPA backend ``be``) over the whole world, fwd+bwd."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental import _attention as cpa
+    from torch.distributed.tensor.experimental import context_parallel
     from torch.nn.attention import sdpa_kernel
 
     world = dist.get_world_size()
@@ -317,7 +317,7 @@ def time_torch_cp(res, res_key, method, s_total, h, d, be, name):
                  fb_tflops_per_gpu=attn_flops(s_total, h, d) / world / ms / 1e9)
         res.setdefault(res_key, []).append(r)
         log(res_key, json.dumps(r))
-        del full, q, k, v, do
+        full = q = k = v = do = None  # free the tensors (closures above name them)
     except Exception as ex:
         log("torch cp fail", method, name, s_total, repr(ex)[:300])
     torch.cuda.empty_cache()
@@ -370,7 +370,8 @@ def section_breakdown(res, args, groups):
                          record_shapes=True) as prof:
                 run()
                 torch.cuda.synchronize()
-            kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start]
+            kernels = [e for e in prof.events()
+                       if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start]
             nccl = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
             comp = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
             r["profile"] = overlap_summary(nccl, comp)
@@ -406,7 +407,7 @@ def section_breakdown(res, args, groups):
             r["profile_error"] = repr(ex)[:200]
         res.setdefault("breakdown", []).append(r)
         log("breakdown", json.dumps(r))
-        del q, k, v, dout, kv, dkv
+        q = k = v = dout = kv = dkv = None  # free the tensors (closures above name them)
         torch.cuda.empty_cache()
 
 

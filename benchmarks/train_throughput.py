@@ -27,9 +27,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from longctx import position_ids, shard_sequence
-from longctx.ring_comm import new_ring_group
 from longctx.models import GPT, GPTConfig
 from longctx.models.lit_module import peak_bf16_flops
+from longctx.ring_comm import new_ring_group
+
 
 def peak_flops() -> float:
     return peak_bf16_flops(torch.cuda.get_device_name()) or float("nan")
@@ -88,10 +89,11 @@ def measure(preset, s_total, p, group, ddp_group, steps, checkpointing, backend,
     peak = torch.cuda.max_memory_allocated() / 2**30
     finite = bool(torch.isfinite(loss).item())
     kernel_time = profile_step(step) if profile else None
-    del model, step_loss, opt
+    model = step_loss = opt = None  # free the tensors (closures above name them)
     torch.cuda.empty_cache()
     tps = s_total / dt
-    return dict(preset=preset, overrides=overrides or {}, head_dim=cfg.head_dim, P=p, S_total=s_total, S_per_gpu=s_total // p, checkpointing=plan["activation_checkpointing"],
+    return dict(preset=preset, overrides=overrides or {}, head_dim=cfg.head_dim, P=p, S_total=s_total,
+                S_per_gpu=s_total // p, checkpointing=plan["activation_checkpointing"],
                 step_s=dt, tokens_per_s=tps, tokens_per_s_per_gpu=tps / p,
                 mfu=cfg.flops_per_token(s_total) * tps / (p * peak_flops()), peak_mem_GiB=peak,
                 params=cfg.num_params(), loss_finite=finite,

@@ -153,6 +153,7 @@ def main():
     print(f"compiled {len(jobs)} variants in {t_compile:.0f}s, {len(compile_errors)} errors", flush=True)
 
     import triton.testing
+
     from longctx.kernels import triton_attention as ta
     shipped = {n: {b: list(c) for b, c in t.items()} for n, t in _tables(ta).items()}
     rows, best = [], {}

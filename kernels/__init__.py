@@ -16,8 +16,8 @@ when ``causal``). A query row that sees no key in a block gets ``out = 0`` and
 "fa4" (documents as varlen runs), "triton" (triton_document.py: tiles of no shared document
 are skipped, tiles inside one document run unmasked) and "torch"; "auto" picks fa4, else
 triton, on GPUs, and "cudnn"/"flash" fall back to triton with a warning (see
-resolve_backend). fa4 hands a block whose ids are not runs it can express to triton. Callers that resolve the backend once
-for several blocks (the ring) pass ``documents=True`` to ``resolve_backend``.
+resolve_backend). fa4 hands a block whose ids are not runs it can express to triton. Callers that
+resolve the backend once for several blocks (the ring) pass ``documents=True`` to ``resolve_backend``.
 
 ``segments=`` (``kernels.segments.Segments``, with the ids): the block's varlen segments,
 built once by the caller (``longctx.documents``) for every layer; fa4 then reads nothing

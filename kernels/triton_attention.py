@@ -41,7 +41,6 @@ import torch
 # The shared pieces; several are also read through this module (triton_attention._cfg,
 # ._FWD_CONFIGS, ...) by benchmarks/ and the tests.
 from .triton_tiles import (  # noqa: F401
-    LOG2E,
     _DKDV_CONFIGS,
     _DQ_CONFIGS,
     _EVEN_HEURISTICS,
@@ -49,6 +48,7 @@ from .triton_tiles import (  # noqa: F401
     _INTERPRET,
     _LN2,
     _LOG2E,
+    LOG2E,
     _autotune,
     _block_d,
     _bucket,
@@ -206,7 +206,7 @@ def _fwd_kernel(Q, K, V, Out, LSE,
 
 
 @_triton.jit
-def _delta_kernel(O, DO, Delta,
+def _delta_kernel(Out, DO, Delta,
                   stride_ob, stride_os, stride_oh, stride_od,
                   stride_db, stride_ds, stride_dh, stride_dd,
                   stride_tb, stride_th, stride_ts,
@@ -219,7 +219,7 @@ def _delta_kernel(O, DO, Delta,
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    o_ptrs = (O + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+    o_ptrs = (Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
               + rows.to(tl.int64)[:, None] * stride_os + offs_d[None, :] * stride_od)
     do_ptrs = (DO + off_b.to(tl.int64) * stride_db + off_h.to(tl.int64) * stride_dh
                + rows.to(tl.int64)[:, None] * stride_ds + offs_d[None, :] * stride_dd)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+
 try:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import flash_attention_mask

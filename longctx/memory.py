@@ -34,11 +34,11 @@ new tensor its two paths sum into, 2aF for the MLP's gradients or per tile with
 ``mlp_tile_size``) and the attention's (the MLP's tensors and saved input freed by then;
 dO, the kernels' dQ/dK/dV and accumulators, GQA expansion for cuDNN, the ring's fp32 dQ,
 dK/dV accumulators and 0/1/2 K/V receive buffers at cp = 2/3/>=4, the kernels' and the
-ring's buffers divided by ``attention_head_chunks``), or one loss chunk: 12 bytes x V per token of ``loss_chunk_size`` (fp32 log-softmax, its
-gradient, the input gradient) plus the head's weight gradient. The peak is the largest of
-these moments: the loss backward, the last layer's backward (all saved inputs, few
-gradients), the first layer's (all gradients, one saved input), an untied embedding's
-backward under FSDP2, the optimizer step.
+ring's buffers divided by ``attention_head_chunks``), or one loss chunk: 12 bytes x V per token
+of ``loss_chunk_size`` (fp32 log-softmax, its gradient, the input gradient) plus the head's
+weight gradient. The peak is the largest of these moments: the loss backward, the last
+layer's backward (all saved inputs, few gradients), the first layer's (all gradients, one saved
+input), an untied embedding's backward under FSDP2, the optimizer step.
 Not in ``max_memory_allocated`` but on the device: CUDA context, cuDNN/NCCL workspaces
 (``cuda_context``, 1.5 GiB) and fragmentation (``allocator_slack``, 3% of the rest).
 
@@ -332,8 +332,8 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
               {"final_hidden": hidden}),
         phase("the last layer's backward", last_layers, gpu_head_grad, work_bwd, "layer_recompute_backward",
               layer_live, {"residual_grad": r * d * T}),
-        phase("the first layer's backward", first_layers, gpu_grads_all, work_bwd, "layer_recompute_backward", layer_live,
-              {"residual_grad": r * d * T}),
+        phase("the first layer's backward", first_layers, gpu_grads_all, work_bwd, "layer_recompute_backward",
+              layer_live, {"residual_grad": r * d * T}),
     ]
     if own_embedding and mixed:  # the embedding gathered again, its unsharded gradient (bf16 -> fp32)
         phases.append(phase("the embedding's backward", 0, gpu_grads_all, root + 2 * V * d, "embedding_gradient",
@@ -427,7 +427,8 @@ def _fix(config, seq_len, kw, plan, gpu_total, host_total) -> str:
         tries.append((f"mlp_tile_size={DEFAULT_MLP_TILE}" + ("" if plan.activation_checkpointing == "full"
                                               else " with activation_checkpointing='full'"),
                       ParallelPlan.from_dict({**dataclasses.asdict(full), "mlp_tile_size": DEFAULT_MLP_TILE})))
-    tiled = ParallelPlan.from_dict({**dataclasses.asdict(full), "mlp_tile_size": plan.mlp_tile_size or DEFAULT_MLP_TILE})
+    tiled = ParallelPlan.from_dict({**dataclasses.asdict(full),
+                                    "mlp_tile_size": plan.mlp_tile_size or DEFAULT_MLP_TILE})
     if plan.cp_attention == "ring":
         tiled = dataclasses.replace(tiled, attention_head_chunks=_shape(config).hkv)
     for p_name, p in tries:

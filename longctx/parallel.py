@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .layouts import check_layout
 from .head_groups import check_head_chunks
+from .layouts import check_layout
 from .ring import ring_attention
 from .ulysses import ulysses_attention
 
@@ -135,8 +135,8 @@ class ParallelPlan:
         mlp_tile_size: tokens per tile of the sequence-tiled MLP (``longctx.tiled``): no
             (tokens x ffn) intermediate larger than ``mlp_tile_size x ffn`` exists, forward or
             backward; the norms and the q/k/v projections run over the same tiles (their
-            normalised inputs are never saved at full length); exact. None (default): untiled. ``longctx.memory.estimate`` says when
-            the untiled MLP does not fit (it names this setting).
+            normalised inputs are never saved at full length); exact. None (default): untiled.
+            ``longctx.memory.estimate`` says when the untiled MLP does not fit (it names this setting).
         attention_head_chunks: ring attention runs over ``n_kv_head / attention_head_chunks``
             key/value heads (with their query heads) at a time, forward and backward: the
             same result, with the block kernels' and the ring's fp32 accumulators and

@@ -31,15 +31,21 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from longctx.kernels import (attention_backward, attention_delta, attention_forward,
-                             check_attention_inputs, check_document_ids, resolve_backend,
-                             VENDOR_BACKENDS)
+from longctx.kernels import (
+    VENDOR_BACKENDS,
+    attention_backward,
+    attention_delta,
+    attention_forward,
+    check_attention_inputs,
+    check_document_ids,
+    resolve_backend,
+)
 from longctx.kernels.merge import merge_partials_
 
 from .document_ring import document_attention
 from .documents import DocumentPlan, gather_document_ids, plan_documents
-from .layouts import LAYOUTS, check_layout, check_seq_len, chunks_per_rank
 from .head_groups import by_head_groups, check_head_chunks, grads_by_head_groups
+from .layouts import LAYOUTS, check_layout, check_seq_len, chunks_per_rank
 from .ring_comm import RingExchange
 
 ALL = slice(None)

@@ -32,7 +32,6 @@ from .document_ring import backward_calls, forward_calls
 from .documents import DocumentPlan, gather_document_ids, plan_documents
 from .ring import check_cp_inputs, ring_attention
 
-
 # Head groups per rank that take turns: while one group's attention runs, the next
 # group's all-to-all is in flight (and the previous group's output travels back).
 PIPELINE_CHUNKS = 2
@@ -133,7 +132,8 @@ class _UlyssesAttention(torch.autograd.Function):
         widths = [t.shape[2] // (world * chunks) for t in (q, k, v)]
         # Post every group's all-to-all (q, k, v packed): they run back to back on the
         # communication stream while the groups' attention runs on the compute stream.
-        inbound = [_start_all_to_all(torch.cat([_heads_for_everyone(t, world, chunks, g) for t in (q, k, v)], dim=3), group)
+        inbound = [_start_all_to_all(torch.cat([_heads_for_everyone(t, world, chunks, g) for t in (q, k, v)], dim=3),
+                                     group)
                    for g in range(chunks)]
         out = torch.empty_like(q)
         outbound, saved = [], []

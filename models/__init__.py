@@ -3,7 +3,9 @@
 The training module (``lit_module``) lives here too but is imported on its own so that
 using the model does not require Lightning.
 """
+from .checkpoint_import import find_smollm2_gguf, load_checkpoint, load_pretrained, resolve_checkpoint_path
 from .config import PRESETS, GPTConfig
+from .gguf_tokenizer import GGUFTokenizer
 from .gpt import (
     GPT,
     RingSelfAttention,
@@ -14,8 +16,6 @@ from .gpt import (
     chunked_cross_entropy,
     rope_cos_sin,
 )
-from .checkpoint_import import find_smollm2_gguf, load_checkpoint, load_pretrained, resolve_checkpoint_path
-from .gguf_tokenizer import GGUFTokenizer
 from .hf_export import save_hf_checkpoint
 
 __all__ = [

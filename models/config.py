@@ -97,7 +97,8 @@ class GPTConfig:
         if runtime:
             raise ValueError(
                 f"{runtime} describe how the model runs, not its architecture: they moved from GPTConfig "
-                "to longctx.ParallelPlan (the model's `parallel:` section of a config, --model.parallel.<key> on the CLI)"
+                "to longctx.ParallelPlan (the model's `parallel:` section of a config, --model.parallel.<key> "
+                "on the CLI)"
             )
         unknown = sorted(set(d) - names)
         if unknown:

@@ -66,8 +66,9 @@ class HFCausalLM(nn.Module):
                         dtype: Optional[torch.dtype] = None) -> "HFCausalLM":
         """Weights from ``path`` (a local directory: no downloads), or a random init from its
         ``config.json`` when it holds no weight files."""
-        import longctx.hf  # noqa: F401 - registers the attention implementations
         from transformers import AutoConfig, AutoModelForCausalLM
+
+        import longctx.hf  # noqa: F401 - registers the attention implementations
 
         path = Path(path)
         if not (path / "config.json").is_file():

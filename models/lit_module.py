@@ -34,12 +34,12 @@ from torchmetrics import MeanMetric
 from longctx.balance import balance_documents
 from longctx.documents import plan_documents
 from longctx.loss import TokenWeightedAccumulator
-from longctx.sharding import document_position_ids, is_sharded
 from longctx.parallel import ParallelDims, ParallelPlan, parallelize
+from longctx.sharding import document_position_ids, is_sharded
 from longctx.validation import check_choice, check_number, qualified
 
-from .config import GPTConfig
 from .checkpoint_import import check_checkpoint_spec, load_pretrained
+from .config import GPTConfig
 from .gpt import GPT
 
 # Dense bf16 tensor-core peaks (FLOP/s) by device-name substring; first match wins. The one
@@ -292,7 +292,8 @@ class CausalLMModule(L.LightningModule):
         dims = getattr(trainer.strategy, "parallel_dims", None)
         precision = str(getattr(trainer, "precision", "32-true"))
         kw = dict(plan=self.plan, cp=cp, dp=max(trainer.world_size // cp, 1),
-                  data_parallel=getattr(dims, "data_parallel", "none"), cpu_offload=bool(getattr(dims, "cpu_offload", False)),
+                  data_parallel=getattr(dims, "data_parallel", "none"),
+                  cpu_offload=bool(getattr(dims, "cpu_offload", False)),
                   batch_size=batch_size,
                   precision="32-true" if precision.startswith("32") or precision.startswith("64") else "bf16-mixed")
         try:

@@ -11,15 +11,22 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-
 from attention_reference import reference
 from dist_harness import run_distributed
-from longctx import (balance_documents, balance_permutation, ring_attention, shard_batch, shard_sequence,
-                     ulysses_attention, unshard_sequence)
+from test_ring_attention import rel_err
+
+from longctx import (
+    balance_documents,
+    balance_permutation,
+    ring_attention,
+    shard_batch,
+    shard_sequence,
+    ulysses_attention,
+    unshard_sequence,
+)
 from longctx.balance import TOLERANCE
 from longctx.documents import plan_documents
 from longctx.layouts import document_work_per_rank
-from test_ring_attention import rel_err
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from document_balance import BALANCE_MIXES, mix_lengths  # noqa: E402
@@ -102,8 +109,9 @@ def test_balances_the_benchmark_mixes(mix):
 def test_balances_the_default_corpus(tmp_path):
     """Every 128K window of the stdlib corpus (bytes as tokens: the same repository-level
     documents, ~4x longer than under the trained tokenizer)."""
-    from longctx.data import LongDocumentDataModule
     from test_data import ByteTokenizer
+
+    from longctx.data import LongDocumentDataModule
 
     dm = LongDocumentDataModule("stdlib", tokenizer=ByteTokenizer(), seq_len=128 * 1024, batch_size=1,
                                 val_fraction=0.0, cache_dir=tmp_path / "cache")
@@ -215,9 +223,10 @@ def test_bad_input_is_named():
 def test_module_hook_balances_where_it_applies():
     from types import SimpleNamespace
 
+    from test_strategy import MODEL
+
     from longctx import document_position_ids
     from longctx.models.lit_module import CausalLMModule
-    from test_strategy import MODEL
 
     with pytest.raises(ValueError, match="load_balance=True needs attention='document'"):
         CausalLMModule(MODEL, attention="causal", load_balance=True)
@@ -349,10 +358,11 @@ def _document_samples() -> list[dict]:
 
 
 def _train_cp2(rank, world):
-    import longctx.models.lit_module as lit_module
-    from torch.utils.data import DataLoader
-    from longctx.lightning.strategy import ContextParallelStrategy
     from test_strategy import GLOBAL_BATCH, _fit
+    from torch.utils.data import DataLoader
+
+    import longctx.models.lit_module as lit_module
+    from longctx.lightning.strategy import ContextParallelStrategy
 
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", PL_GLOBAL_SEED="0")
     balanced, real = [], lit_module.balance_documents
@@ -370,8 +380,8 @@ def _train_cp2(rank, world):
 
 @pytest.mark.slow
 def test_training_cp2_with_load_balance_equals_single_device():
-    from torch.utils.data import DataLoader
     from test_strategy import GLOBAL_BATCH, STEPS, _fit, _rel
+    from torch.utils.data import DataLoader
 
     reference = _fit("auto", 1, DataLoader(_document_samples(), batch_size=GLOBAL_BATCH), 1)
     assert len(reference["losses"]) == STEPS

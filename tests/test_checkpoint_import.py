@@ -176,7 +176,8 @@ def write_llama_gguf(path, hf, qtypes: dict, arch="llama"):
             x = llama_cpp_permute(x, cfg.num_attention_heads)
         elif "k_proj" in hf_name:
             x = llama_cpp_permute(x, cfg.num_key_value_heads)
-        qtype = gguf.GGMLQuantizationType[qtypes.get(name.split(".")[-2], "F32")] if x.ndim == 2 else gguf.GGMLQuantizationType.F32
+        types = gguf.GGMLQuantizationType
+        qtype = types[qtypes.get(name.split(".")[-2], "F32")] if x.ndim == 2 else types.F32
         data = gguf.quants.quantize(x, qtype)
         w.add_tensor(name, data, raw_dtype=qtype)
         held = gguf.quants.dequantize(data, qtype).reshape(x.shape).astype(np.float32)

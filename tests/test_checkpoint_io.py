@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_harness import run_distributed
+
 from longctx.lightning.checkpoint_io import (
     MANIFEST_NAME,
     AtomicCheckpointIO,
@@ -126,7 +126,8 @@ def test_corrupted_data_is_detected_and_skipped(tmp_path):
         assert member in z.namelist()
     torch.load(newer, weights_only=True)  # what resume did before: no error at all
     assert not is_complete_checkpoint(newer) and is_complete_checkpoint(older)
-    with pytest.raises(CorruptCheckpointError, match=f"step000004.ckpt failed verification: CRC mismatch in member {member}"):
+    crc = f"step000004.ckpt failed verification: CRC mismatch in member {member}"
+    with pytest.raises(CorruptCheckpointError, match=crc):
         io.load_checkpoint(newer)
     with pytest.warns(UserWarning, match="step000004.ckpt: incomplete or corrupt .*CRC mismatch"):
         assert find_resume_checkpoint(tmp_path) == older
@@ -183,8 +184,7 @@ def _train_step(model, optimizer, step: int) -> None:
 
 
 def _states(model, optimizer, **options) -> dict:
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     opts = StateDictOptions(**options)
     return {"model": get_model_state_dict(model, options=opts),

@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-
 from test_train_errors import _error, cache, train  # noqa: F401 (fixtures)
 
 from longctx.layouts import check_seq_len

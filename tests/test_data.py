@@ -439,7 +439,8 @@ def test_arguments_are_checked_before_any_work(tmp_path):
     with pytest.raises(ValueError, match=r"sequence length 20 .*P=4.*multiple of 8"):
         make_dm(corpus, tmp_path, seq_len=20, context_parallel_size=4)
     for bad, match in [(dict(batch_size=0), "batch_size"), (dict(val_fraction=1.0), "val_fraction"),
-                       (dict(max_documents=0), "max_documents"), (dict(layout="diagonal"), "layout must be one of zigzag, contiguous, got"),
+                       (dict(max_documents=0), "max_documents"),
+                       (dict(layout="diagonal"), "layout must be one of zigzag, contiguous, got"),
                        (dict(num_workers=-1), "num_workers"), (dict(tokenizer=None, vocab_size=10), "vocab_size")]:
         with pytest.raises(ValueError, match=match):
             make_dm(corpus, tmp_path, **bad)

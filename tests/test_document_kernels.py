@@ -12,7 +12,6 @@ import zlib
 
 import pytest
 import torch
-
 from interpreter_harness import interpreted_results as run_interpreted
 from interpreter_harness import print_results
 

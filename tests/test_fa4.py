@@ -12,9 +12,9 @@ import zlib
 
 import pytest
 import torch
+from test_document_kernels import _document_ids
 
 from longctx.kernels import attention_backward, attention_forward, fa4, resolve_backend
-from test_document_kernels import _document_ids
 
 PATTERNS = [  # (ids kind, causal, B, Sq, Sk)
     ("one", True, 1, 45, 45), ("short", True, 2, 50, 50), ("len1", True, 1, 37, 37),

@@ -7,9 +7,9 @@ import os
 import lightning as L
 import pytest
 import torch
+from dist_harness import run_distributed
 from torch.utils.data import DataLoader
 
-from dist_harness import run_distributed
 from longctx.lightning.strategy import ContextParallelStrategy
 
 VOCAB, SEQ, N_SAMPLES, BATCH = 64, 32, 8, 4  # 2 optimizer steps per epoch
@@ -42,7 +42,8 @@ def _fit(max_steps: int, ckpt_dir: str, resume: str | None = None, save_every: i
         callbacks=callbacks,
     )
     trainer.fit(module, DataLoader(_samples(), batch_size=BATCH), ckpt_path=resume)
-    params = {k: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for k, p in module.named_parameters()}
+    params = {k: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+              for k, p in module.named_parameters()}
     opt = trainer.optimizers[0]
     moments = {k: opt.state[p]["exp_avg"].full_tensor().clone() for k, p in module.named_parameters()}
     return params, moments, trainer.global_step

@@ -6,17 +6,16 @@ import os
 import warnings
 
 import lightning as L
-from lightning.pytorch.strategies import DDPStrategy
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from dist_harness import run_distributed
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from longctx.lightning.health import NonFiniteError, NonFiniteGuard
 from longctx.models import GPT, GPTConfig
-
-from dist_harness import run_distributed
 
 NAN = float("nan")
 

@@ -20,15 +20,20 @@ import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
 
-import longctx.hf  # noqa: E402  (registers the attention implementations)
 from dist_harness import run_distributed  # noqa: E402
-from longctx import (document_position_ids, position_ids, ring_attention,  # noqa: E402
-                     shard_sequence, ulysses_attention, unshard_sequence)
+from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config  # noqa: E402
+
+from longctx import (  # noqa: E402
+    document_position_ids,
+    position_ids,
+    ring_attention,
+    shard_sequence,
+    ulysses_attention,
+    unshard_sequence,
+)
 from longctx.hf import RING, ULYSSES, set_context_parallel_group  # noqa: E402
 from longctx.kernels import BACKENDS, backend_available  # noqa: E402
 from longctx.models import GPT, GPTConfig, load_pretrained, save_hf_checkpoint  # noqa: E402
-from transformers import (AutoModelForCausalLM, Gemma2Config, LlamaConfig,  # noqa: E402
-                          LlamaForCausalLM, MistralConfig, Qwen2Config)
 
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
 VOCAB, BATCH, SEQ = 97, 2, 32
@@ -299,7 +304,8 @@ def test_refuses_attention_sinks():
 def test_refuses_other_implementations_and_layouts():
     reference, model = model_pair("llama", RING)
     _raises("LlamaForCausalLM runs attn_implementation='sdpa'", set_context_parallel_group, reference, None)
-    _raises("layout must be one of zigzag, contiguous, got 'zig'", set_context_parallel_group, model, None, layout="zig")
+    _raises("layout must be one of zigzag, contiguous, got 'zig'", set_context_parallel_group, model, None,
+            layout="zig")
 
 
 @pytest.mark.skipif(DOCUMENT_IDS[RING], reason="ring_attention takes document_ids: tested sharded")

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 
 pytest.importorskip("transformers")
 from dist_harness import run_distributed  # noqa: E402
+
 from longctx.lightning.strategy import ContextParallelStrategy  # noqa: E402
 
 VOCAB, SEQ, N_SAMPLES, STEPS = 64, 32, 8, 3

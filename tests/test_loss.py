@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from dist_harness import run_distributed
 
 from longctx.loss import TokenWeightedAccumulator, all_reduce_sum_and_count, causal_lm_loss, global_token_loss
-from dist_harness import run_distributed
 
 VOCAB, DIM, SEQ, WORLD, MICRO = 11, 8, 16, 4, 3
 
@@ -72,7 +72,8 @@ def _check_ranks(rank: int, world: int):
     x, labels = _data(1, 2 * world)
     ref = _reference_grad(x, labels)
     mine = slice(2 * rank, 2 * rank + 2)
-    out = {m: _rel(_ddp_grad(m, x[mine], labels[mine]), ref) for m in ("exact", "causal_lm_loss", "per_rank_mean", "no_world_factor")}
+    out = {m: _rel(_ddp_grad(m, x[mine], labels[mine]), ref)
+           for m in ("exact", "causal_lm_loss", "per_rank_mean", "no_world_factor")}
 
     # Logged value: the true global mean, identical on every rank.
     w = _weight(torch.float64)

@@ -13,12 +13,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 from dist_harness import run_distributed
 
-from longctx import (CPContext, ParallelDims, ParallelPlan, document_position_ids, parallelize, position_ids,
-                     shard_sequence, unshard_sequence)
+from longctx import (
+    CPContext,
+    ParallelDims,
+    ParallelPlan,
+    document_position_ids,
+    parallelize,
+    position_ids,
+    shard_sequence,
+    unshard_sequence,
+)
 from longctx.models import (
     GPT,
-    GPTConfig,
     PRESETS,
+    GPTConfig,
     TransformerBlock,
     apply_rope,
     chunked_cross_entropy,

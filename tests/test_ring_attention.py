@@ -7,9 +7,9 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-
 from attention_reference import reference
 from dist_harness import run_distributed
+
 from longctx import ring_attention, shard_sequence, unshard_sequence
 
 
@@ -266,7 +266,8 @@ def _non_finite_vs_reference(rank, world):
                 grads_nan = torch.tensor([float(any(bool(x.grad.isnan().any()) for x in (ql, kl, vl)))])
                 dist.all_reduce(grads_nan, op=dist.ReduceOp.MAX, group=group)
                 results.append((where, attention.__name__, layout, torch.equal(full.isnan(), ref.isnan()),
-                                int(ref.isnan().any(-1).sum()), bool(torch.allclose(full[~ref.isnan()], ref[~ref.isnan()].float(), atol=1e-5)),
+                                int(ref.isnan().any(-1).sum()),
+                                bool(torch.allclose(full[~ref.isnan()], ref[~ref.isnan()].float(), atol=1e-5)),
                                 bool(grads_nan)))
     return results
 
@@ -274,7 +275,8 @@ def _non_finite_vs_reference(rank, world):
 def test_nan_and_inf_in_q_or_k_show_in_the_output(two_rank_checks):
     for where, impl, layout, same_nans, nan_rows, rest_close, grads_nan in two_rank_checks[0][1]:
         case = (where, impl, layout)
-        assert nan_rows > 0 and same_nans and rest_close and grads_nan, (case, same_nans, nan_rows, rest_close, grads_nan)
+        assert nan_rows > 0 and same_nans and rest_close and grads_nan, \
+            (case, same_nans, nan_rows, rest_close, grads_nan)
 
 
 def test_nan_in_local_attention_shows_in_the_output():

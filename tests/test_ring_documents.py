@@ -11,11 +11,11 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_harness import run_distributed
+from test_ring_attention import run_case
+
 from longctx import ring_attention, ulysses_attention
 from longctx.documents import plan_documents
-from test_ring_attention import run_case
 
 CHUNK = 4  # tokens per layout chunk: documents of 1-5 tokens cross chunk boundaries
 
@@ -249,10 +249,10 @@ def test_document_ids_validation():
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_document_work_per_rank_counts_visible_pairs(layout, causal):
+    from attention_reference import visibility_mask
+
     from longctx import shard_sequence
     from longctx.layouts import document_work_per_rank
-
-    from attention_reference import visibility_mask
 
     g = torch.Generator().manual_seed(random.randrange(1 << 30))
     world, seq = 3, 36

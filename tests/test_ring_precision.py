@@ -8,11 +8,11 @@ import random
 
 import torch
 import torch.distributed as dist
-
-from dist_harness import run_distributed
-from longctx import ring_attention, shard_sequence, unshard_sequence
 from attention_reference import reference
+from dist_harness import run_distributed
 from test_ring_attention import rel_err
+
+from longctx import ring_attention, shard_sequence, unshard_sequence
 
 SEQ, HEADS, DIM = 256, 2, 16
 

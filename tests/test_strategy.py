@@ -19,9 +19,9 @@ import os
 import lightning as L
 import pytest
 import torch
+from dist_harness import run_distributed
 from torch.utils.data import DataLoader
 
-from dist_harness import run_distributed
 from longctx.lightning.strategy import ContextParallelStrategy
 
 VOCAB, SEQ, N_SAMPLES, STEPS, GLOBAL_BATCH = 64, 32, 16, 4, 4
@@ -136,7 +136,8 @@ def test_matches_single_device(reference, world, cp, batch, accumulate, data_par
 
 
 def test_errors_and_registration():
-    with pytest.raises(ValueError, match=r"context_parallel_size must be an integer >= 1 \(null: the whole world\), got 0"):
+    with pytest.raises(ValueError,
+                       match=r"context_parallel_size must be an integer >= 1 \(null: the whole world\), got 0"):
         ContextParallelStrategy(context_parallel_size=0)
     with pytest.raises(ValueError, match="got -2"):
         ContextParallelStrategy(context_parallel_size=-2)
@@ -145,7 +146,9 @@ def test_errors_and_registration():
     with pytest.raises(ValueError, match="layout"):
         ContextParallelStrategy(context_parallel_size=2, layout="spiral")
     # World 3 is not divisible by CP 2: refused when the Trainer is built, before launching.
-    with pytest.raises(ValueError, match=r"context_parallel_size 2 does not divide the world of 3 processes \(3 devices x 1 nodes\)"):
+    with pytest.raises(ValueError,
+                       match=r"context_parallel_size 2 does not divide the world of 3 processes "
+                             r"\(3 devices x 1 nodes\)"):
         L.Trainer(accelerator="cpu", devices=3, strategy=ContextParallelStrategy(context_parallel_size=2),
                   logger=False)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="context_parallel", logger=False)

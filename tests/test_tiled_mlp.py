@@ -173,7 +173,8 @@ def test_tiled_apply_with_several_outputs():
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
         return torch.nn.functional.linear(h, a), torch.nn.functional.linear(h, b)
 
-    g1, g2 = torch.randn(3, 7, 4, dtype=torch.float64, generator=g), torch.randn(3, 7, 2, dtype=torch.float64, generator=g)
+    g1 = torch.randn(3, 7, 4, dtype=torch.float64, generator=g)
+    g2 = torch.randn(3, 7, 2, dtype=torch.float64, generator=g)
     for both in (True, False):
         results = []
         for out in (fn(x, w1, w2), tiled_apply(fn, x, (w1, w2), 4)):

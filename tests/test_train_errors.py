@@ -54,14 +54,16 @@ def _error(train, argv: list[str], capsys, cache: Path) -> str:
 
 CASES = [
     (["--layout", "diagonal"], "strategy.layout must be one of zigzag, contiguous, got 'diagonal'"),
-    (["--seq-len", "502"], "data: sequence length 502 cannot be split by layout 'zigzag' over P=2 ranks: it must be a positive multiple of 4 (2 x P); nearest valid: 500 or 504"),
+    (["--seq-len", "502"], "data: sequence length 502 cannot be split by layout 'zigzag' over P=2 ranks: it must be "
+                           "a positive multiple of 4 (2 x P); nearest valid: 500 or 504"),
     (["--context-parallel", "3", "--devices", "2"], "strategy.context_parallel_size 3 does not divide the world of 2"),
     # On CPU devices follow --context-parallel: CP 3 is fine, the default 512 tokens are not.
     (["--context-parallel", "3"], "by layout 'zigzag' over P=3 ranks: it must be a positive multiple of 6"),
     (["--accumulate-grad-batches", "0"], "Parser key \"trainer.accumulate_grad_batches\": Not of type PositiveInt: 0"),
     (["--strategy.timeout", "0:00:00"], "strategy.timeout must be > 0 (h:mm:ss), got 0:00:00"),
     (["--val-every", "-1"], "run.val_every must be an integer >= 0 (0: never"),
-    (["--failure-timeout", ".nan"], "strategy.failure_timeout must be a number > 0 seconds (null: no watchdog), got nan"),
+    (["--failure-timeout", ".nan"],
+     "strategy.failure_timeout must be a number > 0 seconds (null: no watchdog), got nan"),
     (["--lr", ".inf"], "model.lr must be a number > 0, got inf"),
     (["--lr", "-1"], "model.lr must be a number > 0, got -1.0"),
     (["--max-steps", "0"], "Parser key \"trainer.max_steps\": Not of type PositiveInt: 0"),

@@ -14,11 +14,9 @@ import zlib
 
 import pytest
 import torch
-
+from attention_reference import reference
 from interpreter_harness import interpreted_results as run_interpreted
 from interpreter_harness import print_results
-
-from attention_reference import reference
 
 # name: (B, Sq, Sk, Hq, Hkv, D, causal, dtype, options)
 # options: out32 (out_dtype fp32), grad32 (grad_dtype fp32), delta (precomputed delta,

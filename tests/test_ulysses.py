@@ -6,11 +6,11 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_harness import run_distributed
+from test_ring_attention import attention_vs_reference, failures, rel_err
+
 from longctx import CPContext, ParallelDims, ParallelPlan, parallelize, shard_sequence, ulysses_attention
 from longctx.models import GPT, GPTConfig
-from test_ring_attention import attention_vs_reference, failures, rel_err
 
 # (layout, causal, Hq, Hkv, dtype, chunk, scale); Hkv is a multiple of every P tested.
 CASES = [

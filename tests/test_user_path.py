@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_harness import run_distributed
 
 README = Path(__file__).resolve().parents[1] / "README.md"

@@ -9,9 +9,7 @@ import os
 
 import pytest
 import torch
-
 from attention_reference import reference
-
 
 pytestmark = [
     pytest.mark.gpu,

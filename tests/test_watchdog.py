@@ -12,8 +12,8 @@ import time
 
 import pytest
 import torch.distributed as dist
-
 from dist_harness import free_port
+
 from longctx.watchdog import RankWatchdog
 
 HERE = os.path.dirname(__file__)

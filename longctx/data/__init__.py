@@ -48,10 +48,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static analysers and IDEs see the real names
+    from .corpus import Corpus, SourceStats
     from .datamodule import LongDocumentDataModule
     from .packing import IGNORE_INDEX, PackedSequenceDataset, pack_corpus, split_documents, tokenize_corpus
     from .sampler import ContextParallelSampler, ResumableDataLoader, dp_coordinates
-    from .corpus import Corpus, SourceStats
     from .sources import resolve_corpus
     from .stdlib_corpus import build_default_corpus, list_stdlib_packages, stdlib_corpus
     from .tokenizer import SentencePieceTokenizer, TextTokenizer, as_text_tokenizer, tokenizer_fingerprint

@@ -68,9 +68,9 @@ from ..parallel import CPContext, ParallelDims, parallelize
 from ..ring_comm import new_ring_group
 from ..validation import check_choice, check_number
 from ..watchdog import RankWatchdog
+from .checkpoint_io import AtomicCheckpointIO, load_sharded_checkpoint, save_sharded_checkpoint
 from .launcher import ReapingScriptLauncher, exit_with_launcher
 from .preemption import DEFAULT_GRACE_PERIOD, SignalStop, StoppedBySignal
-from .checkpoint_io import AtomicCheckpointIO, load_sharded_checkpoint, save_sharded_checkpoint
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 DataParallel = Literal["auto", "fsdp", "ddp"]
@@ -369,9 +369,13 @@ class ContextParallelStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if not self._sharded:
             return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         path = Path(self.broadcast(str(checkpoint_path)))
         if not path.is_dir():

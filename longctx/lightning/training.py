@@ -77,7 +77,8 @@ def build_trainer(trainer_args: dict, strategy: Any, run: RunOptions, out: Path,
         dirpath=out / "checkpoints", filename="step{step:06d}", every_n_train_steps=run.checkpoint_every,
         save_last=True, save_top_k=run.keep_checkpoints, auto_insert_metric_name=False, enable_version_counter=False,
     )
-    callbacks = [*([checkpoint] if run.checkpoint_every else []), *callbacks, LambdaCallback(on_train_start=on_train_start),
+    callbacks = [*([checkpoint] if run.checkpoint_every else []), *callbacks,
+                 LambdaCallback(on_train_start=on_train_start),
                  *([TQDMProgressBar(refresh_rate=1)] if trainer_args.get("enable_progress_bar") is not False else [])]
     return L.Trainer(
         **trainer_args, strategy=strategy,
@@ -97,7 +98,8 @@ def data_tokenizer(tokenizer: Any, init_from: Optional[str], hf_model: Optional[
     if tokenizer is None:
         tokenizer = init_from
     hf_dir = Path(hf_model) if hf_model else None
-    if tokenizer is None and hf_dir is not None and any((hf_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
+    has_tokenizer = hf_dir is not None and any((hf_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model"))
+    if tokenizer is None and has_tokenizer:
         tokenizer = str(hf_dir)
     return GGUFTokenizer.from_gguf(tokenizer) if GGUFTokenizer.accepts(tokenizer) else tokenizer
 
@@ -107,8 +109,9 @@ def describe_run(trainer: Any, module: Any, *, seq_len: int, batch_size: int, ou
     """The banner: the (dp, cp) layout, the model, the tokens per rank and step."""
     strategy, config, accumulate = trainer.strategy, module.config, trainer.accumulate_grad_batches
     world, cp, dp = strategy.world_size, strategy.cp_size, strategy.dp_size
+    accelerator = type(trainer.accelerator).__name__.removesuffix('Accelerator').lower()
     return (
-        f"longctx | world {world} = dp {dp} x cp {cp} ({type(trainer.accelerator).__name__.removesuffix('Accelerator').lower()}, "
+        f"longctx | world {world} = dp {dp} x cp {cp} ({accelerator}, "
         f"{trainer.precision}, layout {strategy.layout}, data parallel {strategy.data_parallel})\n"
         f"        | model {module.model.num_params() / 1e6:.2f}M parameters ({config.n_layer} layers x "
         f"{config.n_embd}, vocab {config.vocab_size})\n"
