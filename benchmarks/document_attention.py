@@ -22,9 +22,14 @@ check comes first: bf16 out and grads of ours and flex vs float64 (the library's
 backend) at 6K tokens with ~6 documents (one id reused by two runs): max abs and
 norm-relative errors (ok: relative < 2e-2, as in benchmarks/attention.py).
 
-Part B (torchrun, N GPUs): longctx.ring_attention(causal=True, layout="zigzag",
-document_ids=...) at S_total = 128K with the same mixes vs the plain causal ring, and the
-per-rank visible-pair imbalance (max / mean over ranks) of the zigzag layout.
+Part B (torchrun, N GPUs; benchmarks/device_documents.sh): per mix (the three above, and
+--mixes mean1k,docs256 for 1K and 256-token documents), first ONE GPU (rank 0 alone, in the
+same job): our plan path (ring_attention with a DocumentPlan, "auto" = FA4 where installed),
+the same with our Triton kernels, and flex_attention; then all GPUs: the document ring by
+plan on the packed and on the balanced sequence (balance_documents), with each plan's
+busiest-rank imbalance, the share of the plain ring's K/V rows it moves and its host time;
+the plain causal ring for reference. --check first compares the bf16 document ring with a
+float64 explicit-mask reference.
 
 One JSON per part under --out (default $OUT or benchmarks/results/):
 document_attention_<gpu>.json / document_attention_ring_ws<N>.json, rewritten after each
