@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -53,39 +52,16 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]  # the checkout, and the sibling be
 
 from attention import bench_ms, gpu_tag, poison_allocator, rel_err  # noqa: E402
 
+from longctx.data.document_mixes import document_ids, document_lengths  # noqa: E402
 from longctx.kernels import attention_backward, attention_forward  # noqa: E402
 from longctx.kernels import triton_attention as ta  # noqa: E402
 
 K = 1024
-MIXES = ("mean4k", "mean16k", "longtail")
-EXTRA_MIXES = ("mean1k", "docs256")  # part B's short-document mixes
-
-
-def document_lengths(mix: str, total: int, seed: int = 0) -> list:
-    """Seeded document lengths summing to `total` (the last one cut to fit)."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = []
-    while sum(lengths) < total:
-        if mix == "mean4k":
-            n = int(torch.randint(2 * K, 6 * K + 1, (1,), generator=g))
-        elif mix == "mean16k":
-            n = int(torch.randint(8 * K, 24 * K + 1, (1,), generator=g))
-        elif mix == "mean1k":
-            n = int(torch.randint(K // 2, 3 * K // 2 + 1, (1,), generator=g))
-        elif mix == "docs256":
-            n = 256
-        elif mix == "longtail":  # lognormal, sigma 1.5, mean ~4K: many short, a few very long
-            sigma = 1.5
-            n = int(math.exp(math.log(4 * K) - sigma ** 2 / 2 + sigma * float(torch.randn(1, generator=g))))
-        else:
-            raise ValueError(f"unknown document mix {mix!r}; expected one of {MIXES + EXTRA_MIXES}")
-        lengths.append(max(1, min(n, total - sum(lengths))))
-    return lengths
+MIXES = ("mean4k", "mean16k", "longtail")  # part A's mixes; part B also takes mean1k, docs256
 
 
 def ids_from_lengths(lengths, device="cuda"):
-    return torch.repeat_interleave(torch.arange(len(lengths), device=device),
-                                   torch.tensor(lengths, device=device))[None]
+    return document_ids(lengths, device=device)[None]
 
 
 def mix_summary(lengths, S):

@@ -43,33 +43,15 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]  # the checkout, and the sibling benchmark scripts
 
-from document_attention import MIXES, document_lengths, ids_from_lengths  # noqa: E402
 
 from longctx.balance import TOLERANCE, balance_documents, balance_permutation  # noqa: E402
+from longctx.data.document_mixes import MIXES, document_ids, document_lengths  # noqa: E402
 from longctx.documents import plan_documents  # noqa: E402
 
 WORLD_SIZES = (2, 4, 8)
-BALANCE_MIXES = (*MIXES, "mean1k", "docs256")
-
-
-def mix_lengths(mix: str, total: int, seed: int = 0) -> list:
-    """Seeded document lengths summing to ``total``: benchmarks/document_attention.py's
-    mixes, plus mean1k (uniform 512-1536) and docs256 (256 tokens each; the last one cut)."""
-    if mix in MIXES:
-        return document_lengths(mix, total, seed)
-    if mix not in BALANCE_MIXES:
-        raise ValueError(f"unknown document mix {mix!r}; expected one of {BALANCE_MIXES}")
-    g = torch.Generator().manual_seed(seed)
-    lengths = []
-    while sum(lengths) < total:
-        n = int(torch.randint(512, 1537, (1,), generator=g)) if mix == "mean1k" else 256
-        lengths.append(min(n, total - sum(lengths)))
-    return lengths
-
-
 def mix_ids(mix: str, total: int, seed: int = 0) -> torch.Tensor:
     """(total,) int64 ids of the packed mix (on the CPU)."""
-    return ids_from_lengths(mix_lengths(mix, total, seed), device="cpu")[0]
+    return document_ids(document_lengths(mix, total, seed))
 
 
 def ring_rows(seq_len: int, world_size: int, batch: int = 1) -> int:
@@ -173,7 +155,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq", type=int, default=128 * 1024, help="full sequence length S")
     ap.add_argument("--seeds", type=int, default=3, help="seeded draws of each synthetic mix")
-    ap.add_argument("--mixes", nargs="+", default=list(BALANCE_MIXES), choices=BALANCE_MIXES)
+    ap.add_argument("--mixes", nargs="+", default=list(MIXES), choices=MIXES)
     ap.add_argument("--worlds", type=int, nargs="+", default=list(WORLD_SIZES), help="CP sizes P")
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats of balance and plan (median)")
     ap.add_argument("--no-corpus", action="store_true", help="skip the default-corpus windows")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 
 import pytest
 import torch
@@ -25,11 +24,9 @@ from longctx import (
     unshard_sequence,
 )
 from longctx.balance import TOLERANCE
+from longctx.data.document_mixes import MIXES, document_lengths
 from longctx.documents import plan_documents
 from longctx.layouts import document_work_per_rank
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from document_balance import BALANCE_MIXES, mix_lengths  # noqa: E402
 
 MIX_SEQ = 128 * 1024
 
@@ -86,13 +83,13 @@ def test_permutation_keeps_every_document_in_order(world_size, per_chunk):
         assert torch.equal(batch["position_ids"][0], perm), (seed, pattern)
 
 
-@pytest.mark.parametrize("mix", BALANCE_MIXES)
+@pytest.mark.parametrize("mix", MIXES)
 def test_balances_the_benchmark_mixes(mix):
     """S = 128K, P = 2: within TOLERANCE of the mean visible pairs; a mix of short documents
     stays whole (the plan moves at most one document's keys across the rank boundary)."""
     world_size = 2
     for seed in range(3):
-        lengths = mix_lengths(mix, MIX_SEQ, seed)
+        lengths = document_lengths(mix, MIX_SEQ, seed)
         ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         balanced = balance_documents({"document_ids": ids[None]}, world_size=world_size)["document_ids"][0]
         work = document_work_per_rank(balanced[None], world_size).double()
