@@ -1,4 +1,5 @@
-"""Run a function on P CPU processes joined by a gloo process group.
+"""Run a function on P processes joined by a process group (gloo on CPUs; ``backend="nccl"``:
+one GPU per process, ``cuda:rank``).
 
 ``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, calls
 ``fn(rank, world_size, *args)`` in each with the default group initialised, and returns
@@ -25,14 +26,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, timeout: float):
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, timeout: float,
+            backend: str):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     # Each process gets one thread: P processes share 2 cores in CI.
     torch.set_num_threads(1)
     try:
+        extra = {}
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            extra["device_id"] = torch.device("cuda", rank)
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout), **extra
         )
         out = fn(rank, world_size, *args)
         results.put((rank, "ok", out))
@@ -43,12 +49,13 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0) -> list:
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
+                    backend: str = "gloo") -> list:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, timeout), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, timeout, backend), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
