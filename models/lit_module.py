@@ -272,6 +272,8 @@ class CausalLMModule(L.LightningModule):
             if seq_len and batch_size:
                 self._memory_checked = True
                 self._check_memory(int(batch_size), int(seq_len))
+        if stage == "fit" and self._trainer is not None and self.trainer.global_rank == 0:
+            print(plan_line(self.plan), flush=True)  # the plan configure_model applies
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # Data without a known sequence length: checked on the first batch instead.
@@ -471,6 +473,11 @@ def _check_arguments(args: Mapping[str, Any]) -> None:
         check_checkpoint_spec("init_from", init_from)
     elif not isinstance(model, GPTConfig):
         GPTConfig.from_dict(dict(model or {}))  # unknown keys and bad sizes
+
+
+def plan_line(plan: ParallelPlan) -> str:
+    """The run's ``ParallelPlan`` in one line, as printed at the start of a fit."""
+    return "parallel plan: " + ", ".join(f"{k}={v}" for k, v in plan.to_dict().items())
 
 
 def _document_report(plan, document_ids: torch.Tensor) -> str:

@@ -205,7 +205,7 @@ def test_the_fitting_plan_is_decided_before_the_model_is_built(monkeypatch, caps
 
     import torch
 
-    from longctx.models.lit_module import CausalLMModule
+    from longctx.models.lit_module import CausalLMModule, plan_line
     from longctx.parallel import ParallelDims
 
     gpu = 9 * 2**30  # a small "GPU": the 1M-token tiny run fits only with the MLP tiled
@@ -223,7 +223,9 @@ def test_the_fitting_plan_is_decided_before_the_model_is_built(monkeypatch, caps
         return module
 
     module = run({"activation_checkpointing": "full"})
-    assert "does not fit; running with" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "does not fit; running with" in printed
+    assert plan_line(module.plan) in printed.splitlines()  # printed at start: the plan it runs with
     assert module.plan.mlp_tile_size is not None
     assert module.hparams["parallel"] == module.plan.to_dict()
     assert {block.mlp.tile_size for block in module.model.blocks} == {module.plan.mlp_tile_size}
