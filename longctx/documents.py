@@ -207,35 +207,21 @@ def plan_documents(document_ids: torch.Tensor, *, world_size: int, rank: int, la
         if r == rank:
             local_calls = diagonal
     for step in range(1, world_size):
-        for r in range(world_size):
-            source = (r - step) % world_size
-            q_index, k_index, q_lens, k_lens = _visible(tokens[r], tokens[source], causal)
+        # What every rank's queries see of rank (r - step)'s keys; this rank sends what rank
+        # + step's queries see of its own.
+        seen = [_visible(tokens[r], tokens[(r - step) % world_size], causal) for r in range(world_size)]
+        for r, (_, k_index, q_lens, k_lens) in enumerate(seen):
             pairs[r] += float(np.dot(q_lens, k_lens))
             received[r] += len(k_index)
-            if r == rank:
-                call = (None if not len(q_index) else
-                        ship.call(False, ship.rows(q_index, s_local * batch), None, q_lens, k_lens))
-                send = _visible(tokens[(rank + step) % world_size], tokens[rank], causal)[1]
-                exchanges.append(Exchange(ship.rows(send, s_local * batch) if len(send) else None,
-                                          len(send), len(k_index), call))
+        q_index, k_index, q_lens, k_lens = seen[rank]
+        call = None if not len(q_index) else ship.call(False, ship.rows(q_index, s_local * batch), None, q_lens, k_lens)
+        send = seen[(rank + step) % world_size][1]
+        exchanges.append(Exchange(ship.rows(send, s_local * batch) if len(send) else None,
+                                  len(send), len(k_index), call))
     local_calls, exchanges = ship.send((local_calls, exchanges), device)
     return DocumentPlan(world_size=world_size, rank=rank, layout=layout, causal=bool(causal), batch=batch,
                         seq_len=seq_len, device=device, one_document=one_document, local_calls=local_calls,
                         exchanges=exchanges, pairs=pairs, received=received, fingerprint=fingerprint, full_doc=doc)
-
-
-def gather_document_ids(document_ids: torch.Tensor, group, layout: str) -> torch.Tensor:
-    """Every rank's shard of ids -> the full ``(B, S)`` ids in sequence order (one all-gather)."""
-    world = dist.get_world_size(group)
-    parts = [torch.empty_like(document_ids, memory_format=torch.contiguous_format) for _ in range(world)]
-    dist.all_gather(parts, document_ids.contiguous(), group=group)
-    per_rank = chunks_per_rank(layout)
-    chunk = document_ids.shape[1] // per_rank
-    ordered = [None] * (world * per_rank)
-    for r, shard in enumerate(parts):
-        for i, c in enumerate(rank_chunks(r, world, layout)):
-            ordered[c] = shard[:, i * chunk:(i + 1) * chunk]
-    return torch.cat(ordered, dim=1)
 
 
 # ------------------------------------------------------------------------ host side

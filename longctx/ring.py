@@ -43,9 +43,9 @@ from longctx.kernels import (
 from longctx.kernels.merge import merge_partials_
 
 from .document_ring import document_attention
-from .documents import DocumentPlan, gather_document_ids, plan_documents
+from .documents import DocumentPlan, plan_documents
 from .head_groups import by_head_groups, check_head_chunks, grads_by_head_groups
-from .layouts import LAYOUTS, check_layout, check_seq_len, chunks_per_rank
+from .layouts import LAYOUTS, check_layout, check_seq_len, chunks_per_rank, unshard_sequence
 from .ring_comm import RingExchange
 
 ALL = slice(None)
@@ -435,7 +435,7 @@ def ring_attention(
                                 document_ids=document_ids)
         check_head_chunks(head_chunks, k.shape[2])
         if document_ids is not None:
-            full = document_ids if world == 1 else gather_document_ids(document_ids, group, layout)
+            full = document_ids if world == 1 else unshard_sequence(document_ids, 1, group=group, layout=layout)
             plan = plan_documents(full, world_size=world, rank=0 if world == 1 else dist.get_rank(group),
                                   layout=layout, causal=causal, device=q.device)
             if not plan.one_document:

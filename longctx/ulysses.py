@@ -29,7 +29,8 @@ import torch.distributed as dist
 from longctx.kernels import attention_backward, attention_forward, check_attention_inputs, resolve_backend
 
 from .document_ring import backward_calls, forward_calls
-from .documents import DocumentPlan, gather_document_ids, plan_documents
+from .documents import DocumentPlan, plan_documents
+from .layouts import unshard_sequence
 from .ring import check_cp_inputs, ring_attention
 
 # Head groups per rank that take turns: while one group's attention runs, the next
@@ -212,7 +213,7 @@ def ulysses_attention(
                                 document_ids=document_ids, extra=heads_split)
         plan = None
         if document_ids is not None and world > 1:
-            plan = plan_documents(gather_document_ids(document_ids, group, layout), world_size=world,
+            plan = plan_documents(unshard_sequence(document_ids, 1, group=group, layout=layout), world_size=world,
                                   rank=dist.get_rank(group), layout=layout, causal=causal, device=q.device)
     if world == 1:  # the ring's local path: plain attention through the same kernels
         return ring_attention(q, k, v, group=None, causal=causal, softmax_scale=softmax_scale,
