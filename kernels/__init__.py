@@ -40,6 +40,8 @@ __all__ = [
     "attention_forward",
     "attention_backward",
     "attention_delta",
+    "accumulator_dtype",
+    "partial_dtype",
     "check_attention_inputs",
     "check_document_ids",
     "resolve_backend",
@@ -182,6 +184,19 @@ def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, causal: bool
                       f"blocks run on {fallback!r}", stacklevel=3)
         return fallback
     return backend
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What partial results of ``dtype`` inputs are merged and accumulated in (fp32, fp64 for fp64)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def partial_dtype(backend: str, dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The ``out_dtype`` / ``grad_dtype`` to ask a resolved ``backend`` for: the accumulator
+    dtype from ours (written at no extra pass); None (the input dtype) from the vendor kernels,
+    which only write that, and whose partials the merge/accumulate kernels upcast while
+    reading (asking them for fp32 would only add a cast pass)."""
+    return None if backend in VENDOR_BACKENDS else accumulator_dtype(dtype)
 
 
 def _document_fallback(q: torch.Tensor) -> str:

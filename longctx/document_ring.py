@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from longctx.kernels import VENDOR_BACKENDS, attention_backward, attention_forward, resolve_backend
+from longctx.kernels import accumulator_dtype, attention_backward, attention_forward, partial_dtype, resolve_backend
 from longctx.kernels.merge import merge_partials_
 
 from .documents import BlockCall, DocumentPlan, Rows, rows_of
@@ -37,16 +37,6 @@ from .ring_comm import RingExchange
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """(B, S, H, D) -> (1, B * S, H, D): the plan's rows are the flattened shard's."""
     return t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:])
-
-
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _partial(backend: str, dtype: torch.dtype) -> Optional[torch.dtype]:
-    """dtype the kernels return partials in: fp32 from ours (free), the input dtype from the
-    vendor kernels (the merge upcasts while reading; asking for fp32 would add a cast)."""
-    return None if backend in VENDOR_BACKENDS else _accumulator(dtype)
 
 
 def _write_rows(t: torch.Tensor, rows: Rows, value: torch.Tensor, dim: int = 1) -> None:
@@ -61,11 +51,11 @@ def _merge_at(out, lse, rows: Rows, out_b, lse_b) -> None:
     it in place; ``out`` in the kernel's dtype (the first call's output, kept as written) has
     just these rows merged in fp32 and written back once (vendor partials are in that dtype
     anyway, so a single merge rounds exactly as a full fp32 buffer would)."""
-    in_place = out.dtype == _accumulator(out.dtype) and (rows is None or isinstance(rows, slice))
+    in_place = out.dtype == accumulator_dtype(out.dtype) and (rows is None or isinstance(rows, slice))
     if in_place:
         merge_partials_(rows_of(out, rows), rows_of(lse, rows, dim=2), out_b, lse_b)
         return
-    out_rows = rows_of(out, rows).to(_accumulator(out.dtype), memory_format=torch.contiguous_format, copy=True)
+    out_rows = rows_of(out, rows).to(accumulator_dtype(out.dtype), memory_format=torch.contiguous_format, copy=True)
     lse_rows = rows_of(lse, rows, dim=2).contiguous()
     merge_partials_(out_rows, lse_rows, out_b, lse_b)
     _write_rows(out, rows, out_rows)
@@ -82,7 +72,7 @@ class _Accumulator:
         self.like, self.value = like, None
 
     def add(self, rows: Rows, grad: torch.Tensor) -> None:
-        acc = _accumulator(self.like.dtype)
+        acc = accumulator_dtype(self.like.dtype)
         if self.value is None:
             if rows is None:
                 self.value = grad.contiguous()
@@ -109,12 +99,12 @@ def _call_forward(call: BlockCall, q, k, v, out, lse, scale, backend, only: bool
     output is final as the kernel writes it (no fp32 accumulator, no casts)."""
     out_b, lse_b = attention_forward(
         rows_of(q, call.q_rows), rows_of(k, call.k_rows), rows_of(v, call.k_rows), causal=call.causal,
-        softmax_scale=scale, backend=backend, out_dtype=None if only else _partial(backend, q.dtype),
+        softmax_scale=scale, backend=backend, out_dtype=None if only else partial_dtype(backend, q.dtype),
         q_document_ids=call.q_ids, k_document_ids=call.k_ids, segments=call.segments)
     if only:
         return out_b, lse_b
     if out is None:  # the first call of a plan covers every row: kept as the kernel wrote it
-        return out_b.contiguous(), lse_b.to(_accumulator(q.dtype))
+        return out_b.contiguous(), lse_b.to(accumulator_dtype(q.dtype))
     _merge_at(out, lse, call.q_rows, out_b, lse_b)
     return out, lse
 
@@ -124,7 +114,7 @@ def _call_backward(call: BlockCall, dout, q, k, v, out, lse, scale, backend):
     return attention_backward(
         rows_of(dout, rows), rows_of(q, rows), rows_of(k, call.k_rows), rows_of(v, call.k_rows),
         rows_of(out, rows), rows_of(lse, rows, dim=2).contiguous(), causal=call.causal, softmax_scale=scale,
-        backend=backend, grad_dtype=_partial(backend, q.dtype),
+        backend=backend, grad_dtype=partial_dtype(backend, q.dtype),
         q_document_ids=call.q_ids, k_document_ids=call.k_ids, segments=call.segments)
 
 
@@ -183,7 +173,7 @@ def _ring_backward(dout, q, k, v, out, lse, kept: Optional[list], plan: Document
     shapes = (q.shape, k.shape, v.shape)
     dout, q, k, v, out = (_flat(t) for t in (dout, q, k, v, out))
     dq, dk, dv = grads = tuple(_Accumulator(t) for t in (q, k, v))
-    grad_dtype = _partial(backend, q.dtype) or q.dtype
+    grad_dtype = partial_dtype(backend, q.dtype) or q.dtype
     world = plan.world_size
     pending = _post_kv(plan, comm, 1, k, v) if world > 1 and kept is None else None
     # dQ of the steps, added after the local step's (which then allocates dq as a copy)

@@ -32,12 +32,13 @@ import torch
 import torch.distributed as dist
 
 from longctx.kernels import (
-    VENDOR_BACKENDS,
+    accumulator_dtype,
     attention_backward,
     attention_delta,
     attention_forward,
     check_attention_inputs,
     check_document_ids,
+    partial_dtype,
     resolve_backend,
 )
 from longctx.kernels.merge import merge_partials_
@@ -99,17 +100,6 @@ def _finish(buf: torch.Tensor, index: slice, x: torch.Tensor, fresh: bool,
         return torch.add(buf, x, out=torch.empty(buf.shape, dtype=dtype, device=buf.device))
     _add_into(buf, index, x, fresh)
     return buf.to(dtype)
-
-
-def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _partial_dtype(backend: str, acc_dtype: torch.dtype):
-    """dtype block kernels return partials in. Our kernels write fp32 at no extra pass;
-    the vendor kernels only produce the input dtype, and the merge/accumulate kernels
-    upcast those while reading, so asking them for fp32 would only add a cast pass."""
-    return None if backend in VENDOR_BACKENDS else acc_dtype
 
 
 # dtype <-> small integer for the cross-rank check (one table for activations and ids).
@@ -258,7 +248,7 @@ class _LocalAttention(torch.autograd.Function):
 def _ring_forward(q, k, v, comm, scale, backend, blocks):
     """One pass of the forward ring: ``(out, lse, kept K/V)``."""
     world = comm.world_size
-    acc_dtype = _accumulator_dtype(q.dtype)
+    acc_dtype = accumulator_dtype(q.dtype)
     # Double buffer, allocated once per call as two tensors, so that keeping the last
     # slot for the backward does not keep the other alive. Slot = [k, v]: one message
     # per hop.
@@ -277,7 +267,7 @@ def _ring_forward(q, k, v, comm, scale, backend, blocks):
             out_b, lse_b = attention_forward(
                 q[:, rows], current[0][:, cols], current[1][:, cols],
                 causal=masked, softmax_scale=scale, backend=backend,
-                out_dtype=_partial_dtype(backend, acc_dtype),
+                out_dtype=partial_dtype(backend, acc_dtype),
             )
             if out is None:
                 # Step 0 always covers every local query row (diagonal or full block).
@@ -298,7 +288,7 @@ def _ring_forward(q, k, v, comm, scale, backend, blocks):
 def _ring_backward(dout, q, k, v, out, lse, last_kv, comm, scale, backend, blocks):
     """One pass of the backward ring: ``(dq, dk, dv)``."""
     world = comm.world_size
-    acc_dtype = _accumulator_dtype(q.dtype)
+    acc_dtype = accumulator_dtype(q.dtype)
 
     # delta = rowsum(dO * O) once per layer, not once per block (None for vendor kernels,
     # which recompute it inside and ignore a given one).
@@ -318,7 +308,7 @@ def _ring_backward(dout, q, k, v, out, lse, last_kv, comm, scale, backend, block
             out[:, rows], lse[:, :, rows],
             causal=masked, softmax_scale=scale, backend=backend,
             delta=None if delta is None else delta[:, :, rows],
-            grad_dtype=_partial_dtype(backend, acc_dtype),
+            grad_dtype=partial_dtype(backend, acc_dtype),
         )
         if step == 0:
             return cols, dk_b, dv_b, _finish(dq, rows, dq_b, dq_fresh, q.dtype)
