@@ -34,7 +34,7 @@ from .head_groups import by_head_groups, grads_by_head_groups
 from .ring_comm import RingExchange
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
+def flatten_batch(t: torch.Tensor) -> torch.Tensor:
     """(B, S, H, D) -> (1, B * S, H, D): the plan's rows are the flattened shard's."""
     return t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:])
 
@@ -151,7 +151,7 @@ def _post_kv(plan: DocumentPlan, comm, step: int, k, v):
 
 def _ring_forward(q, k, v, plan: DocumentPlan, comm, scale, backend, keep: bool):
     shape = q.shape
-    q, k, v = _flat(q), _flat(k), _flat(v)
+    q, k, v = flatten_batch(q), flatten_batch(k), flatten_batch(v)
     world = plan.world_size
     pending = _post_kv(plan, comm, 1, k, v) if world > 1 else None
     only = plan.calls == 1
@@ -171,7 +171,7 @@ def _ring_forward(q, k, v, plan: DocumentPlan, comm, scale, backend, keep: bool)
 
 def _ring_backward(dout, q, k, v, out, lse, kept: Optional[list], plan: DocumentPlan, comm, scale, backend):
     shapes = (q.shape, k.shape, v.shape)
-    dout, q, k, v, out = (_flat(t) for t in (dout, q, k, v, out))
+    dout, q, k, v, out = (flatten_batch(t) for t in (dout, q, k, v, out))
     dq, dk, dv = grads = tuple(_Accumulator(t) for t in (q, k, v))
     grad_dtype = partial_dtype(backend, q.dtype) or q.dtype
     world = plan.world_size

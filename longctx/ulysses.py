@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from longctx.kernels import attention_backward, attention_forward, check_attention_inputs, resolve_backend
 
-from .document_ring import backward_calls, forward_calls
+from .document_ring import backward_calls, flatten_batch, forward_calls
 from .documents import DocumentPlan, plan_documents
 from .layouts import unshard_sequence
 from .ring import check_cp_inputs, ring_attention
@@ -101,15 +101,11 @@ def _to_shard(dst: torch.Tensor, parts: torch.Tensor, world: int, chunks: int, g
     dst.view(b, s_local, world, chunks, heads // (world * chunks), d)[:, :, :, g].copy_(parts.permute(1, 2, 0, 3, 4))
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:])
-
-
 def _attend(qf, kf, vf, calls, causal, scale, backend):
     """Attention over the full sequence for this rank's heads: plain, or by the plan's calls."""
     if calls is None:
         return attention_forward(qf, kf, vf, causal=causal, softmax_scale=scale, backend=backend)
-    out, lse = forward_calls(_flat(qf), _flat(kf), _flat(vf), calls, scale, backend, only=True)
+    out, lse = forward_calls(*(flatten_batch(t) for t in (qf, kf, vf)), calls, scale, backend, only=True)
     return out.to(qf.dtype).view(*qf.shape[:3], -1), lse
 
 
@@ -117,7 +113,8 @@ def _attend_backward(dout_f, qf, kf, vf, out_f, lse, calls, causal, scale, backe
     if calls is None:
         return attention_backward(dout_f, qf, kf, vf, out_f, lse, causal=causal, softmax_scale=scale,
                                   backend=backend)
-    grads = backward_calls(_flat(dout_f), _flat(qf), _flat(kf), _flat(vf), _flat(out_f), lse, calls, scale, backend)
+    flat = [flatten_batch(t) for t in (dout_f, qf, kf, vf, out_f)]
+    grads = backward_calls(*flat, lse, calls, scale, backend)
     return tuple(g.result().view(t.shape) for g, t in zip(grads, (qf, kf, vf)))
 
 
