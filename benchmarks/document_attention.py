@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -187,6 +188,24 @@ def section_check(report):
     report["check"] = rows
 
 
+def steady_ms(fn, group, warmup=2, reps=10):
+    """Median ms of ``fn`` run back to back on every rank of ``group`` (a fixed count, so the
+    ranks' collectives pair up), events between the steps: the host queues ahead of the GPU
+    as in training, and the one-GPU baselines (``bench_ms``) are timed the same way."""
+    import torch.distributed as dist
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in events:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in events)
+
+
 def time_provider(make_step):
     step = make_step()
     step()  # compile / autotune / first block map
@@ -321,7 +340,9 @@ def _reference_check(world, rank, S=4096, H=2, D=64, mix="longtail"):
     ref = torch.einsum("bhqk,bkhd->bqhd", scores.masked_fill(~same, float("-inf")).softmax(-1), vr)
     ref.backward(batch["dout"])
     want = [ref, qr.grad, kr.grad, vr.grad]
-    return {name: float((a.double() - w).norm() / w.norm()) for name, a, w in zip(("out", "dq", "dk", "dv"), got, want)}
+    names = ("out", "dq", "dk", "dv")
+    errors = {name: float((a.double() - w).norm() / w.norm()) for name, a, w in zip(names, got, want)}
+    return {**errors, "fused": plan.fused is not None}
 
 
 def part_ring(args):
@@ -329,7 +350,7 @@ def part_ring(args):
     kernels, flex_attention) and then on all GPUs (the document ring, packed and balanced),
     plus the plain causal ring for reference."""
     import torch.distributed as dist
-    from ring import log, time_in_group
+    from ring import log
 
     from longctx import balance_documents, ring_attention, shard_sequence
     from longctx.documents import plan_documents
@@ -370,7 +391,7 @@ def part_ring(args):
             out = ring_attention(q, k, v, group=dist.group.WORLD, causal=True, layout="zigzag",
                                  backend=backend, document_ids=document_ids)
             out.backward(dout)
-        t = torch.tensor([time_in_group(run, dist.group.WORLD, iters=5)], device="cuda")
+        t = torch.tensor([steady_ms(run, dist.group.WORLD)], device="cuda")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item()
 
@@ -424,6 +445,7 @@ def part_ring(args):
                     plan = plan_documents(batch["document_ids"], world_size=world, rank=rank)
                     row[f"{arrangement}_plan_host_ms"] = (time.perf_counter() - start) * 1e3
                     row[f"{arrangement}_imbalance"] = plan.imbalance
+                    row[f"{arrangement}_fused"] = plan.fused is not None
                     row[f"{arrangement}_kv_rows_moved_share"] = plan.moved / (world * (world - 1) * S / world)
                     row[f"{arrangement}_ms"] = timed(plan)
                 row["ms"] = row["balanced_ms"]
