@@ -365,3 +365,55 @@ def test_gpu_bf16_vs_float64(shape, bwd_mode, monkeypatch):
     assert all(torch.isfinite(t).all() for t in (out, *grads)), errs
     bad = {n: e for n, e in errs.items() if not e < 2e-2}
     assert not bad, f"{shape} {bwd_mode}: errors above 2e-2: {bad}"
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_segments_with_keys_in_front(causal):
+    """Varlen segments with more keys than queries (the fused document call): the torch
+    backend runs them as FlashAttention does - a causal diagonal aligned at the segment's end -
+    checked against per-segment float64 attention with an explicit mask, NaN included."""
+    from longctx.kernels import Segments, attention_backward, attention_forward
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    q_lens, k_lens = [3, 1, 4], [5, 1, 6]  # 2, 0 and 2 keys in front of each segment's own
+    q, dout = (torch.randn(1, sum(q_lens), 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, sum(k_lens), 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    cu = lambda lens: torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)  # noqa: E731
+    segments = Segments(cu(q_lens), cu(k_lens), max(q_lens), max(k_lens))
+    ids = lambda lens: torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))[None]  # noqa: E731
+    for t in (q, k, v):
+        t.requires_grad_()
+    out, lse = attention_forward(q, k, v, causal=causal, backend="torch", segments=segments,
+                                 q_document_ids=ids(q_lens), k_document_ids=ids(k_lens))
+    grads = attention_backward(dout, q, k, v, out, lse, causal=causal, backend="torch", segments=segments,
+                               q_document_ids=ids(q_lens), k_document_ids=ids(k_lens))
+    refs = []
+    for i, (nq, nk) in enumerate(zip(q_lens, k_lens)):
+        qs, ks, vs = q[:, sum(q_lens[:i]):sum(q_lens[:i + 1])], k[:, sum(k_lens[:i]):sum(k_lens[:i + 1])], \
+            v[:, sum(k_lens[:i]):sum(k_lens[:i + 1])]
+        scores = torch.einsum("bqhd,bkhd->bhqk", qs, ks.repeat_interleave(2, dim=2)) * 8 ** -0.5
+        if causal:
+            hidden = torch.arange(nk)[None, :] > torch.arange(nq)[:, None] + (nk - nq)
+            scores = scores.masked_fill(hidden, float("-inf"))
+        refs.append(torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), vs.repeat_interleave(2, dim=2)))
+    ref = torch.cat(refs, dim=1)
+    assert torch.allclose(out, ref, atol=1e-12)
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    for got, w in zip(grads, want):
+        assert torch.allclose(got, w, atol=1e-12)
+    q2 = q.detach().clone()
+    q2[0, 3] = float("nan")  # the second segment's one query
+    out2, _ = attention_forward(q2, k.detach(), v.detach(), causal=causal, backend="torch", segments=segments,
+                                q_document_ids=ids(q_lens), k_document_ids=ids(k_lens))
+    assert out2[0, 3].isnan().all() and not out2[0, [0, 1, 2, 4, 5, 6]].isnan().any()
+
+
+def test_causal_segments_need_keys_for_every_query():
+    from longctx.kernels import Segments, attention_forward
+
+    q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 3, 2, 8)
+    cu = torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32)
+    ids = torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="at least as many key rows as query rows"):
+        attention_forward(q, k, k, causal=True, backend="torch", segments=Segments(*cu, 4, 3),
+                          q_document_ids=ids[0], k_document_ids=ids[1])
