@@ -133,6 +133,21 @@ def test_stdlib_corpus_subset():
         resolve_corpus("stdlib:json,nopkg")
 
 
+def test_stdlib_corpus_file_documents(tmp_path):
+    """unit='file': each .py file of the chosen packages is a document of its own."""
+    packages, _ = build_default_corpus(["json"])
+    files, stats = build_default_corpus(["json"], unit="file")
+    assert stats.documents == len(files["name"]) > 1 and all(n.startswith("json/") for n in files["name"])
+    assert "\n".join(files["text"]) == packages["text"][0]  # the same files, the same text
+    by_file = resolve_corpus("stdlib:json", stdlib_documents="file")
+    assert by_file.fingerprint != resolve_corpus("stdlib:json").fingerprint
+    with pytest.raises(ValueError, match="stdlib document unit must be one of"):
+        resolve_corpus(None, stdlib_documents="line")
+    (tmp_path / "a.txt").write_text("x")
+    with pytest.raises(ValueError, match="applies to the default .stdlib. corpus only"):
+        resolve_corpus(tmp_path, stdlib_documents="file")
+
+
 # ---------------------------------------------------------------------------- tokenizer
 @pytest.fixture(scope="module")
 def spm_tok(tmp_path_factory):

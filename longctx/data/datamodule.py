@@ -97,6 +97,9 @@ class LongDocumentDataModule(L.LightningDataModule):
         layout: the CP group's sequence layout (``"zigzag"`` or ``"contiguous"``), for that check.
         mask_cross_document_labels: ignore labels that cross into another document.
         include_tests: include the stdlib's test packages in the default corpus.
+        stdlib_documents: what one document of the default corpus is: ``"package"`` (a
+            whole stdlib package, often over 100K tokens) or ``"file"`` (one ``.py`` file, a
+            few thousand tokens: packed sequences of many documents).
         num_proc: tokenizing processes (``None``: automatic).
     """
 
@@ -120,6 +123,7 @@ class LongDocumentDataModule(L.LightningDataModule):
         tokenizer_train_chars: int = 4_000_000,
         mask_cross_document_labels: bool = True,
         include_tests: bool = False,
+        stdlib_documents: Literal["package", "file"] = "package",
         num_proc: Optional[int] = None,
         pin_memory: Optional[bool] = None,
     ):
@@ -165,13 +169,14 @@ class LongDocumentDataModule(L.LightningDataModule):
         self.tokenizer_train_chars = tokenizer_train_chars
         self.mask_cross_document_labels = mask_cross_document_labels
         self.include_tests = include_tests
+        self.stdlib_documents = stdlib_documents
         self.num_proc = num_proc
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         self._tokenizer_arg = tokenizer
         # Resolving the corpus lists its files and validates names: cheap, so do it now.
         self._corpus: Corpus = resolve_corpus(
             data_path, text_column=text_column, max_documents=max_documents, cache_dir=self.cache_dir,
-            include_tests=include_tests,
+            include_tests=include_tests, stdlib_documents=stdlib_documents,
         )
         self._tokenizer: Optional[TextTokenizer] = None
         self._packed_dir: Optional[Path] = None

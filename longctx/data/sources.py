@@ -47,15 +47,22 @@ def resolve_corpus(
     max_documents: Optional[int] = None,
     cache_dir: Optional[PathLike] = None,
     include_tests: bool = False,
+    stdlib_documents: str = "package",
 ) -> Corpus:
-    """Validate ``path`` and describe the corpus there, reading no document text."""
+    """Validate ``path`` and describe the corpus there, reading no document text.
+    ``stdlib_documents``: what one document of the default corpus is (``"package"``,
+    ``"file"``); for other corpora every row or file is one."""
     if max_documents is not None and (not isinstance(max_documents, int) or max_documents < 1):
         raise ValueError(f"max_documents must be a positive int or None, got {max_documents!r}")
     if path is None or (isinstance(path, str) and (path == "stdlib" or path.startswith("stdlib:"))):
         packages = None
         if isinstance(path, str) and path.startswith("stdlib:"):
             packages = [p for p in path[len("stdlib:"):].split(",") if p]
-        return stdlib_corpus(packages=packages, include_tests=include_tests, max_documents=max_documents)
+        return stdlib_corpus(packages=packages, include_tests=include_tests, max_documents=max_documents,
+                             unit=stdlib_documents)
+    if stdlib_documents != "package":
+        raise ValueError(f"stdlib_documents={stdlib_documents!r} applies to the default (stdlib) corpus only; "
+                         f"in {path!r} every file or row is one document")
 
     paths = []
     for p in [path] if isinstance(path, (str, os.PathLike)) else path:

@@ -8,6 +8,9 @@ modules directly in the stdlib directory form one more document, ``<toplevel>``.
 Several documents exceed 100K tokens (``<toplevel>`` alone is over a million), which is
 what long-context training needs.
 
+With ``unit="file"`` each ``.py`` file is a document of its own instead (a few thousand
+tokens on average): packed sequences of many short documents, what document masking is for.
+
 Test directories (``test``, ``tests``, ``idle_test``) are left out by default: they
 double the size with repetitive code. ``site-packages``, ``lib-dynload``, build
 configuration and ``__pycache__`` are never included.
@@ -24,6 +27,7 @@ from .cache import files_fingerprint, stable_hash
 from .corpus import Corpus, SourceStats, decode_utf8, report_stats
 
 TOPLEVEL = "<toplevel>"
+UNITS = ("package", "file")  # what one document of the default corpus is
 _TEST_DIRS = {"test", "tests", "idle_test"}
 _NEVER = {"site-packages", "dist-packages", "lib-dynload", "__pycache__", "__phello__"}
 
@@ -58,9 +62,13 @@ def list_stdlib_packages(*, include_tests: bool = False, root: Optional[Path] = 
 
 
 def stdlib_documents(
-    packages: Optional[Sequence[str]] = None, *, include_tests: bool = False, root: Optional[Path] = None
+    packages: Optional[Sequence[str]] = None, *, include_tests: bool = False, root: Optional[Path] = None,
+    unit: str = "package",
 ) -> list[tuple[str, list[Path]]]:
-    """``(name, files)`` per document; ``packages`` picks a subset (e.g. for tests)."""
+    """``(name, files)`` per document; ``packages`` picks a subset (e.g. for tests); ``unit``:
+    a whole package per document, or one ``.py`` file per document."""
+    if unit not in UNITS:
+        raise ValueError(f"stdlib document unit must be one of {UNITS}, got {unit!r}")
     root = root or stdlib_root()
     available = list_stdlib_packages(include_tests=include_tests, root=root)
     if packages is None:
@@ -73,7 +81,10 @@ def stdlib_documents(
                 + ("" if include_tests else " (test packages need include_tests=True)")
             )
         chosen = list(dict.fromkeys(packages))
-    return [(name, _package_files(root, name, include_tests)) for name in chosen]
+    docs = [(name, _package_files(root, name, include_tests)) for name in chosen]
+    if unit == "file":
+        docs = [(f.relative_to(root).as_posix(), [f]) for _, files in docs for f in files]
+    return docs
 
 
 def build_default_corpus(
@@ -82,12 +93,13 @@ def build_default_corpus(
     include_tests: bool = False,
     max_documents: Optional[int] = None,
     root: Optional[Path] = None,
+    unit: str = "package",
 ):
     """The default corpus as a ``datasets.Dataset`` (columns ``text``, ``name``) and its ``SourceStats``."""
     from datasets import Dataset
 
     root = root or stdlib_root()
-    docs = stdlib_documents(packages, include_tests=include_tests, root=root)
+    docs = stdlib_documents(packages, include_tests=include_tests, root=root, unit=unit)
     if max_documents is not None:
         docs = docs[:max_documents]
     stats = SourceStats()
@@ -116,16 +128,19 @@ def stdlib_corpus(
     *,
     include_tests: bool = False,
     max_documents: Optional[int] = None,
+    unit: str = "package",
 ):
     """The default corpus as a ``Corpus`` (cheap fingerprint from file metadata)."""
     root = stdlib_root()
-    docs = stdlib_documents(packages, include_tests=include_tests, root=root)  # validates names now
+    docs = stdlib_documents(packages, include_tests=include_tests, root=root, unit=unit)  # validates now
     if max_documents is not None:
         docs = docs[:max_documents]
     files = [f for _, group in docs for f in group]
     fp = stable_hash("stdlib", sys.version_info[:3], [n for n, _ in docs], files_fingerprint(files, root))
-    label = "stdlib" if packages is None else "stdlib:" + ",".join(packages)
+    label = ("stdlib" if packages is None else "stdlib:" + ",".join(packages)) + ("" if unit == "package" else
+                                                                                  f" ({unit} documents)")
     return Corpus(
         label, fp,
-        lambda: build_default_corpus(packages, include_tests=include_tests, max_documents=max_documents, root=root),
+        lambda: build_default_corpus(packages, include_tests=include_tests, max_documents=max_documents, root=root,
+                                     unit=unit),
     )
