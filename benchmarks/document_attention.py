@@ -412,7 +412,7 @@ def part_ring(args):
                 if rank == 0:  # one GPU, the other waits at the barrier
                     q1, k1, v1, d1 = (mk(S) for _ in range(4))
                     plan1 = plan_documents(ids, world_size=1, rank=0)
-                    for provider in ("fa4-plan", "triton-plan", "flex"):
+                    for provider in args.providers:
                         if provider == "flex" and S > args.flex_max:
                             continue
                         cell = dict(mix=mix, S=S, provider=provider)
@@ -490,6 +490,8 @@ def main(argv=None):
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     ap.add_argument("--check", action="store_true", help="part B: a bf16 vs float64 check first")
     ap.add_argument("--flex-max", type=int, default=256 * K, help="part B: flex_attention up to this length")
+    ap.add_argument("--providers", default="fa4-plan,triton-plan,flex", type=lambda v: v.split(","),
+                    help="part B: the one-GPU paths timed (of fa4-plan, triton-plan, flex)")
     args = ap.parse_args(argv)
     args.mixes = [m for m in args.mixes.split(",") if m]
     if not torch.cuda.is_available():
