@@ -28,10 +28,8 @@ same job): our plan path (ring_attention with a DocumentPlan, "auto" = FA4 where
 the same with our Triton kernels, and flex_attention; then all GPUs: the document ring by
 plan on the packed and on the balanced sequence (balance_documents), with each plan's
 busiest-rank imbalance, the share of the plain ring's K/V rows it moves and its host time;
-the plain causal ring for reference. Each arrangement is also timed in the plan's other form
-(``<arrangement>_fused_ms`` / ``_per_step_ms``: one kernel call per layer vs one per ring
-step) where it has one. --check first compares the bf16 document ring with a float64
-explicit-mask reference.
+the plain causal ring for reference. --check first compares the bf16 document ring with a
+float64 explicit-mask reference.
 
 One JSON per part under --out (default $OUT or benchmarks/results/):
 document_attention_<gpu>.json / document_attention_ring_ws<N>.json, rewritten after each
@@ -450,13 +448,6 @@ def part_ring(args):
                     row[f"{arrangement}_fused"] = plan.fused is not None
                     row[f"{arrangement}_kv_rows_moved_share"] = plan.moved / (world * (world - 1) * S / world)
                     row[f"{arrangement}_ms"] = timed(plan)
-                    # The other form of the same plan (fused one call vs one call per step), for
-                    # the record of what each costs; "ms" stays the default's.
-                    other = plan_documents(batch["document_ids"], world_size=world, rank=rank,
-                                           fuse=plan.fused is None)
-                    if (other.fused is None) != (plan.fused is None):
-                        form = "fused" if other.fused is not None else "per_step"
-                        row[f"{arrangement}_{form}_ms"] = timed(other)
                 row["ms"] = row["balanced_ms"]
                 best = [c["ms"] for c in one if c["mix"] == mix and c.get("ms") and c["provider"] != "flex"]
                 flex = [c["ms"] for c in one if c["mix"] == mix and c.get("ms") and c["provider"] == "flex"]

@@ -223,38 +223,17 @@ def _ring_backward(dout, q, k, v, out, lse, kept: Optional[list], plan: Document
     return tuple(g.result().view(shape) for g, shape in zip(grads, shapes))
 
 
-def _fused_keys(plan: DocumentPlan, k, v) -> torch.Tensor:
-    """The fused call's keys and values ``(2, 1, n, H, D)`` with the shard's rows in place
-    (``_fill_received`` completes it: written first, this overlaps the messages' transfer)."""
-    kv = k.new_empty((2, 1, plan.fused.n_rows, *k.shape[2:]))
-    for i, t in enumerate((k, v)):
-        _write_rows(kv[i], plan.fused.local_rows, t)
-    return kv
-
-
-def _fill_received(plan: DocumentPlan, kv: torch.Tensor, messages: list) -> torch.Tensor:
-    """Every received message's rows written to their places in ``kv``, then the repeats."""
+def _fused_keys(plan: DocumentPlan, k, v, messages: list) -> torch.Tensor:
+    """The fused call's keys and values ``(2, 1, n, H, D)``: the shard's rows and every
+    received message's rows written to their places (``FusedCall``)."""
     fused = plan.fused
-    for i in range(2):
+    kv = k.new_empty((2, 1, fused.n_rows, *k.shape[2:]))
+    for i, t in enumerate((k, v)):
+        _write_rows(kv[i], fused.local_rows, t)
         for rows, message in zip(fused.received_rows, messages):
             if rows is not None:
                 _write_rows(kv[i], rows, message[i])
-        if fused.repeats is not None:
-            _write_rows(kv[i], fused.repeats.rows, rows_of(kv[i], fused.repeats.originals))
     return kv
-
-
-def _source_grads(fused, grad: torch.Tensor) -> torch.Tensor:
-    """Gradient of every source row (the shard's, then the received ones) from the
-    gradient of the fused key buffer: a row's first place, plus its repeats added in fp32."""
-    out = rows_of(grad, fused.source_rows)
-    if fused.repeats is None:
-        return out
-    acc = accumulator_dtype(out.dtype)
-    total = rows_of(out, fused.repeats.sources).to(acc)
-    total.index_add_(1, fused.repeats.inverse, rows_of(grad, fused.repeats.rows).to(acc))
-    _write_rows(out, fused.repeats.sources, total)
-    return out
 
 
 def _fused_forward(q, k, v, plan: DocumentPlan, comm, scale, backend):
@@ -263,12 +242,11 @@ def _fused_forward(q, k, v, plan: DocumentPlan, comm, scale, backend):
     shape = q.shape
     q, k, v = flatten_batch(q), flatten_batch(k), flatten_batch(v)
     pending = [_post_kv(plan, comm, step, k, v) for step in range(1, plan.world_size)]
-    kv = _fused_keys(plan, k, v)
     messages = []
     for recv, work, _ in pending:
         work.wait()
         messages.append(recv if recv is not None else k.new_empty(0))
-    _fill_received(plan, kv, messages)
+    kv = _fused_keys(plan, k, v, messages)
     out, lse = _call_forward(plan.fused.call, q, kv[0], kv[1], None, None, scale, backend, only=True)
     return out.view(*shape[:3], -1), lse, messages
 
@@ -277,24 +255,19 @@ def _fused_backward(dout, q, k, v, out, lse, messages: list, plan: DocumentPlan,
     """Backward of ``_fused_forward``: one call; the received rows' dK/dV go home."""
     shapes = (q.shape, k.shape, v.shape)
     dout, q, k, v, out = (flatten_batch(t) for t in (dout, q, k, v, out))
-    kv = _fill_received(plan, _fused_keys(plan, k, v), messages)
-    dq, dk_buffer, dv_buffer = _call_backward(plan.fused.call, dout, q, kv[0], kv[1], out, lse, scale, backend)
-    del kv
-    dk_all, dv_all = _source_grads(plan.fused, dk_buffer), _source_grads(plan.fused, dv_buffer)
-    del dk_buffer, dv_buffer
+    kv = _fused_keys(plan, k, v, messages)
+    dq, dk_all, dv_all = _call_backward(plan.fused.call, dout, q, kv[0], kv[1], out, lse, scale, backend)
     grad_dtype = partial_dtype(backend, q.dtype) or q.dtype
-    n = q.shape[1]
     returning = []
-    for step, ex in enumerate(plan.exchanges, 1):
-        message = None
-        if ex.n_recv:
-            start = n + sum(e.n_recv for e in plan.exchanges[:step - 1])
-            message = torch.stack([t.narrow(1, start, ex.n_recv).to(grad_dtype) for t in (dk_all, dv_all)])
+    for step, rows in enumerate(plan.fused.received_rows, 1):
+        ex = plan.exchanges[step - 1]
+        message = None if rows is None else torch.stack([rows_of(dk_all, rows).to(grad_dtype),
+                                                          rows_of(dv_all, rows).to(grad_dtype)])
         back = torch.empty((2, 1, ex.n_send, *k.shape[2:]), dtype=grad_dtype, device=k.device) if ex.n_send else None
         returning.append((back, comm.swap(-step, message, back), message, ex.send_rows))
     dk, dv = _Accumulator(k), _Accumulator(v)
-    dk.add(None, dk_all.narrow(1, 0, n))
-    dv.add(None, dv_all.narrow(1, 0, n))
+    dk.add(None, rows_of(dk_all, plan.fused.local_rows))
+    dv.add(None, rows_of(dv_all, plan.fused.local_rows))
     for back, work, _, rows in returning:
         work.wait()
         if back is not None:

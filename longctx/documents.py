@@ -18,16 +18,13 @@ head group, ring step, recompute and backward of the step:
   nothing to see moves nothing and launches nothing.
 
 Short documents (few rows cross ranks): the local step and every exchange fold into ONE
-causal varlen call (``DocumentPlan.fused``). Its segments are the shard's pieces (runs of
-one document at consecutive positions); a piece's keys are the rows of its document it
-sees outside itself - received from other ranks, or another piece of this shard - then
-its own rows, and its queries see all of the former (the causal diagonal is aligned at
-the segment's end). The kernel's fixed cost per call - on the host, where a
-FlashAttention-4 call takes longer to launch than a short document takes to compute - is
-then paid once per layer instead of once per ring step, and nothing is merged. The fused
-call waits for every message before it starts and copies rows several pieces see, so it
-is built only where the received and the repeated rows are each at most
-``FUSE_MAX_RECEIVED`` of the shard (``fuse=None``).
+causal varlen call (``DocumentPlan.fused``): each run's segment takes, before its own keys,
+the rows it receives of its document from other ranks; its queries see all of them (the
+segments' causal diagonal is aligned at the end). The kernel's fixed cost per call - on
+the host, where a FlashAttention-4 call takes longer to launch than a short document takes
+to compute - is then paid once per layer instead of once per ring step, and nothing is
+merged. The fused call waits for every message before it starts, so it is built only
+where they are at most ``FUSE_MAX_RECEIVED`` of the shard (``fuse=None``).
 
 Everything the kernels take - row indices, ``cu_seqlens`` (``longctx.kernels.Segments``)
 and per-row segment numbers for the kernels that mask with ids - is shipped to the device
@@ -55,9 +52,8 @@ from .layouts import check_layout, check_seq_len, chunks_per_rank, rank_chunks
 # = gathered rows (int64 indices on the device).
 Rows = Union[None, slice, torch.Tensor]
 
-# Received and repeated rows (each, every rank's, as a share of its shard) up to which the
-# steps fold into one call: the fused call cannot overlap the exchange, so it is for the
-# small ones.
+# Received rows (every rank's, as a share of its shard) up to which the steps fold into one
+# call: the fused call cannot overlap the exchange, so it is for the small ones.
 FUSE_MAX_RECEIVED = 0.125
 
 
@@ -89,32 +85,16 @@ class Exchange:
 
 
 @dataclass(frozen=True)
-class Repeats:
-    """Rows of a fused key buffer that repeat another (a row several pieces see): buffer
-    rows ``rows`` are copies of buffer rows ``originals``; in the backward their gradients
-    add onto source rows ``sources`` (the shard's rows, then the received ones), repeat i
-    onto ``sources[inverse[i]]``."""
-
-    rows: Rows
-    originals: Rows
-    sources: Rows
-    inverse: torch.Tensor
-
-
-@dataclass(frozen=True)
 class FusedCall:
     """The whole step of a rank as one call: ``call``'s queries are the shard's rows, its
-    keys the rows of a buffer (``n_rows`` of them) into which the shard's rows go at
-    ``local_rows`` and step s's received rows at ``received_rows[s - 1]`` (None where
-    nothing is received), then the ``repeats`` (None: none); ``source_rows``: where each
-    source row (the shard's, then the received ones) first appears."""
+    keys the rows of an extended buffer (``n_rows`` of them) into which the shard's rows go
+    at ``local_rows`` and step s's received rows at ``received_rows[s - 1]`` (None where
+    nothing is received); every row of the buffer is one of these, each exactly once."""
 
     call: BlockCall
     n_rows: int
     local_rows: Rows
     received_rows: list
-    source_rows: Rows
-    repeats: Optional[Repeats]
 
 
 def rows_of(t: torch.Tensor, rows: Rows, dim: int = 1) -> torch.Tensor:
@@ -216,8 +196,8 @@ def plan_documents(document_ids: torch.Tensor, *, world_size: int, rank: int, la
     """Rank ``rank``'s ``DocumentPlan`` for the FULL sequence ids ``document_ids`` ``(B, S)``
     (or ``(S,)``), sharded over ``world_size`` ranks by ``layout``. One copy of the ids to
     the host; the plan's tensors go to ``device`` (default: the ids' device). ``fuse``: build
-    the one-call form where every rank receives and repeats at most ``FUSE_MAX_RECEIVED`` of
-    its shard (None), wherever a rank has more than one call (True), or never (False)."""
+    the one-call form where every rank receives at most ``FUSE_MAX_RECEIVED`` of its shard
+    (None), wherever the documents allow it (True), or never (False)."""
     if not isinstance(document_ids, torch.Tensor):
         raise TypeError(f"document_ids must be a torch.Tensor of the full sequence's ids, got "
                         f"{type(document_ids).__name__}")
@@ -253,14 +233,14 @@ def plan_documents(document_ids: torch.Tensor, *, world_size: int, rank: int, la
     received = np.zeros(world_size, dtype=np.int64)
     ship = _Shipper()
     local_calls, exchanges = [], []
-    calls = np.zeros(world_size, dtype=np.int64)  # per rank, in the per-step form
+    foldable = np.ones(world_size, dtype=bool)  # per rank: one run per document in the shard
     for r in range(world_size):
         diagonal = _diagonal_calls(tokens[r].doc, causal, ship if r == rank else None)
         pairs[r] += sum(call.pairs for call in diagonal)
-        calls[r] += len(diagonal)
+        foldable[r] = len(diagonal) == 1
         if r == rank:
             local_calls = diagonal
-    received_keys = []  # this rank's received rows per step, as (source tokens, their rows there)
+    steps_seen = []  # this rank's (key documents, key counts) per step, for the fused call
     for step in range(1, world_size):
         # What every rank's queries see of rank (r - step)'s keys; this rank sends what rank
         # + step's queries see of its own.
@@ -268,20 +248,17 @@ def plan_documents(document_ids: torch.Tensor, *, world_size: int, rank: int, la
         for r, (q_index, k_index, q_lens, k_lens) in enumerate(seen):
             pairs[r] += float(np.dot(q_lens, k_lens))
             received[r] += len(k_index)
-            calls[r] += bool(len(q_index))
+            foldable[r] &= _whole_runs(tokens[r].doc, q_index, q_lens)
         q_index, k_index, q_lens, k_lens = seen[rank]
         call = None if not len(q_index) else ship.call(False, ship.rows(q_index, s_local * batch), None, q_lens, k_lens)
         send = seen[(rank + step) % world_size][1]
         exchanges.append(Exchange(ship.rows(send, s_local * batch) if len(send) else None,
                                   len(send), len(k_index), call))
-        received_keys.append((tokens[(rank - step) % world_size], k_index))
+        steps_seen.append((tokens[rank].doc[q_index] if len(q_index) else np.zeros(0, np.int64), q_lens, k_lens))
     fused = None
-    if fuse is not False and calls.max() > 1:
-        # Same decision on every rank: every rank's repeated and received rows are counted.
-        repeated = _repeated_rows(doc, tokens, causal) - received
-        small = max(received.max(), repeated.max()) <= FUSE_MAX_RECEIVED * s_local * batch
-        if fuse or small:
-            fused = _fused_call(tokens[rank], received_keys, causal, float(pairs[rank]), ship)
+    small = received.max(initial=0) <= FUSE_MAX_RECEIVED * s_local * batch
+    if world_size > 1 and received.any() and foldable.all() and fuse is not False and (fuse or small):
+        fused = _fused_call(tokens[rank].doc, steps_seen, causal, float(pairs[rank]), ship)
     local_calls, exchanges, fused = ship.send((local_calls, exchanges, fused), device)
     return DocumentPlan(world_size=world_size, rank=rank, layout=layout, causal=bool(causal), batch=batch,
                         seq_len=seq_len, device=device, one_document=one_document, local_calls=local_calls,
@@ -330,15 +307,12 @@ class _Tokens:
 
     doc: np.ndarray
     pos: np.ndarray
-    flat: np.ndarray  # index in the flattened (B * S) batch
 
     @classmethod
     def of(cls, doc: np.ndarray, owner: np.ndarray, local: np.ndarray, rank: int, s_local: int) -> "_Tokens":
         mine = np.flatnonzero(owner == rank)
         order = mine[np.argsort(local[mine], kind="stable")]  # positions in shard order
-        batch, seq_len = doc.shape
-        pos = np.tile(order, batch)
-        return cls(doc[:, order].reshape(-1), pos, np.repeat(np.arange(batch) * seq_len, len(order)) + pos)
+        return cls(doc[:, order].reshape(-1), np.tile(order, doc.shape[0]))
 
 
 def _visible(receiver: _Tokens, source: _Tokens, causal: bool):
@@ -408,73 +382,48 @@ def _diagonal_calls(doc: np.ndarray, causal: bool, ship: Optional["_Shipper"]) -
     return calls
 
 
-def _pieces(tokens: _Tokens) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, lengths) of a rank's pieces: runs of shard rows of one document at
-    consecutive positions of the sequence (every query of a piece sees the same rows of
-    its document outside it: all of them, or under causal all that come before it)."""
-    n = len(tokens.doc)
-    cut = np.flatnonzero((tokens.doc[1:] != tokens.doc[:-1]) | (tokens.flat[1:] != tokens.flat[:-1] + 1)) + 1
+def _whole_runs(doc: np.ndarray, q_index: np.ndarray, q_lens: np.ndarray) -> bool:
+    """Whether a step's query rows of each document are all of that document's rows in the
+    shard (its one run): then every query of the run sees every received key."""
+    if not len(q_index):
+        return True
+    docs = doc[q_index[np.concatenate(([0], np.cumsum(q_lens)[:-1]))]]
+    return bool(np.array_equal(np.bincount(doc, minlength=int(doc.max()) + 1)[docs], q_lens))
+
+
+def _fused_call(doc: np.ndarray, steps_seen: list, causal: bool, pairs: float, ship: "_Shipper") -> FusedCall:
+    """The one-call form of a rank whose documents each have one run in the shard and whose
+    step queries are whole runs. Key buffer: per run, the rows received of its document
+    (steps in order, each step's rows grouped by document as they arrive), then the run."""
+    n = len(doc)
+    cut = np.flatnonzero(doc[1:] != doc[:-1]) + 1
     starts = np.concatenate(([0], cut))
-    return starts, np.diff(np.concatenate((starts, [n])))
-
-
-def _repeated_rows(doc: np.ndarray, tokens: list, causal: bool) -> np.ndarray:
-    """Per rank: rows its fused call's keys hold besides its own pieces (other pieces of
-    the same documents, received rows): the rows each piece sees of its document outside
-    itself, summed."""
-    flat_doc = doc.reshape(-1)
-    count = np.bincount(flat_doc)
-    before = np.empty(len(flat_doc), dtype=np.int64)  # tokens of the same document earlier
-    order = np.argsort(flat_doc, kind="stable")  # by document, then position
-    first = np.concatenate(([0], np.cumsum(count)[:-1]))
-    before[order] = np.arange(len(order)) - first[flat_doc[order]]
-    out = np.zeros(len(tokens), dtype=np.int64)
-    for r, t in enumerate(tokens):
-        starts, lengths = _pieces(t)
-        out[r] = before[t.flat[starts]].sum() if causal else (count[t.doc[starts]] - lengths).sum()
-    return out
-
-
-def _fused_call(mine: _Tokens, received_keys: list, causal: bool, pairs: float, ship: "_Shipper") -> FusedCall:
-    """The one-call form of a rank: one segment per piece of its shard, whose keys are the
-    rows of the piece's document it sees outside the piece (this rank's other pieces,
-    received rows; in sequence order) followed by the piece itself. A row in several
-    segments' keys is written to the buffer once and copied to its repeats."""
-    n = len(mine.doc)
-    src_doc = np.concatenate([mine.doc] + [t.doc[rows] for t, rows in received_keys])
-    src_flat = np.concatenate([mine.flat] + [t.flat[rows] for t, rows in received_keys])
-    order = np.lexsort((src_flat, src_doc))  # source rows by document, then position
-    sorted_at = np.empty(len(order), dtype=np.int64)
-    sorted_at[order] = np.arange(len(order))
-    doc_first = np.searchsorted(src_doc[order], src_doc[order], side="left")
-    doc_end = np.searchsorted(src_doc[order], src_doc[order], side="right")
-    starts, lengths = _pieces(mine)
-    at = sorted_at[starts]  # a piece's rows are consecutive in the sorted order too
-    lo, hi = doc_first[at], doc_end[at]
-    if causal:  # the document's rows before the piece, then the piece: one range
-        blocks = np.stack((lo, at + lengths - lo), axis=1)
-    else:  # before the piece, after it, then the piece
-        blocks = np.stack((lo, at - lo, at + lengths, hi - at - lengths, at, lengths), axis=1)
-    blocks = blocks.reshape(-1, 2)
-    ext = order[_ranges(blocks[:, 0], blocks[:, 1])]
-    k_lens = blocks[:, 1].reshape(len(starts), -1).sum(axis=1)
-    values, primary = np.unique(ext, return_index=True)
-    if len(values) != len(order):
-        raise RuntimeError("document plan: a received row that no piece of this rank sees")
-    repeat = np.ones(len(ext), dtype=bool)
-    repeat[primary] = False
-    repeat_at = np.flatnonzero(repeat)
-    repeats = None
-    if len(repeat_at):
-        sources, inverse = np.unique(ext[repeat_at], return_inverse=True)
-        repeats = Repeats(ship.rows(repeat_at, -1), ship.rows(primary[ext[repeat_at]], -1), ship.rows(sources, -1),
-                          ship._add(inverse, np.int64))
+    lengths = np.diff(np.concatenate((starts, [n])))
+    # Received rows as positions in [n, n + received): their document, stably by document.
+    recv_doc = np.concatenate([np.repeat(q_docs[np.concatenate(([0], np.cumsum(q_lens)[:-1]))], k_lens)
+                               if len(q_docs) else np.zeros(0, np.int64) for q_docs, q_lens, k_lens in steps_seen])
+    by_doc = np.argsort(recv_doc, kind="stable")
+    n_docs = int(max(doc.max(initial=-1), recv_doc.max(initial=-1))) + 1
+    extra = np.bincount(recv_doc, minlength=n_docs)
+    first_extra = np.concatenate(([0], np.cumsum(extra)[:-1]))
+    run_doc = doc[starts]
+    # Interleave, run by run, [its received rows' block of by_doc] and [the run's own rows].
+    source = np.concatenate((n + by_doc, np.arange(n)))
+    block_starts = np.stack((first_extra[run_doc], len(by_doc) + starts), axis=1).reshape(-1)
+    block_lens = np.stack((extra[run_doc], lengths), axis=1).reshape(-1)
+    order = source[_ranges(block_starts, block_lens)]
+    if len(order) != n + len(recv_doc):  # a received document without a run here (cannot happen)
+        raise RuntimeError("document plan: received rows of a document this rank does not hold")
+    position = np.empty(len(order), dtype=np.int64)
+    position[order] = np.arange(len(order))
+    k_lens = extra[run_doc] + lengths
     call = ship.call(causal, None, None, lengths, k_lens, pairs)
     received_rows, offset = [], n
-    for _, rows in received_keys:
-        received_rows.append(ship.rows(primary[offset:offset + len(rows)], -1) if len(rows) else None)
-        offset += len(rows)
-    return FusedCall(call, len(ext), ship.rows(primary[:n], -1), received_rows, ship.rows(primary, -1), repeats)
+    for _, _, step_k_lens in steps_seen:
+        count = int(step_k_lens.sum())
+        received_rows.append(ship.rows(position[offset:offset + count], -1) if count else None)
+        offset += count
+    return FusedCall(call, len(order), ship.rows(position[:n], -1), received_rows)
 
 
 @dataclass
@@ -556,6 +505,6 @@ def _resolve(value, tensors):
     if isinstance(value, Segments):
         return Segments(_resolve(value.cu_seqlens_q, tensors), _resolve(value.cu_seqlens_k, tensors),
                         value.max_seqlen_q, value.max_seqlen_k)
-    if isinstance(value, (BlockCall, Exchange, FusedCall, Repeats)):
+    if isinstance(value, (BlockCall, Exchange, FusedCall)):
         return type(value)(**{f: _resolve(getattr(value, f), tensors) for f in value.__dataclass_fields__})
     return value
