@@ -26,14 +26,7 @@ from typing import Optional
 
 import torch
 
-from longctx.kernels import (
-    SEGMENT_BACKENDS,
-    accumulator_dtype,
-    attention_backward,
-    attention_forward,
-    partial_dtype,
-    resolve_backend,
-)
+from longctx.kernels import accumulator_dtype, attention_backward, attention_forward, partial_dtype, resolve_backend
 from longctx.kernels.merge import merge_partials_
 
 from .documents import BlockCall, DocumentPlan, Rows, rows_of
@@ -223,90 +216,32 @@ def _ring_backward(dout, q, k, v, out, lse, kept: Optional[list], plan: Document
     return tuple(g.result().view(shape) for g, shape in zip(grads, shapes))
 
 
-def _fused_keys(plan: DocumentPlan, k, v, messages: list) -> torch.Tensor:
-    """The fused call's keys and values ``(2, 1, n, H, D)``: the shard's rows and every
-    received message's rows written to their places (``FusedCall``)."""
-    fused = plan.fused
-    kv = k.new_empty((2, 1, fused.n_rows, *k.shape[2:]))
-    for i, t in enumerate((k, v)):
-        _write_rows(kv[i], fused.local_rows, t)
-        for rows, message in zip(fused.received_rows, messages):
-            if rows is not None:
-                _write_rows(kv[i], rows, message[i])
-    return kv
-
-
-def _fused_forward(q, k, v, plan: DocumentPlan, comm, scale, backend):
-    """The step as ONE kernel call (``plan.fused``): every exchange is posted and waited for
-    first, then the shard's queries attend the extended keys. Returns (out, lse, messages)."""
-    shape = q.shape
-    q, k, v = flatten_batch(q), flatten_batch(k), flatten_batch(v)
-    pending = [_post_kv(plan, comm, step, k, v) for step in range(1, plan.world_size)]
-    messages = []
-    for recv, work, _ in pending:
-        work.wait()
-        messages.append(recv if recv is not None else k.new_empty(0))
-    kv = _fused_keys(plan, k, v, messages)
-    out, lse = _call_forward(plan.fused.call, q, kv[0], kv[1], None, None, scale, backend, only=True)
-    return out.view(*shape[:3], -1), lse, messages
-
-
-def _fused_backward(dout, q, k, v, out, lse, messages: list, plan: DocumentPlan, comm, scale, backend):
-    """Backward of ``_fused_forward``: one call; the received rows' dK/dV go home."""
-    shapes = (q.shape, k.shape, v.shape)
-    dout, q, k, v, out = (flatten_batch(t) for t in (dout, q, k, v, out))
-    kv = _fused_keys(plan, k, v, messages)
-    dq, dk_all, dv_all = _call_backward(plan.fused.call, dout, q, kv[0], kv[1], out, lse, scale, backend)
-    grad_dtype = partial_dtype(backend, q.dtype) or q.dtype
-    returning = []
-    for step, rows in enumerate(plan.fused.received_rows, 1):
-        ex = plan.exchanges[step - 1]
-        message = None if rows is None else torch.stack([rows_of(dk_all, rows).to(grad_dtype),
-                                                          rows_of(dv_all, rows).to(grad_dtype)])
-        back = torch.empty((2, 1, ex.n_send, *k.shape[2:]), dtype=grad_dtype, device=k.device) if ex.n_send else None
-        returning.append((back, comm.swap(-step, message, back), message, ex.send_rows))
-    dk, dv = _Accumulator(k), _Accumulator(v)
-    dk.add(None, rows_of(dk_all, plan.fused.local_rows))
-    dv.add(None, rows_of(dv_all, plan.fused.local_rows))
-    for back, work, _, rows in returning:
-        work.wait()
-        if back is not None:
-            dk.add(rows, back[0])
-            dv.add(rows, back[1])
-    return dq.to(q.dtype).view(shapes[0]), dk.result().view(shapes[1]), dv.result().view(shapes[2])
-
-
 class _DocumentAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan, group, scale, backend, chunks):
         comm = RingExchange(group) if plan.world_size > 1 else None
         name = resolve_backend(backend, q, k, plan.causal, documents=True)
-        # Both decisions are the whole group's (every rank's plan holds every rank's counts
-        # and fused form): a rank that exchanges again in the backward needs its peers to.
-        fused = plan.fused is not None and name in SEGMENT_BACKENDS
-        keep = fused or int(plan.received.max(initial=0)) <= plan.batch * plan.local_len
+        # One decision for the whole group (every rank's plan holds every rank's count): a
+        # rank that exchanges again in the backward needs its peers to do so too.
+        keep = int(plan.received.max(initial=0)) <= plan.batch * plan.local_len
 
         def run(q_h, k_h, v_h, g):
-            if fused:
-                return _fused_forward(q_h, k_h, v_h, plan, comm, scale, name)
             return _ring_forward(q_h, k_h, v_h, plan, comm, scale, name, keep)
 
         out, lse, kept = by_head_groups(q, k, v, chunks, run)
         messages = [m for group_kept in kept for m in group_kept[0]]
         ctx.save_for_backward(q, k, v, out, lse, *messages)
-        ctx.args = (plan, comm, scale, name, chunks, keep, fused)
+        ctx.args = (plan, comm, scale, name, chunks, keep)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, *messages = ctx.saved_tensors
-        plan, comm, scale, name, chunks, keep, fused = ctx.args
+        plan, comm, scale, name, chunks, keep = ctx.args
         steps = plan.world_size - 1
 
         def run(dout_h, q_h, k_h, v_h, out_h, lse_h, g):
             kept = messages[g * steps:(g + 1) * steps] if keep else None
-            if fused:
-                return _fused_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, kept, plan, comm, scale, name)
             return _ring_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, kept, plan, comm, scale, name)
 
         dq, dk, dv = grads_by_head_groups(dout.contiguous(), q, k, v, out, lse, chunks, run)

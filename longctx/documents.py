@@ -17,15 +17,6 @@ head group, ring step, recompute and backward of the step:
   sees every key of it that any query sees: proved per chunk, checked here). A step with
   nothing to see moves nothing and launches nothing.
 
-Short documents (few rows cross ranks): the local step and every exchange fold into ONE
-causal varlen call (``DocumentPlan.fused``): each run's segment takes, before its own keys,
-the rows it receives of its document from other ranks; its queries see all of them (the
-segments' causal diagonal is aligned at the end). The kernel's fixed cost per call - on
-the host, where a FlashAttention-4 call takes longer to launch than a short document takes
-to compute - is then paid once per layer instead of once per ring step, and nothing is
-merged. The fused call waits for every message before it starts, so it is built only
-where they are at most ``FUSE_MAX_RECEIVED`` of the shard (``fuse=None``).
-
 Everything the kernels take - row indices, ``cu_seqlens`` (``longctx.kernels.Segments``)
 and per-row segment numbers for the kernels that mask with ids - is shipped to the device
 in two copies per plan, so a layer reads nothing back to the host.
@@ -51,10 +42,6 @@ from .layouts import check_layout, check_seq_len, chunks_per_rank, rank_chunks
 # Rows of a block call: None = every row in order, a slice = a contiguous range, a tensor
 # = gathered rows (int64 indices on the device).
 Rows = Union[None, slice, torch.Tensor]
-
-# Received rows (every rank's, as a share of its shard) up to which the steps fold into one
-# call: the fused call cannot overlap the exchange, so it is for the small ones.
-FUSE_MAX_RECEIVED = 0.125
 
 
 @dataclass(frozen=True)
@@ -84,19 +71,6 @@ class Exchange:
     call: Optional[BlockCall]
 
 
-@dataclass(frozen=True)
-class FusedCall:
-    """The whole step of a rank as one call: ``call``'s queries are the shard's rows, its
-    keys the rows of an extended buffer (``n_rows`` of them) into which the shard's rows go
-    at ``local_rows`` and step s's received rows at ``received_rows[s - 1]`` (None where
-    nothing is received); every row of the buffer is one of these, each exactly once."""
-
-    call: BlockCall
-    n_rows: int
-    local_rows: Rows
-    received_rows: list
-
-
 def rows_of(t: torch.Tensor, rows: Rows, dim: int = 1) -> torch.Tensor:
     """``t``'s rows ``rows`` along ``dim`` (a view for None and slices, a gather otherwise)."""
     if rows is None:
@@ -112,18 +86,16 @@ class DocumentPlan:
     is needed at all (the plain ring runs). ``local_calls``: the local step;
     ``exchanges[s - 1]``: step s; ``pairs``: visible (query, key) pairs of every rank's
     queries (``pairs[r] / pairs.mean()`` is the load imbalance); ``received[r]``: K/V rows
-    rank r receives in a forward (``moved``: their sum); ``fused``: the one-call form
-    (``FusedCall``) where every rank of the group has one (else None)."""
+    rank r receives in a forward (``moved``: their sum)."""
 
     def __init__(self, *, world_size, rank, layout, causal, batch, seq_len, device, one_document,
-                 local_calls, exchanges, pairs, received, fingerprint, full_doc=None, fused=None):
+                 local_calls, exchanges, pairs, received, fingerprint, full_doc=None):
         self.world_size, self.rank, self.layout, self.causal = world_size, rank, layout, causal
         self.batch, self.seq_len, self.local_len = batch, seq_len, seq_len // world_size
         self.device = device
         self.one_document = one_document
         self.local_calls: list[BlockCall] = local_calls
         self.exchanges: list[Exchange] = exchanges
-        self.fused: Optional[FusedCall] = fused
         self.pairs: np.ndarray = pairs
         self.received: np.ndarray = received
         self.moved = int(received.sum())
@@ -187,17 +159,15 @@ class DocumentPlan:
         differ = [r for r, t in enumerate(everyone) if not torch.equal(t, everyone[0])]
         if differ:
             raise ValueError(f"document plans differ across the context-parallel group (ranks {differ} "
-                             "built theirs from other ids, sizes, layout or fuse than rank 0): every rank of a "
+                             "built theirs from other ids, sizes or layout than rank 0): every rank of a "
                              "group must plan the same full batch")
 
 
 def plan_documents(document_ids: torch.Tensor, *, world_size: int, rank: int, layout: str = "zigzag",
-                   causal: bool = True, device=None, fuse: Optional[bool] = None) -> DocumentPlan:
+                   causal: bool = True, device=None) -> DocumentPlan:
     """Rank ``rank``'s ``DocumentPlan`` for the FULL sequence ids ``document_ids`` ``(B, S)``
     (or ``(S,)``), sharded over ``world_size`` ranks by ``layout``. One copy of the ids to
-    the host; the plan's tensors go to ``device`` (default: the ids' device). ``fuse``: build
-    the one-call form where every rank receives at most ``FUSE_MAX_RECEIVED`` of its shard
-    (None), wherever the documents allow it (True), or never (False)."""
+    the host; the plan's tensors go to ``device`` (default: the ids' device)."""
     if not isinstance(document_ids, torch.Tensor):
         raise TypeError(f"document_ids must be a torch.Tensor of the full sequence's ids, got "
                         f"{type(document_ids).__name__}")
@@ -211,8 +181,6 @@ def plan_documents(document_ids: torch.Tensor, *, world_size: int, rank: int, la
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank!r} is outside [0, {world_size})")
     check_layout(layout)
-    if fuse not in (None, True, False):
-        raise ValueError(f"fuse must be None (by size), True or False, got {fuse!r}")
     batch, seq_len = ids.shape
     if world_size > 1:
         check_seq_len(seq_len, world_size, layout)
@@ -224,7 +192,7 @@ def plan_documents(document_ids: torch.Tensor, *, world_size: int, rank: int, la
     host = ids.detach().cpu().numpy().astype(np.int64, copy=False)
     doc = _document_numbers(host)
     one_document = bool((doc == doc[:, :1]).all())
-    fingerprint = _fingerprint(host, world_size, layout, causal, fuse)
+    fingerprint = _fingerprint(host, world_size, layout, causal)
 
     owner, local = _layout_maps(seq_len, world_size, layout)
     s_local = seq_len // world_size
@@ -233,37 +201,27 @@ def plan_documents(document_ids: torch.Tensor, *, world_size: int, rank: int, la
     received = np.zeros(world_size, dtype=np.int64)
     ship = _Shipper()
     local_calls, exchanges = [], []
-    foldable = np.ones(world_size, dtype=bool)  # per rank: one run per document in the shard
     for r in range(world_size):
         diagonal = _diagonal_calls(tokens[r].doc, causal, ship if r == rank else None)
         pairs[r] += sum(call.pairs for call in diagonal)
-        foldable[r] = len(diagonal) == 1
         if r == rank:
             local_calls = diagonal
-    steps_seen = []  # this rank's (key documents, key counts) per step, for the fused call
     for step in range(1, world_size):
         # What every rank's queries see of rank (r - step)'s keys; this rank sends what rank
         # + step's queries see of its own.
         seen = [_visible(tokens[r], tokens[(r - step) % world_size], causal) for r in range(world_size)]
-        for r, (q_index, k_index, q_lens, k_lens) in enumerate(seen):
+        for r, (_, k_index, q_lens, k_lens) in enumerate(seen):
             pairs[r] += float(np.dot(q_lens, k_lens))
             received[r] += len(k_index)
-            foldable[r] &= _whole_runs(tokens[r].doc, q_index, q_lens)
         q_index, k_index, q_lens, k_lens = seen[rank]
         call = None if not len(q_index) else ship.call(False, ship.rows(q_index, s_local * batch), None, q_lens, k_lens)
         send = seen[(rank + step) % world_size][1]
         exchanges.append(Exchange(ship.rows(send, s_local * batch) if len(send) else None,
                                   len(send), len(k_index), call))
-        steps_seen.append((tokens[rank].doc[q_index] if len(q_index) else np.zeros(0, np.int64), q_lens, k_lens))
-    fused = None
-    small = received.max(initial=0) <= FUSE_MAX_RECEIVED * s_local * batch
-    if world_size > 1 and received.any() and foldable.all() and fuse is not False and (fuse or small):
-        fused = _fused_call(tokens[rank].doc, steps_seen, causal, float(pairs[rank]), ship)
-    local_calls, exchanges, fused = ship.send((local_calls, exchanges, fused), device)
+    local_calls, exchanges = ship.send((local_calls, exchanges), device)
     return DocumentPlan(world_size=world_size, rank=rank, layout=layout, causal=bool(causal), batch=batch,
                         seq_len=seq_len, device=device, one_document=one_document, local_calls=local_calls,
-                        exchanges=exchanges, pairs=pairs, received=received, fingerprint=fingerprint, full_doc=doc,
-                        fused=fused)
+                        exchanges=exchanges, pairs=pairs, received=received, fingerprint=fingerprint, full_doc=doc)
 
 
 # ------------------------------------------------------------------------ host side
@@ -280,9 +238,9 @@ def _document_numbers(ids: np.ndarray) -> np.ndarray:
     return out
 
 
-def _fingerprint(ids: np.ndarray, world_size: int, layout: str, causal: bool, fuse: Optional[bool]) -> list:
+def _fingerprint(ids: np.ndarray, world_size: int, layout: str, causal: bool) -> list:
     digest = hashlib.blake2b(np.ascontiguousarray(ids).tobytes(), digest_size=8)
-    digest.update(f"{ids.shape}|{world_size}|{layout}|{bool(causal)}|{fuse}".encode())
+    digest.update(f"{ids.shape}|{world_size}|{layout}|{bool(causal)}".encode())
     return [int.from_bytes(digest.digest()[:7], "little")]
 
 
@@ -382,50 +340,6 @@ def _diagonal_calls(doc: np.ndarray, causal: bool, ship: Optional["_Shipper"]) -
     return calls
 
 
-def _whole_runs(doc: np.ndarray, q_index: np.ndarray, q_lens: np.ndarray) -> bool:
-    """Whether a step's query rows of each document are all of that document's rows in the
-    shard (its one run): then every query of the run sees every received key."""
-    if not len(q_index):
-        return True
-    docs = doc[q_index[np.concatenate(([0], np.cumsum(q_lens)[:-1]))]]
-    return bool(np.array_equal(np.bincount(doc, minlength=int(doc.max()) + 1)[docs], q_lens))
-
-
-def _fused_call(doc: np.ndarray, steps_seen: list, causal: bool, pairs: float, ship: "_Shipper") -> FusedCall:
-    """The one-call form of a rank whose documents each have one run in the shard and whose
-    step queries are whole runs. Key buffer: per run, the rows received of its document
-    (steps in order, each step's rows grouped by document as they arrive), then the run."""
-    n = len(doc)
-    cut = np.flatnonzero(doc[1:] != doc[:-1]) + 1
-    starts = np.concatenate(([0], cut))
-    lengths = np.diff(np.concatenate((starts, [n])))
-    # Received rows as positions in [n, n + received): their document, stably by document.
-    recv_doc = np.concatenate([np.repeat(q_docs[np.concatenate(([0], np.cumsum(q_lens)[:-1]))], k_lens)
-                               if len(q_docs) else np.zeros(0, np.int64) for q_docs, q_lens, k_lens in steps_seen])
-    by_doc = np.argsort(recv_doc, kind="stable")
-    n_docs = int(max(doc.max(initial=-1), recv_doc.max(initial=-1))) + 1
-    extra = np.bincount(recv_doc, minlength=n_docs)
-    first_extra = np.concatenate(([0], np.cumsum(extra)[:-1]))
-    run_doc = doc[starts]
-    # Interleave, run by run, [its received rows' block of by_doc] and [the run's own rows].
-    source = np.concatenate((n + by_doc, np.arange(n)))
-    block_starts = np.stack((first_extra[run_doc], len(by_doc) + starts), axis=1).reshape(-1)
-    block_lens = np.stack((extra[run_doc], lengths), axis=1).reshape(-1)
-    order = source[_ranges(block_starts, block_lens)]
-    if len(order) != n + len(recv_doc):  # a received document without a run here (cannot happen)
-        raise RuntimeError("document plan: received rows of a document this rank does not hold")
-    position = np.empty(len(order), dtype=np.int64)
-    position[order] = np.arange(len(order))
-    k_lens = extra[run_doc] + lengths
-    call = ship.call(causal, None, None, lengths, k_lens, pairs)
-    received_rows, offset = [], n
-    for _, _, step_k_lens in steps_seen:
-        count = int(step_k_lens.sum())
-        received_rows.append(ship.rows(position[offset:offset + count], -1) if count else None)
-        offset += count
-    return FusedCall(call, len(order), ship.rows(position[:n], -1), received_rows)
-
-
 @dataclass
 class _Count:
     pairs: float
@@ -505,6 +419,6 @@ def _resolve(value, tensors):
     if isinstance(value, Segments):
         return Segments(_resolve(value.cu_seqlens_q, tensors), _resolve(value.cu_seqlens_k, tensors),
                         value.max_seqlen_q, value.max_seqlen_k)
-    if isinstance(value, (BlockCall, Exchange, FusedCall)):
+    if isinstance(value, (BlockCall, Exchange)):
         return type(value)(**{f: _resolve(getattr(value, f), tensors) for f in value.__dataclass_fields__})
     return value

@@ -1,6 +1,7 @@
 """Two GPUs over NCCL, where a CPU cannot show it: ring, Ulysses and the document-masked
-exchange (plain ids and the step's DocumentPlan, packed and balanced, in its fused one-call
-form and one call per step) in bf16 against the float64 reference with the explicit mask."""
+exchange (plain ids and the step's DocumentPlan, packed and balanced) in bf16 against the
+float64 reference with the explicit mask (not yet run on GPUs: written after this session's
+device time was spent)."""
 from __future__ import annotations
 
 import random
@@ -33,8 +34,7 @@ def _cases_vs_float64(rank, world, seed):
             ("ulysses", ulysses_attention, full, None, False),
             ("ring ids", ring_attention, full, ids, False),
             ("ring plan", ring_attention, full, ids, True),
-            ("ring plan balanced, fused", ring_attention, balanced, balanced["document_ids"], {"fuse": True}),
-            ("ring plan balanced, per step", ring_attention, balanced, balanced["document_ids"], {"fuse": False}),
+            ("ring plan balanced", ring_attention, balanced, balanced["document_ids"], True),
             ("ulysses plan", ulysses_attention, full, ids, True)):
         q, k, v, dout = (tensors[n].to(device, torch.bfloat16) for n in ("q", "k", "v", "dout"))
         docs = None if docs is None else docs.to(device)
@@ -48,4 +48,4 @@ def test_attention_over_nccl_matches_float64():
     seed = random.randrange(1 << 30)
     errors = run_distributed(_cases_vs_float64, 2, seed, backend="nccl")[0]
     bad = [f"{name} {what}: {err:.2e}" for name, what, err in errors if not err < BF16_TOL]
-    assert len(errors) == 7 * 4 and not bad, f"seed={seed}:\n" + "\n".join(bad)
+    assert len(errors) == 6 * 4 and not bad, f"seed={seed}:\n" + "\n".join(bad)

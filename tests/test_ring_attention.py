@@ -41,17 +41,15 @@ def run_case(attention, group, rank, world, layout, causal, q, k, v, dout, scale
     """Shard full-sequence inputs (and ``documents``, (B, S) ids) over ``group``, run
     ``attention`` forward and backward, and return the norm-relative errors of the
     gathered out, dq, dk, dv against the float64 reference, as [(name, error)].
-    ``plan=True`` (or a dict of ``plan_documents`` options): pass the step's ``DocumentPlan``
-    of ``documents`` instead of the ids."""
+    ``plan=True``: pass the step's ``DocumentPlan`` of ``documents`` instead of the ids."""
     from longctx.documents import plan_documents
 
     shard = lambda t: shard_sequence(t, 1, rank=rank, world_size=world, layout=layout)  # noqa: E731
     ql, kl, vl = (shard(t).detach().requires_grad_() for t in (q, k, v))
     extra = dict(kwargs)
     if documents is not None:
-        options = plan if isinstance(plan, dict) else {}
-        extra["document_ids"] = (plan_documents(documents, world_size=world, rank=rank, layout=layout, causal=causal,
-                                                **options) if plan else shard(documents))
+        extra["document_ids"] = (plan_documents(documents, world_size=world, rank=rank, layout=layout, causal=causal)
+                                 if plan else shard(documents))
     out = attention(ql, kl, vl, group=group, causal=causal, layout=layout, softmax_scale=scale, **extra)
     out.backward(shard(dout))
     gather = lambda t: unshard_sequence(t.detach(), 1, group=group, layout=layout)  # noqa: E731

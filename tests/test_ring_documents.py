@@ -56,9 +56,7 @@ ULYSSES_CASES = [(layout, causal, pattern, (8, 4))
 
 def run_cases(attention, group, cases, seed):
     """[(case, name, error)] for ``cases`` on ``group`` (fp32, B = 2, D = 8); odd cases
-    pass the DocumentPlan (ring: with two head chunks where the heads allow), every other
-    one of them in its fused one-call form where the documents allow it (``fuse=True``),
-    the rest with one call per ring step (``fuse=False``)."""
+    pass the DocumentPlan (ring: with two head chunks where the heads allow)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     errors = []
     for i, (layout, causal, pattern, (hq, hkv)) in enumerate(cases):
@@ -66,7 +64,7 @@ def run_cases(attention, group, cases, seed):
         seq = CHUNK * world * (2 if layout == "zigzag" else 1)
         q, k, v, dout = (torch.randn(2, seq, h, 8, generator=g) for h in (hq, hkv, hkv, hq))
         ids = document_ids(pattern, 2, seq, g)
-        plan = {"fuse": i % 4 == 1} if i % 2 == 1 else False
+        plan = i % 2 == 1
         extra = {"head_chunks": 2} if plan and attention is ring_attention and hkv % 2 == 0 else {}
         for name, err in run_case(attention, group, rank, world, layout, causal, q, k, v, dout, documents=ids,
                                   plan=plan, **extra):
@@ -86,15 +84,12 @@ def _all_sizes_vs_reference(rank, world, seed):
     errors += run_cases(ulysses_attention, pair, ULYSSES_CASES, seed + rank // 2)
     if rank < 3:
         errors += run_cases(ring_attention, triple, RING_CASES, seed)
-    singletons = _kernel_calls_and_sends(rank, world, torch.arange(8 * world)[None])
-    crossing = _kernel_calls_and_sends(rank, world, (torch.arange(8 * world)[None] + 2) // 4, fuse=True)
-    return errors, singletons, crossing
+    return errors, _kernel_calls_and_sends(rank, world)
 
 
-def _kernel_calls_and_sends(rank, world, full_ids, fuse=None):
-    """Kernel calls (forward, backward) and P2P sends of a document step on ``full_ids``:
-    for length-1 documents no rank sees anything of another, so the local call is the only
-    kernel call and nothing is sent; in the fused form one call too, with the exchanges."""
+def _kernel_calls_and_sends(rank, world):
+    """Length-1 documents: no rank sees anything of another, so the local call is the only
+    kernel call, forward and backward, and nothing is sent at all."""
     import longctx.document_ring as document_ring
     from longctx import shard_sequence
 
@@ -113,9 +108,7 @@ def _kernel_calls_and_sends(rank, world, full_ids, fuse=None):
         sends.append(sum(op.op is dist.isend for op in ops))
         return real["p2p"](ops)
 
-    ids = shard_sequence(full_ids, 1, rank=rank, world_size=world)
-    if fuse is not None:
-        ids = plan_documents(full_ids, world_size=world, rank=rank, fuse=fuse)
+    ids = shard_sequence(torch.arange(8 * world)[None], 1, rank=rank, world_size=world)
     q = torch.randn(1, 8, 2, 4, requires_grad=True)
     document_ring.attention_forward = counted("forward")
     document_ring.attention_backward = counted("backward")
@@ -143,9 +136,6 @@ def test_documents_match_float64_reference_over_gloo():
     for calls, sends in (result[1] for result in per_rank):
         assert calls == {"forward": 1, "backward": 1}, calls
         assert sends == [], sends
-    for calls, sends in (result[2] for result in per_rank):  # documents of 4 crossing every shard
-        assert calls == {"forward": 1, "backward": 1}, calls
-        assert sends and all(n <= 1 for n in sends), sends
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
@@ -203,41 +193,6 @@ def test_plan_moves_exactly_the_visible_keys(layout, causal):
             assert all(p.moved == 0 for p in plans)
         if pattern == "one":
             assert all(p.one_document for p in plans)
-
-
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-@pytest.mark.parametrize("causal", [True, False])
-def test_fused_plan_takes_every_row_once(layout, causal):
-    """The fused form's key buffer holds every shard row and every received row exactly
-    once, and its segments put each run's received rows right before the run's own."""
-    world = 4
-    g = torch.Generator().manual_seed(random.randrange(1 << 30))
-    seen_fused = False
-    for pattern in PATTERNS:
-        seq = CHUNK * world * (2 if layout == "zigzag" else 1)
-        full = document_ids(pattern, 1, seq, g)
-        plans = [plan_documents(full, world_size=world, rank=r, layout=layout, causal=causal, fuse=True)
-                 for r in range(world)]
-        assert len({p.fused is None for p in plans}) == 1, pattern  # the whole group, or none
-        never = plan_documents(full, world_size=world, rank=0, layout=layout, causal=causal, fuse=False)
-        assert never.fused is None
-        for plan in plans:
-            if plan.fused is None:
-                continue
-            seen_fused = True
-            fused, n = plan.fused, plan.batch * plan.local_len
-            places = _indices(fused.local_rows, n)
-            for ex, rows in zip(plan.exchanges, fused.received_rows):
-                assert (rows is None) == (ex.n_recv == 0)
-                places += [] if rows is None else _indices(rows, ex.n_recv)
-            assert sorted(places) == list(range(fused.n_rows)), pattern
-            cu_q, cu_k = fused.call.segments.cu_seqlens_q.tolist(), fused.call.segments.cu_seqlens_k.tolist()
-            assert cu_q[-1] == n and cu_k[-1] == fused.n_rows and fused.call.causal == causal
-            local = _indices(fused.local_rows, n)
-            for i in range(len(cu_q) - 1):  # a run's own rows close its key segment
-                own = cu_q[i + 1] - cu_q[i]
-                assert local[cu_q[i]:cu_q[i + 1]] == list(range(cu_k[i + 1] - own, cu_k[i + 1]))
-    assert seen_fused or layout == "zigzag" and not causal
 
 
 def _indices(rows, n):
