@@ -22,8 +22,7 @@ resolve the backend once for several blocks (the ring) pass ``documents=True`` t
 ``segments=`` (``kernels.segments.Segments``, with the ids): the block's varlen segments,
 built once by the caller (``longctx.documents``) for every layer; fa4 then reads nothing
 back to the host (without them it cuts the ids into runs itself, one device-to-host copy
-per call). fa4 and torch run the segments themselves (SEGMENT_BACKENDS), Triton masks with
-the ids (aligned causal blocks only).
+per call). The other backends mask with the ids.
 """
 from __future__ import annotations
 
@@ -55,9 +54,6 @@ BACKENDS = ("torch", "triton", "cudnn", "flash", "fa4")
 # Kernels that write only the input dtype (an fp32 partial is a cast) and compute
 # delta = rowsum(dO * O) inside their backward from `out` (a given delta is ignored).
 VENDOR_BACKENDS = ("cudnn", "flash", "fa4")
-# Backends that run varlen ``segments`` themselves (any causal segment shape); the others
-# mask with the ids that go along.
-SEGMENT_BACKENDS = ("torch", "fa4")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Backend name -> module in this package. Modules are imported on first use so that a
 # machine without triton (or a torch without the vendor ops) can still use the others.
@@ -218,14 +214,6 @@ def _check_segments(segments, docs, q, k, causal) -> None:
     segments.check(q, k, causal)
 
 
-def _check_id_masking(name: str, segments, q, k, causal) -> None:
-    """Backends that mask with ids take causal segments only on the diagonal (equal rows)."""
-    if segments is not None and causal and q.shape[1] != k.shape[1]:
-        raise ValueError(f"the {name!r} backend masks documents by ids and takes causal segments only on "
-                         f"aligned blocks (q and k of equal rows), got {q.shape[1]} and {k.shape[1]}; the "
-                         f"backends {SEGMENT_BACKENDS} take the segments themselves")
-
-
 def _scale(softmax_scale: Optional[float], head_dim: int) -> float:
     return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
@@ -249,16 +237,14 @@ def attention_forward(
     many blocks loses nothing to bf16 rounding. ``q/k_document_ids``, ``segments``: see
     the module doc.
     """
-    # Causal segments may have more keys than queries (Segments.check); a block without must not.
-    check_attention_inputs(q, k, v, causal=causal and segments is None)
+    check_attention_inputs(q, k, v, causal=causal)
     docs = check_document_ids(q, k, q_document_ids, k_document_ids)
     _check_segments(segments, docs, q, k, causal)
     name = resolve_backend(backend, q, k, causal, documents=docs[0] is not None)
     scale = _scale(softmax_scale, q.shape[-1])
     mod = _module(name)
-    if name in SEGMENT_BACKENDS and segments is not None:
+    if name == "fa4" and segments is not None:
         return mod.forward_segments(q, k, v, causal, scale, out_dtype, segments)
-    _check_id_masking(name, segments, q, k, causal)
     if docs[0] is not None:
         result = mod.forward(q, k, v, causal, scale, out_dtype, *docs)
         if result is None:  # fa4: ids that varlen runs cannot express
@@ -292,8 +278,7 @@ def attention_backward(
     ring computes it once per layer); then ``out`` may be None. dK/dV are summed over
     each query-head group (GQA). ``grad_dtype`` defaults to the input dtype.
     """
-    # Causal segments may have more keys than queries (Segments.check); a block without must not.
-    check_attention_inputs(q, k, v, causal=causal and segments is None)
+    check_attention_inputs(q, k, v, causal=causal)
     if dout.shape != q.shape:
         raise ValueError(f"dout shape {tuple(dout.shape)} differs from q shape {tuple(q.shape)}")
     if out is None and delta is None:
@@ -303,9 +288,8 @@ def attention_backward(
     name = resolve_backend(backend, q, k, causal, documents=docs[0] is not None)
     scale = _scale(softmax_scale, q.shape[-1])
     mod = _module(name)
-    if name in SEGMENT_BACKENDS and segments is not None:
+    if name == "fa4" and segments is not None:
         return mod.backward_segments(dout, q, k, v, out, lse, causal, scale, grad_dtype, segments)
-    _check_id_masking(name, segments, q, k, causal)
     if docs[0] is not None:
         grads = mod.backward(dout, q, k, v, out, lse, causal, scale, delta, grad_dtype, *docs)
         if grads is None:  # fa4: ids that varlen runs cannot express (same test as forward)

@@ -26,10 +26,8 @@ def _grouped(q: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
 
 
 def _probabilities(q, k, causal: bool, softmax_scale: float, lse: Optional[torch.Tensor] = None,
-                   q_doc: Optional[torch.Tensor] = None, k_doc: Optional[torch.Tensor] = None,
-                   visible: Optional[torch.Tensor] = None):
-    """Scores -> (probabilities, lse), computed in the compute dtype. Shapes: (B, Hkv, G, Sq, Sk).
-    ``visible``: an explicit (Sq, Sk) mask, instead of ``causal`` and the ids."""
+                   q_doc: Optional[torch.Tensor] = None, k_doc: Optional[torch.Tensor] = None):
+    """Scores -> (probabilities, lse), computed in the compute dtype. Shapes: (B, Hkv, G, Sq, Sk)."""
     ct = _compute_dtype(q.dtype)
     qg = _grouped(q.to(ct), k.shape[2])
     scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k.to(ct)) * softmax_scale
@@ -37,8 +35,6 @@ def _probabilities(q, k, causal: bool, softmax_scale: float, lse: Optional[torch
         sq, sk = scores.shape[-2:]
         mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu_(1)
         scores = scores.masked_fill(mask, float("-inf"))
-    if visible is not None:
-        scores = scores.masked_fill(~visible, float("-inf"))
     if q_doc is not None:
         # (B, Sq, Sk): keys of another document are invisible.
         other = q_doc[:, :, None] != k_doc[:, None, :]
@@ -56,47 +52,9 @@ def _probabilities(q, k, causal: bool, softmax_scale: float, lse: Optional[torch
     return probs, lse
 
 
-def segment_visibility(segments, sq: int, sk: int, causal: bool, device) -> torch.Tensor:
-    """(Sq, Sk) bool mask of varlen ``segments`` over flattened rows, as FlashAttention reads
-    them: a query sees the keys of its own segment, and under ``causal`` those up to its
-    own place counted from the segment's end (bottom-right; equal lengths: the diagonal)."""
-    cu_q, cu_k = segments.cu_seqlens_q.cpu().long(), segments.cu_seqlens_k.cpu().long()
-    len_q, len_k = cu_q.diff(), cu_k.diff()
-    q_seg = torch.repeat_interleave(torch.arange(len(len_q)), len_q, output_size=sq)
-    k_seg = torch.repeat_interleave(torch.arange(len(len_k)), len_k, output_size=sk)
-    visible = q_seg[:, None] == k_seg[None, :]
-    if causal:
-        last_key = torch.arange(sq) - cu_q[q_seg] + (len_k - len_q)[q_seg]  # in-segment offset
-        visible &= (torch.arange(sk) - cu_k[k_seg])[None, :] <= last_key[:, None]
-    return visible.to(device)
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:])
-
-
-def forward_segments(q, k, v, causal: bool, softmax_scale: float, out_dtype, segments):
-    """``forward`` of a block given as varlen ``segments`` (see ``segment_visibility``)."""
-    visible = segment_visibility(segments, q.shape[0] * q.shape[1], k.shape[0] * k.shape[1], causal, q.device)
-    out, lse = _forward(_flat(q), _flat(k), _flat(v), False, softmax_scale, out_dtype, visible=visible)
-    return out.view(*q.shape[:3], -1), lse.view(q.shape[2], q.shape[0], q.shape[1]).transpose(0, 1).contiguous()
-
-
-def backward_segments(dout, q, k, v, out, lse, causal: bool, softmax_scale: float, grad_dtype, segments):
-    visible = segment_visibility(segments, q.shape[0] * q.shape[1], k.shape[0] * k.shape[1], causal, q.device)
-    lse_flat = lse.transpose(0, 1).reshape(1, lse.shape[1], -1)
-    grads = _backward(_flat(dout), _flat(q), _flat(k), _flat(v), _flat(out), lse_flat, False, softmax_scale,
-                      None, grad_dtype, visible=visible)
-    return tuple(g.view(t.shape) for g, t in zip(grads, (q, k, v)))
-
-
 def forward(q, k, v, causal: bool, softmax_scale: float, out_dtype: Optional[torch.dtype],
             q_doc: Optional[torch.Tensor] = None, k_doc: Optional[torch.Tensor] = None):
-    return _forward(q, k, v, causal, softmax_scale, out_dtype, q_doc, k_doc)
-
-
-def _forward(q, k, v, causal, softmax_scale, out_dtype, q_doc=None, k_doc=None, visible=None):
-    probs, lse = _probabilities(q, k, causal, softmax_scale, q_doc=q_doc, k_doc=k_doc, visible=visible)
+    probs, lse = _probabilities(q, k, causal, softmax_scale, q_doc=q_doc, k_doc=k_doc)
     out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v.to(probs.dtype))
     b, sq, hq, d = q.shape
     out = out.reshape(b, sq, hq, v.shape[-1]).to(out_dtype or q.dtype)
@@ -118,14 +76,9 @@ def backward(
     q_doc: Optional[torch.Tensor] = None,
     k_doc: Optional[torch.Tensor] = None,
 ):
-    return _backward(dout, q, k, v, out, lse, causal, softmax_scale, delta, grad_dtype, q_doc, k_doc)
-
-
-def _backward(dout, q, k, v, out, lse, causal, softmax_scale, delta, grad_dtype, q_doc=None, k_doc=None,
-              visible=None):
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
-    probs, _ = _probabilities(q, k, causal, softmax_scale, lse=lse, q_doc=q_doc, k_doc=k_doc, visible=visible)
+    probs, _ = _probabilities(q, k, causal, softmax_scale, lse=lse, q_doc=q_doc, k_doc=k_doc)
     ct = probs.dtype
     if delta is None:
         delta = (dout.to(ct) * out.to(ct)).sum(-1).transpose(1, 2)  # (B, Hq, Sq)

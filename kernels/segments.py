@@ -4,15 +4,12 @@ A ``Segments`` value describes a document-masked block as varlen segments over t
 flattened ``(B * S)`` rows of q and k: segment i is q rows ``[cu_seqlens_q[i],
 cu_seqlens_q[i+1])`` attending k rows ``[cu_seqlens_k[i], cu_seqlens_k[i+1])``, every query
 row of the block in exactly one segment and every key row too ("tight": no row outside).
-Full segments see all of their keys; in a ``causal`` segment query i of n sees the first
-i + 1 + (m - n) of its m keys (the diagonal aligned at the segment's end, as FlashAttention
-reads varlen causal): equal lengths are a diagonal block, and keys in front are rows every
-query sees (other ranks' rows of the document: the document ring's fused call). The caller
-(``longctx.documents``) builds them on the host once per step and moves them to the device
-in one copy, so a kernel call reads no ids back to the host.
+``causal`` segments have equal q and k rows (a diagonal block); full segments see all of
+their keys. The caller (``longctx.documents``) builds them on the host once per step and
+moves them to the device in one copy, so a kernel call reads no ids back to the host.
 
 The same block's ``q_document_ids`` / ``k_document_ids`` (each row's segment number) still
-go along: Triton masks with those, and so takes causal segments only on aligned blocks.
+go along: the kernels that take a per-token mask (Triton, the reference) use those.
 """
 from __future__ import annotations
 
@@ -37,9 +34,8 @@ class Segments:
                 raise ValueError(f"segments.{name} is on {cu.device}, the block on {t.device}")
         if self.cu_seqlens_q.shape != self.cu_seqlens_k.shape or self.cu_seqlens_q.numel() < 2:
             raise ValueError("segments need cu_seqlens_q and cu_seqlens_k of one length (>= 2)")
-        if causal and q.shape[1] > k.shape[1]:
-            raise ValueError("causal segments end their keys with their queries: a block needs at least "
-                             f"as many key rows as query rows, got {q.shape[1]} and {k.shape[1]}")
+        if causal and q.shape[1] != k.shape[1]:
+            raise ValueError("causal segments need aligned blocks (equal q and k rows)")
 
     def kernel_args(self) -> dict:
         return dict(cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_k=self.cu_seqlens_k,
