@@ -148,7 +148,7 @@ class GPTConfig:
             n += self.vocab_size * self.n_embd
         return n
 
-    def flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:
+    def flops_per_token(self, seq_len: int, *, causal: bool = True, keys_per_token: Optional[float] = None) -> float:
         """Training FLOPs (forward + backward) per token at sequence length ``seq_len``.
 
         ``6 * N`` for every matmul weight (N counts the LM head but not the embedding
@@ -156,16 +156,17 @@ class GPTConfig:
         ``12 * n_layer * n_head * head_dim * seq_len`` (Kaplan/PaLM; 2 matmuls x 2 FLOPs x
         3 for fwd+bwd). ``causal=True`` halves the attention term because the kernels
         skip the masked half of the score matrix; pass ``causal=False`` for the PaLM
-        convention. Used by the training module for MFU.
+        convention. ``keys_per_token``: the keys a query sees on average where that is known
+        (packed documents: the batch's visible pairs per token), instead of ``seq_len`` (/ 2).
+        Used by the training module for MFU.
         """
         if seq_len <= 0:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
         n_matmul = self.n_layer * (self.params_per_layer() - 2 * self.n_embd)
         n_matmul += self.vocab_size * self.n_embd  # LM head (tied or not)
-        attention = 12 * self.n_layer * self.n_head * self.head_dim * seq_len
-        if causal:
-            attention /= 2
-        return 6.0 * n_matmul + attention
+        if keys_per_token is None:
+            keys_per_token = seq_len / 2 if causal else seq_len
+        return 6.0 * n_matmul + 12 * self.n_layer * self.n_head * self.head_dim * keys_per_token
 
 
 def _swiglu_hidden(n_embd: int, multiple_of: int = 256) -> int:

@@ -190,6 +190,7 @@ class CausalLMModule(L.LightningModule):
         self.val_loss = MeanMetric(nan_strategy="disable")
         self._val_started: Optional[float] = None
         self._step_tokens = 0
+        self._step_pairs = 0.0  # visible (query, key) pairs of the step's tokens, for MFU
         self._last_step_end: Optional[float] = None
 
     @classmethod
@@ -334,6 +335,13 @@ class CausalLMModule(L.LightningModule):
         out = self.acc.add(loss_sum, n_tokens, accumulate=self.trainer.accumulate_grad_batches)
         # Every rank holds B x S/cp tokens, so the world holds (tokens here) x world in total.
         self._step_tokens += batch["input_ids"].numel() * self.trainer.world_size
+        # Visible pairs: the plan's (every rank of this CP group), scaled to the data-parallel
+        # replicas as the tokens are; without documents those of causal attention.
+        plan = batch.get("document_plan")
+        replicas = self.trainer.world_size // _cp_size(self.trainer)
+        rows, length = batch["input_ids"].shape[0], batch["input_ids"].shape[1] * _cp_size(self.trainer)
+        pairs = float(plan.pairs.sum()) if plan is not None else rows * length * length / 2
+        self._step_pairs += pairs * replicas
         if self.seq_len is None:
             self.seq_len = batch["input_ids"].shape[1] * _cp_size(self.trainer)
         return out.loss
@@ -354,7 +362,8 @@ class CausalLMModule(L.LightningModule):
             metrics["tokens_per_s"] = torch.tensor(tps)
             peak = peak_flops(self.device)
             if peak is not None and self.seq_len:
-                flops = self.config.flops_per_token(self.seq_len) * tps
+                keys = self._step_pairs / self._step_tokens if self._step_tokens else None
+                flops = self.config.flops_per_token(self.seq_len, keys_per_token=keys) * tps
                 metrics["mfu"] = torch.tensor(flops / (peak * self.trainer.world_size))
         if self.device.type == "cuda":
             metrics["peak_mem_gib"] = torch.tensor(torch.cuda.max_memory_allocated(self.device) / 2**30)
@@ -365,6 +374,7 @@ class CausalLMModule(L.LightningModule):
         self.log("train_loss", mean, prog_bar=True, on_step=True, on_epoch=False)
         self.log_dict({k: v.float() for k, v in metrics.items()}, on_step=True, on_epoch=False)
         self._step_tokens = 0
+        self._step_pairs = 0.0  # visible (query, key) pairs of the step's tokens, for MFU
         self._last_step_end = now
 
     def _report_kernel_compile(self) -> None:

@@ -460,6 +460,9 @@ def test_presets_and_param_counts():
             n_matmul -= c.vocab_size * c.n_embd  # the embedding lookup is no matmul
         assert c.flops_per_token(1024, causal=False) == 6 * n_matmul + 12 * c.n_layer * c.q_dim * 1024
         assert c.flops_per_token(1024) < c.flops_per_token(1024, causal=False)
+        # Packed documents: the attention term follows the keys a query sees on average.
+        assert c.flops_per_token(1024, keys_per_token=512) == c.flops_per_token(1024)
+        assert c.flops_per_token(1024, keys_per_token=64) == 6 * n_matmul + 12 * c.n_layer * c.q_dim * 64
     s = GPTConfig.from_preset("smollm2-135m")
     assert (s.n_layer, s.n_embd, s.n_head, s.n_kv_head, s.head_dim, s.intermediate_size) == (30, 576, 9, 3, 64, 1536)
     assert (s.vocab_size, s.rope_theta, s.tie_embeddings, s.rms_norm_eps) == (49152, 1e5, True, 1e-5)
