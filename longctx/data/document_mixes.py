@@ -14,6 +14,7 @@ import math
 import torch
 
 K = 1024
+ID_PATTERNS = ("one", "short", "len1", "mix", "repeat", "halves", "disjoint")
 # mean 4K (uniform 2-6K), mean 16K (uniform 8-24K), long-tailed (lognormal, sigma 1.5, mean
 # ~4K: many short, a few very long), mean 1K (uniform 512-1536), 256 tokens each.
 MIXES = ("mean4k", "mean16k", "longtail", "mean1k", "docs256")
@@ -80,4 +81,4 @@ def document_id_pattern(kind, B, Sq, Sk, gen):
         q[:, 10:17] = 5
         q[:, -3:] = 6
         return q, batch(lambda: runs(Sk, 8, n_ids=4))
-    raise ValueError(kind)
+    raise ValueError(f"unknown document-id pattern {kind!r}; expected one of {ID_PATTERNS}")
