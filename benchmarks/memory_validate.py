@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from longctx import CPContext, ParallelDims, ParallelPlan, parallelize, shard_sequence
+from longctx.bench.step import mean_step_seconds, train_step
 from longctx.memory import GiB, auto_attention_kernel, estimate
 from longctx.models import GPT, GPTConfig
 
@@ -218,19 +219,14 @@ class Setup:
                 # (the kernels and the ring). The rest (q/k/v projections, norm) is "block i backward".
                 handles.append(block.attn.core.register_forward_hook(on_output(f"block {i} mlp backward")))
                 handles.append(block.attn.core.register_forward_pre_hook(on_query(f"block {i} attention backward")))
-        amp = torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else torch.autocast("cpu", enabled=False)
         try:
-            with amp:
-                loss_sum, n = self.model(self.ids, self.pos, labels=self.labels, document_ids=self.docs)
-            mark("forward")
-            (loss_sum / n).backward()
-            mark("block 0 backward")
+            loss_sum, n = train_step(
+                lambda: self.model(self.ids, self.pos, labels=self.labels, document_ids=self.docs), self.opt,
+                lambda loss, n: loss / n, autocast="cuda" if self.cuda else None,
+                mark=lambda part: mark("block 0 backward" if part == "backward" else part))
         finally:
             for h in handles:
                 h.remove()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        mark("optimizer step")
         return float(loss_sum.detach() / n)
 
     def sync(self):
@@ -281,12 +277,7 @@ def measured_step(setup: Setup, plan: ParallelPlan) -> dict:
 
 def timed(setup: Setup, steps: int) -> float:
     """Mean seconds per step; the measured step before it was the warm-up (same shapes)."""
-    setup.sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        setup.step()
-    setup.sync()
-    return (time.perf_counter() - t0) / steps
+    return mean_step_seconds(setup.step, steps, setup.sync)[0]
 
 
 def run_case(case: dict, device, mesh, steps: int) -> list[dict]:
