@@ -62,6 +62,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -74,7 +75,10 @@ from typing import Optional  # noqa: E402
 
 import torch  # noqa: E402
 
+from longctx.bench.step import LossModule, mean_step_seconds, train_step  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
+STEP_FILE = train_step.__code__.co_filename  # as allocator traces name it
 GiB = 2**30
 OOM_EXIT = 17
 ONE_M = 1 << 20
@@ -186,10 +190,15 @@ def library_roots() -> dict[str, str]:
 
 
 def site_label(frames: list[dict], roots: dict[str, str]) -> str:
-    """The innermost frame in the library (else in this benchmark): ``file:line:function``."""
+    """The innermost frame in the library (else in this benchmark): ``file:line:function``.
+    The shared training step (longctx.bench.step) is the benchmark's step, not the library:
+    what it allocates itself is autograd's gradients and temporaries, AdamW's state."""
     own = None
     for f in frames:  # innermost first
         fn = f.get("filename", "")
+        if fn == STEP_FILE:
+            own = own or "benchmark:step (autograd: gradients, temporaries)"
+            continue
         for root, prefix in roots.items():
             if fn.startswith(root):
                 return f"{prefix}{fn[len(root):]}:{f.get('line')}:{f.get('name')}"
@@ -453,17 +462,6 @@ class ProxyMeter:
             yield
 
 
-class LossOnly(torch.nn.Module):
-    """DDP runs its hooks through forward(); the GPT's training entry point is loss()."""
-
-    def __init__(self, gpt):
-        super().__init__()
-        self.gpt = gpt
-
-    def forward(self, ids, labels, pos):
-        return self.gpt.loss(ids, labels, pos)
-
-
 class Job:
     def __init__(self, args):
         from datetime import timedelta
@@ -495,7 +493,7 @@ class Job:
             self.gpt = GPT(self.cfg)
         self.plan = ParallelPlan(activation_checkpointing=self.ckpt, attention_backend=args.backend)
         parallelize(self.gpt, ParallelDims(cp=CPContext(dist.group.WORLD if self.p > 1 else None)), self.plan)
-        net = LossOnly(self.gpt)
+        net = LossModule(self.gpt)
         # DDP as Lightning's strategy uses it (defaults: separate gradient buckets).
         self.net = (DDP(net, device_ids=None if self.dry else [self.device.index]) if self.p > 1 else net)
         self.opt = torch.optim.AdamW(self.gpt.parameters(), lr=1e-5, fused=not self.dry)
@@ -555,12 +553,9 @@ class Job:
 
     def step(self, batch) -> torch.Tensor:
         (ids, lab, pos), s_total = batch
-        amp = (contextlib.nullcontext() if self.dry else torch.autocast("cuda", dtype=torch.bfloat16))
-        with self.meter.watch(), amp:
-            loss_sum, _ = self.net(ids, lab, pos)
-        (loss_sum * (self.p / s_total)).backward()  # DDP averages over P: the global token mean
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        # DDP averages over P: the global token mean
+        loss_sum, _ = train_step(lambda: self.net(ids, lab, pos), self.opt, lambda loss, n: loss * (self.p / s_total),
+                                 autocast=None if self.dry else "cuda", watch=self.meter.watch())
         return loss_sum.detach()
 
     # -- measurements ------------------------------------------------------------------------
@@ -577,13 +572,13 @@ class Job:
             if history:
                 torch.cuda.memory._record_memory_history(
                     "all", context="alloc", stacks="python", max_entries=1_000_000, clear_history=True)
-            self.meter.reset()
-            if self.p > 1:
-                self.dist.barrier()
-            t0 = time.perf_counter()
-            loss = self.step(batch)
-            self.meter.sync()
-            dt = time.perf_counter() - t0
+
+            def start():
+                self.meter.reset()
+                if self.p > 1:
+                    self.dist.barrier()
+
+            dt, loss = mean_step_seconds(functools.partial(self.step, batch), 1, self.meter.sync, start)
             peak_a, peak_r = self.meter.peak()
             snap = None
             if history:

@@ -77,6 +77,10 @@ def test_attribute_peak_replays_to_the_peak(mc):
     assert sites["longctx/ring.py:20:_ring_backward"]["bytes"] == 50
     assert sites["longctx/ring.py:20:_ring_backward"]["bytes_per_token_per_layer"] == 2.5
     assert out["peak_event"].startswith("benchmark:step")
+    # the shared training step (longctx.bench.step) is the benchmark's step, not a library site
+    helper = {"filename": mc.STEP_FILE, "line": 40, "name": "train_step"}
+    assert mc.site_label([torch_frame, helper, step], roots) == "benchmark:step (autograd: gradients, temporaries)"
+    assert mc.site_label([mlp, helper, step], roots) == "models/gpt.py:7:forward"
 
 
 def _records(p, ckpt, a, b, budget, lengths, extra=()):
