@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from longctx import CPContext, ParallelDims, ParallelPlan, parallelize, shard_sequence
+from longctx.bench.memory_recheck import recheck
 from longctx.bench.step import mean_step_seconds, train_step
 from longctx.memory import GiB, auto_attention_kernel, estimate
 from longctx.models import GPT, GPTConfig
@@ -311,25 +312,6 @@ def _free():
             torch._C._host_emptyCache()  # pinned offload buffers of the previous case
         except AttributeError:
             pass
-
-
-def recheck(path, attention_kernel: str) -> list[dict]:
-    """The stored measurements of ``path`` (a results JSON this script wrote) against the
-    memory model as it is now: ``(case, measured, predicted, ratio)`` per measured row.
-    ``attention_kernel``: what ``backend="auto"`` ran in that run (the JSON's ``meta`` names
-    it from 2026-11-25 on)."""
-    data = json.loads(Path(path).read_text())
-    cp = data["meta"].get("cp", 1)
-    kernel = data["meta"].get("attention_kernel", attention_kernel)
-    rows = []
-    for r in data["rows"]:
-        if "measured_gpu" not in r:
-            continue
-        pred = estimate(GPTConfig.from_dict(r["model"]), r["seq_len"], plan=ParallelPlan(**r["plan"]), cp=cp, dp=1,
-                        data_parallel="fsdp", attention_kernel=kernel)
-        rows.append(dict(case=r["case"], measured=r["measured_gpu"], predicted=pred.allocated_bytes,
-                         ratio=r["measured_gpu"] / pred.allocated_bytes, phase=pred.phase))
-    return rows
 
 
 def main(argv=None):
