@@ -51,6 +51,10 @@ Method (measure cheaply, predict, then verify what the clock allows):
 Records (JSON lines, written by each job after every measurement) and each job's log live
 in ``$OUT/max_context_ws{N}_records/``; the driver rewrites ``$OUT/max_context_ws{N}.json``
 (default OUT=benchmarks/results) after every new record and plots it at the end.
+
+Files: this one is the command line; max_context_driver.py the driver, max_context_job.py one
+job, max_context_plot.py the figure; the fits, decisions and summary table are in
+longctx/bench/max_context_fit.py, the peak attribution in longctx/bench/peak_trace.py.
 """
 from __future__ import annotations
 

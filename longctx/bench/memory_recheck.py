@@ -12,7 +12,7 @@ from longctx.models import GPTConfig
 
 
 def recheck(path, attention_kernel: str) -> list[dict]:
-    """The stored measurements of ``path`` (a results JSON this script wrote) against the
+    """The stored measurements of ``path`` (a results JSON memory_validate.py wrote) against the
     memory model as it is now: ``(case, measured, predicted, ratio)`` per measured row.
     ``attention_kernel``: what ``backend="auto"`` ran in that run (the JSON's ``meta`` names
     it from 2026-11-25 on)."""

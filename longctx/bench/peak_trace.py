@@ -27,7 +27,7 @@ def library_roots() -> dict[str, str]:
 
 
 def site_label(frames: list[dict], roots: dict[str, str], bench_files: tuple[str, ...]) -> str:
-    """The innermost frame in the library (else in this benchmark): ``file:line:function``.
+    """The innermost frame in the library (else in one of ``bench_files``): ``file:line:function``.
     The shared training step (longctx.bench.step) is the benchmark's step, not the library:
     what it allocates itself is autograd's gradients and temporaries, AdamW's state."""
     own = None
