@@ -8,9 +8,10 @@ each section so a time-out keeps what finished):
             vs float64 (the "torch" backend): causal/full, MHA D=128, GQA 32/8 D=64 and 8/2
             D=128, Sq != Sk, ragged lengths, fp32 partials as the ring asks; a NaN in q must
             show in the output. Then document-masked blocks with the id patterns of
-            tests/test_document_kernels.py (diagonal causal blocks and off-diagonal full
-            blocks, rows without keys), noting which went through FA4 varlen and which fell
-            back to Triton (ids FA4's runs cannot express).
+            tests/test_document_kernels.py (longctx.data.document_mixes.document_id_pattern;
+            diagonal causal blocks and off-diagonal full blocks, rows without keys), noting
+            which went through FA4 varlen and which fell back to Triton (ids FA4's runs cannot
+            express).
   ring      the zigzag ring emulated on one GPU, the unsharded result vs float64 (P=2 and 4):
             without documents every rank's blocks (longctx.ring._ring_blocks, the same slices
             and skips), fp32 merges, the backward from the merged out/lse, dK/dV summed onto
@@ -43,6 +44,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 from attention import bench_ms, gpu_tag, poison_allocator  # noqa: E402
 
 from longctx import shard_sequence  # noqa: E402
+from longctx.data.document_mixes import document_id_pattern  # noqa: E402
 from longctx.document_ring import _call_forward, backward_calls, forward_calls  # noqa: E402
 from longctx.documents import plan_documents, rows_of  # noqa: E402
 from longctx.kernels import (  # noqa: E402
@@ -111,9 +113,6 @@ DENSE_CASES = {  # name: (B, Sq, Sk, Hq, Hkv, D, causal)
 
 
 def section_check(report):
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-    from test_document_kernels import _document_ids
-
     rows = report.setdefault("check", [])
     for name, (B, Sq, Sk, Hq, Hkv, D, causal) in DENSE_CASES.items():
         gen = torch.Generator(device=DEV).manual_seed(len(rows) + 1)
@@ -154,7 +153,7 @@ def section_check(report):
         elif kind == "nothing_shared":
             q_ids, k_ids = torch.full((B, Sq), 2), torch.full((B, Sk), 1)
         else:
-            q_ids, k_ids = _document_ids(kind, B, Sq, Sk, gen)
+            q_ids, k_ids = document_id_pattern(kind, B, Sq, Sk, gen)
         if causal:
             k_ids = q_ids
         q_ids, k_ids = q_ids.to(DEV), k_ids.to(DEV)

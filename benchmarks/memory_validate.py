@@ -49,6 +49,8 @@ import torch
 import torch.distributed as dist
 
 from longctx import CPContext, ParallelDims, ParallelPlan, parallelize, shard_sequence
+from longctx.bench.memory_recheck import recheck
+from longctx.bench.step import mean_step_seconds, train_step
 from longctx.memory import GiB, auto_attention_kernel, estimate
 from longctx.models import GPT, GPTConfig
 
@@ -218,19 +220,14 @@ class Setup:
                 # (the kernels and the ring). The rest (q/k/v projections, norm) is "block i backward".
                 handles.append(block.attn.core.register_forward_hook(on_output(f"block {i} mlp backward")))
                 handles.append(block.attn.core.register_forward_pre_hook(on_query(f"block {i} attention backward")))
-        amp = torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else torch.autocast("cpu", enabled=False)
         try:
-            with amp:
-                loss_sum, n = self.model(self.ids, self.pos, labels=self.labels, document_ids=self.docs)
-            mark("forward")
-            (loss_sum / n).backward()
-            mark("block 0 backward")
+            loss_sum, n = train_step(
+                lambda: self.model(self.ids, self.pos, labels=self.labels, document_ids=self.docs), self.opt,
+                lambda loss, n: loss / n, autocast="cuda" if self.cuda else None,
+                mark=lambda part: mark("block 0 backward" if part == "backward" else part))
         finally:
             for h in handles:
                 h.remove()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        mark("optimizer step")
         return float(loss_sum.detach() / n)
 
     def sync(self):
@@ -281,12 +278,7 @@ def measured_step(setup: Setup, plan: ParallelPlan) -> dict:
 
 def timed(setup: Setup, steps: int) -> float:
     """Mean seconds per step; the measured step before it was the warm-up (same shapes)."""
-    setup.sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        setup.step()
-    setup.sync()
-    return (time.perf_counter() - t0) / steps
+    return mean_step_seconds(setup.step, steps, setup.sync)[0]
 
 
 def run_case(case: dict, device, mesh, steps: int) -> list[dict]:
@@ -320,25 +312,6 @@ def _free():
             torch._C._host_emptyCache()  # pinned offload buffers of the previous case
         except AttributeError:
             pass
-
-
-def recheck(path, attention_kernel: str) -> list[dict]:
-    """The stored measurements of ``path`` (a results JSON this script wrote) against the
-    memory model as it is now: ``(case, measured, predicted, ratio)`` per measured row.
-    ``attention_kernel``: what ``backend="auto"`` ran in that run (the JSON's ``meta`` names
-    it from 2026-11-25 on)."""
-    data = json.loads(Path(path).read_text())
-    cp = data["meta"].get("cp", 1)
-    kernel = data["meta"].get("attention_kernel", attention_kernel)
-    rows = []
-    for r in data["rows"]:
-        if "measured_gpu" not in r:
-            continue
-        pred = estimate(GPTConfig.from_dict(r["model"]), r["seq_len"], plan=ParallelPlan(**r["plan"]), cp=cp, dp=1,
-                        data_parallel="fsdp", attention_kernel=kernel)
-        rows.append(dict(case=r["case"], measured=r["measured_gpu"], predicted=pred.allocated_bytes,
-                         ratio=r["measured_gpu"] / pred.allocated_bytes, phase=pred.phase))
-    return rows
 
 
 def main(argv=None):

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from longctx import position_ids, shard_sequence
+from longctx.bench.step import LossModule, mean_step_seconds, train_step
 from longctx.models import GPT, GPTConfig
 from longctx.models.lit_module import peak_bf16_flops
 from longctx.ring_comm import new_ring_group
@@ -56,7 +57,7 @@ def measure(preset, s_total, p, group, ddp_group, steps, checkpointing, backend,
     torch.manual_seed(0)
     model = GPT(cfg).cuda()
     parallelize(model, ParallelDims(cp=CPContext(group)), ParallelPlan.from_dict(plan))
-    step_loss = _Loss(model)
+    step_loss = LossModule(model)
     if p > 1:  # DDP's hooks run through forward(), so wrap the loss path as a module
         step_loss = DDP(step_loss, process_group=ddp_group)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -69,23 +70,18 @@ def measure(preset, s_total, p, group, ddp_group, steps, checkpointing, backend,
     del tokens
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss_sum, _ = step_loss(inp, lab, pos)
-        (loss_sum / s_total * p).backward()  # DDP averages over p: the global token mean
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        # DDP averages over p: the global token mean
+        loss_sum, _ = train_step(lambda: step_loss(inp, lab, pos), opt, lambda loss, n: loss / s_total * p,
+                                 autocast="cuda")
         return loss_sum
 
+    def start():
+        torch.cuda.reset_peak_memory_stats()
+        if group is not None:
+            dist.barrier(group=group)
+
     step()  # warm-up: allocator, kernels, NCCL communicators
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    if group is not None:
-        dist.barrier(group=group)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        loss = step()
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / steps
+    dt, loss = mean_step_seconds(step, steps, torch.cuda.synchronize, start)
     peak = torch.cuda.max_memory_allocated() / 2**30
     finite = bool(torch.isfinite(loss).item())
     kernel_time = profile_step(step) if profile else None
@@ -127,17 +123,6 @@ def profile_step(step) -> dict:
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     return dict(by_kind={k: round(v, 2) for k, v in by_kind.items()},
                 top=[(n, round(v, 2)) for n, v in top])
-
-
-class _Loss(torch.nn.Module):
-    """forward() = GPT.loss, so DDP (which hooks forward) can wrap the training path."""
-
-    def __init__(self, model: GPT):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, labels, position_ids):
-        return self.model.loss(input_ids, labels, position_ids)
 
 
 def main():

@@ -15,9 +15,12 @@ import torch
 from interpreter_harness import interpreted_results as run_interpreted
 from interpreter_harness import print_results
 
+from longctx.data.document_mixes import document_id_pattern
+
 # name: (B, Sq, Sk, Hq, Hkv, D, causal, dtype, ids, options)
-# ids: how q/k document ids are drawn (see _document_ids); options: atomic (dQ by atomics),
-# slice (q/k/v/dout and the ids are strided views), nan (a NaN in one q row), poison
+# ids: how q/k document ids are drawn (longctx.data.document_mixes.document_id_pattern);
+# options: atomic (dQ by atomics), slice (q/k/v/dout and the ids are strided views), nan (a
+# NaN in one q row), poison
 # (K/V of document 0 are NaN: document 1's results stay exact only if the tiles pairing
 # the two, all skipped (below the diagonal too), are never touched: a masked visit would
 # give 0 * NaN = NaN).
@@ -41,42 +44,6 @@ CASES = {
 }
 TILE_SETS = ("32x16,16x32,32x16", "16x32,32x16,16x32")
 TOL = {"float32": 1e-5, "float16": 2e-2}
-
-
-def _document_ids(kind, B, Sq, Sk, gen):
-    """(q_ids, k_ids) int tensors. Causal cases need Sq == Sk and use q_ids for both."""
-    def runs(S, max_len, n_ids=None):
-        ids, doc = [], 0
-        while len(ids) < S:
-            length = int(torch.randint(1, max_len + 1, (1,), generator=gen))
-            value = doc if n_ids is None else int(torch.randint(0, n_ids, (1,), generator=gen))
-            ids += [value] * length
-            doc += 1
-        return ids[:S]
-
-    def batch(make):
-        return torch.tensor([make() for _ in range(B)], dtype=torch.int64)
-
-    if kind == "one":
-        q = torch.full((B, Sq), 7, dtype=torch.int32)
-        return q, torch.full((B, Sk), 7, dtype=torch.int32)
-    if kind == "short":
-        return batch(lambda: runs(Sq, 12)), batch(lambda: runs(Sk, 12))
-    if kind == "len1":  # every token its own document (huge ids: compared as int64)
-        return (torch.arange(Sq).expand(B, Sq) + 2 ** 40, torch.arange(Sk).expand(B, Sk) + 2 ** 40)
-    if kind == "mix":  # long documents with runs of one-token documents between them
-        ids = [0] * 30 + list(range(1, 9)) + [9] * 20 + list(range(10, 22))
-        return torch.tensor([ids[:Sq]] * B), torch.tensor([ids[:Sk]] * B)
-    if kind == "repeat":  # 3 ids reused by non-adjacent runs: one document each
-        return batch(lambda: runs(Sq, 9, n_ids=3)), batch(lambda: runs(Sk, 9, n_ids=3))
-    if kind == "halves":  # two documents split at 32: a multiple of every test tile size
-        return (torch.arange(Sq).expand(B, Sq) // 32, torch.arange(Sk).expand(B, Sk) // 32)
-    if kind == "disjoint":  # q rows of documents 5 and 6 have no key at all
-        q = batch(lambda: runs(Sq, 8, n_ids=4))
-        q[:, 10:17] = 5
-        q[:, -3:] = 6
-        return q, batch(lambda: runs(Sk, 8, n_ids=4))
-    raise ValueError(kind)
 
 
 def _strided(x):
@@ -104,7 +71,7 @@ def run_case(name):
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     q, dout = (torch.randn(B, Sq, Hq, D, generator=gen) for _ in range(2))
     k, v = (torch.randn(B, Sk, Hkv, D, generator=gen) for _ in range(2))
-    q_ids, k_ids = _document_ids(kind, B, Sq, Sk, gen)
+    q_ids, k_ids = document_id_pattern(kind, B, Sq, Sk, gen)
     if causal:
         k_ids = q_ids
     if "nan" in opts:

@@ -2,9 +2,10 @@
 
 CPU (always): the document -> varlen segment planner, emulated segment by segment with the
 float64 reference and compared against the reference's own document mask on the id patterns
-of test_document_kernels.py; the refusals ("fa4" asked for where it cannot run gives one
-line; "auto" never picks it there). GPU (where FA4 is installed on an sm90/sm100 GPU): the
-kernels through the library's seam vs float64, dense and document-masked.
+of test_document_kernels.py (longctx.data.document_mixes.document_id_pattern); the refusals
+("fa4" asked for where it cannot run gives one line; "auto" never picks it there). GPU (where
+FA4 is installed on an sm90/sm100 GPU): the kernels through the library's seam vs float64,
+dense and document-masked.
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import zlib
 
 import pytest
 import torch
-from test_document_kernels import _document_ids
 
+from longctx.data.document_mixes import document_id_pattern
 from longctx.kernels import attention_backward, attention_forward, fa4, resolve_backend
 
 PATTERNS = [  # (ids kind, causal, B, Sq, Sk)
@@ -34,7 +35,7 @@ def _ids(kind, B, Sq, Sk, gen):
         q = [0] * 10 + [1] * 12 + [3] * 8 + [4] * 10 + [6] * (Sq - 40)
         k = [1] * 5 + [2] * 9 + [3] * 10 + [5] * 7 + [6] * (Sk - 31)
         return torch.tensor([q] * B), torch.tensor([k] * B)
-    return _document_ids(kind, B, Sq, Sk, gen)
+    return document_id_pattern(kind, B, Sq, Sk, gen)
 
 
 def _expressible(ids):

@@ -1,26 +1,33 @@
-"""benchmarks/max_context.py on the CPU: grid, fits, decisions, trace attribution, a dry-run job, the plot."""
+"""benchmarks/max_context.py on the CPU: grid, fits, decisions, trace attribution (longctx.bench),
+a dry-run job and the plot (the script's command line)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
+import subprocess
+import sys
+import types
 from pathlib import Path
 
 import pytest
 
+from longctx.bench import max_context_fit, peak_trace
+
 REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "max_context.py"
 K = 1024
 
 
 @pytest.fixture(scope="module")
 def mc():
-    had = "PYTORCH_CUDA_ALLOC_CONF" in os.environ
-    spec = importlib.util.spec_from_file_location("max_context", REPO / "benchmarks" / "max_context.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    if not had:  # the script sets it for its own processes; keep this test process unchanged
-        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    return mod
+    """The benchmark's pure parts, as one namespace."""
+    return types.SimpleNamespace(**{**vars(max_context_fit), **vars(peak_trace)})
+
+
+def _script(*args: str) -> str:
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
 
 
 def test_grid_and_decisions(mc):
@@ -55,7 +62,7 @@ def test_grid_and_decisions(mc):
 
 def test_attribute_peak_replays_to_the_peak(mc):
     roots = {"/x/longctx/": "longctx/", "/x/models/": "models/"}
-    me = "/y/benchmarks/max_context.py"
+    me = "/y/benchmarks/max_context_job.py"
     torch_frame = {"filename": "/site/torch/autograd/__init__.py", "line": 1, "name": "backward"}
     ring = {"filename": "/x/longctx/ring.py", "line": 20, "name": "_ring_backward"}
     mlp = {"filename": "/x/models/gpt.py", "line": 7, "name": "forward"}
@@ -70,13 +77,18 @@ def test_attribute_peak_replays_to_the_peak(mc):
         dict(action="free_completed", addr=2, size=50),
         dict(action="free_completed", addr=3, size=200),
     ]
-    out = mc.attribute_peak(trace, 1000, s_local=10, n_layer=2, roots=roots)
+    out = mc.attribute_peak(trace, 1000, s_local=10, n_layer=2, roots=roots, bench_files=("max_context_job.py",))
     assert out["peak_bytes_replayed"] == 1250 and out["resident_before_step_bytes"] == 1000
     sites = {r["site"]: r for r in out["sites"]}
     assert set(sites) == {"longctx/ring.py:20:_ring_backward", "benchmark:step (autograd: gradients, temporaries)"}
     assert sites["longctx/ring.py:20:_ring_backward"]["bytes"] == 50
     assert sites["longctx/ring.py:20:_ring_backward"]["bytes_per_token_per_layer"] == 2.5
     assert out["peak_event"].startswith("benchmark:step")
+    # the shared training step (longctx.bench.step) is the benchmark's step, not a library site
+    helper = {"filename": mc.STEP_FILE, "line": 40, "name": "train_step"}
+    own = ("max_context_job.py",)
+    assert mc.site_label([torch_frame, helper, step], roots, own) == "benchmark:step (autograd: gradients, temporaries)"
+    assert mc.site_label([mlp, helper, step], roots, own) == "models/gpt.py:7:forward"
 
 
 def _records(p, ckpt, a, b, budget, lengths, extra=()):
@@ -115,22 +127,22 @@ def test_summarize_statuses_and_plot(mc, tmp_path):
     assert out["scaling_vs_1gpu"]["no_ckpt"] == {"1": 1.0, "2": 2.0, "4": pytest.approx(128 / 96)}
     path = tmp_path / "max_context_ws4.json"
     path.write_text(json.dumps(out))
-    png = mc.plot(str(path))
-    assert Path(png).stat().st_size > 10_000
+    png = _script("--plot", str(path)).strip().splitlines()[-1]
+    assert png == str(path.with_suffix(".png")) and Path(png).stat().st_size > 10_000
 
 
 def test_dry_run_job_brackets_the_maximum(mc, tmp_path):
     records = tmp_path / "P1_nockpt.jsonl"
-    args = mc.parse_args(["--dry-run", "--job", "P1_nockpt", "--p", "1", "--ckpt", "0", "--records", str(records),
-                          "--dry-run-mem-mib", "26", "--verify-max-s", "20",
-                          "--fit-lengths-off", "64,128,256", "--grid-min", "128"])
-    mc.run_job(args)
+    grid_min, grid_max = 128, 1 << 18  # the dry run's --grid-max default
+    _script("--dry-run", "--job", "P1_nockpt", "--p", "1", "--ckpt", "0", "--records", str(records),
+            "--dry-run-mem-mib", "26", "--verify-max-s", "20", "--fit-lengths-off", "64,128,256",
+            "--grid-min", str(grid_min))
     recs = mc.read_records(tmp_path)
     kinds = [(r["kind"], r.get("phase")) for r in recs]
     assert kinds[0] == ("meta", None) and kinds.count(("measure", "fit")) == 3
     assert ("oom", "probe") in kinds, kinds  # caught in-process for P=1, and the job went on to finish
     assert all(r["loss_finite"] for r in recs if r["kind"] == "measure")
-    row = mc.summarize(recs, dict(preset="tiny", grid_min=args.grid_min, grid_max=args.grid_max))["table"][0]
+    row = mc.summarize(recs, dict(preset="tiny", grid_min=grid_min, grid_max=grid_max))["table"][0]
     assert row["status"].startswith("measured"), row
     oom = next(r["s_total"] for r in recs if r["kind"] == "oom")
-    assert mc.next_grid(mc.grid_lengths(args.grid_min, args.grid_max, 2), row["max_seq_len"]) == oom
+    assert mc.next_grid(mc.grid_lengths(grid_min, grid_max, 2), row["max_seq_len"]) == oom

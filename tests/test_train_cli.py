@@ -249,17 +249,13 @@ def test_context_parallel_8_on_cpu(tmp_path, cache_env):
 
 def test_one_peak_flops_table():
     """MFU in the training module and both benchmarks reads one table."""
-    import importlib.util
-
+    from longctx.bench.max_context_fit import attention_time_floor
     from longctx.models import GPTConfig
     from longctx.models.lit_module import peak_bf16_flops
 
     assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == peak_bf16_flops("NVIDIA H200") == 989.4e12
     assert peak_bf16_flops("NVIDIA H100 PCIe") == 756.0e12 and peak_bf16_flops("Tesla T4") is None
-    spec = importlib.util.spec_from_file_location("max_context_peak", REPO / "benchmarks" / "max_context.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    cfg = GPTConfig.from_preset("tiny")
-    pcie, sxm = (bench.attention_time_floor(cfg, False, name) for name in ("NVIDIA H100 PCIe", "NVIDIA H100"))
-    assert pcie == pytest.approx(sxm * 989.4 / 756.0) and bench.attention_time_floor(cfg, False, "cpu") == 0.0
+    cfg = GPTConfig.from_preset("tiny")  # max_context.py's attention-time floor
+    pcie, sxm = (attention_time_floor(cfg, False, name) for name in ("NVIDIA H100 PCIe", "NVIDIA H100"))
+    assert pcie == pytest.approx(sxm * 989.4 / 756.0) and attention_time_floor(cfg, False, "cpu") == 0.0
     assert "PEAK_BF16" not in (REPO / "benchmarks" / "train_throughput.py").read_text()
