@@ -1,4 +1,6 @@
 """What the benchmarks (benchmarks/) and their tests share: the training step the benchmarks
 time outside Lightning (step), the max-context benchmark's fits and decisions
 (max_context_fit) and peak attribution (peak_trace), and the recheck of stored memory
-measurements (memory_recheck). Above longctx.models; nothing in the library imports it."""
+measurements (memory_recheck). It lives in the top-level bench/ (installed as longctx.bench,
+like models/ and kernels/): above the model layer, which it uses; nothing in the library
+imports it."""
