@@ -114,7 +114,8 @@ class _Shape:
         return self.L * self.layer_params() + self.d + self.V * self.d * (1 if self.tied else 2)
 
 
-def _shape(config: Any) -> _Shape:
+def model_shape(config: Any) -> _Shape:
+    """The sizes the memory model reads, from a ``GPTConfig`` or a Hugging Face Llama-style config."""
     def get(*names, default=None):
         for n in names:
             v = getattr(config, n, None)
@@ -194,7 +195,7 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     if cpu_offload and data_parallel != "fsdp":
         raise ValueError("cpu_offload needs data_parallel='fsdp'")
     plan = _plan(plan)
-    s = _shape(config)
+    s = model_shape(config)
     if attention_kernel == "auto":  # the plan's backend; "auto" as the kernels will choose it
         chosen = plan.attention_backend
         attention_kernel = (kernel_family(chosen) if chosen != "auto"
@@ -473,14 +474,14 @@ def fitting_plan(config: Any, seq_len: int, *, plan=None, gpu_total: int, host_t
     if tiled is not plan and fits(tiled):
         return tiled
     if plan.attention_head_chunks == 1 and plan.cp_attention == "ring":
-        n_kv = _shape(config).hkv
+        n_kv = model_shape(config).hkv
         for chunks in (c for c in range(2, n_kv + 1) if n_kv % c == 0):
             tiled = dataclasses.replace(tiled, attention_head_chunks=chunks)
             if fits(tiled):
                 return tiled
     if plan.offload_activations is not False:
         return None  # the user chose how much to offload
-    n_layer = _shape(config).L
+    n_layer = model_shape(config).L
     if not gpu_ok(dataclasses.replace(tiled, offload_activations=n_layer)):
         return None
     # GPU bytes fall as n grows (host bytes rise): the smallest n whose GPU side fits, by

@@ -66,6 +66,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ..layouts import Layout, check_layout
 from ..parallel import CPContext, ParallelDims, parallelize
 from ..ring_comm import new_ring_group
+from ..run_plan import BYTES_PER_PARAMETER, resolve_data_parallel
+from ..run_plan import World as RunWorld
 from ..validation import check_choice, check_number
 from ..watchdog import RankWatchdog
 from .checkpoint_io import AtomicCheckpointIO, load_sharded_checkpoint, save_sharded_checkpoint
@@ -75,9 +77,6 @@ from .preemption import DEFAULT_GRACE_PERIOD, SignalStop, StoppedBySignal
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 DataParallel = Literal["auto", "fsdp", "ddp"]
 DATA_PARALLEL = get_args(DataParallel)
-# "auto" shards once the replicated training state would fill this share of a GPU.
-AUTO_FSDP_MEMORY_SHARE = 0.25
-BYTES_PER_PARAMETER = 16  # fp32 weights + gradients + AdamW's two moments
 DDP_BUCKET_BYTES = 4  # DDP's flat fp32 gradient buckets (a second copy of the gradients)
 
 
@@ -210,19 +209,28 @@ class ContextParallelStrategy(ModelParallelStrategy):
             )
         return self._parallel_dims
 
+    @property
+    def run_world(self) -> RunWorld:
+        """What this strategy fixes of a run (``longctx.run_plan.World``): the module's
+        ``resolve_run`` starts from it (valid once the processes exist)."""
+        return RunWorld(cp=self.cp_size, dp=self.dp_size, layout=self.layout, data_parallel=self._data_parallel_arg,
+                        cpu_offload=self.cpu_offload)
+
     def _resolve_data_parallel(self) -> str:
+        # The module's run plan decided it (CausalLMModule, in setup); a module without one by
+        # the same rule (longctx.run_plan.resolve_data_parallel).
         if self._data_parallel is None:
-            mode = self._data_parallel_arg
-            if mode == "auto":
-                mode = "ddp"
-                module = self.lightning_module
+            module = self.lightning_module
+            run = getattr(module, "run_plan", None)
+            if run is not None and run.parallel.data_parallel != "none":
+                self._data_parallel = run.parallel.data_parallel
+            else:
                 on_gpu = self.root_device.type == "cuda"
-                if on_gpu and module is not None and is_overridden("configure_model", module):
-                    n_params = sum(p.numel() for p in module.parameters())
-                    total = torch.cuda.get_device_properties(self.root_device).total_memory
-                    if n_params * BYTES_PER_PARAMETER > AUTO_FSDP_MEMORY_SHARE * total:
-                        mode = "fsdp"
-            self._data_parallel = mode
+                self._data_parallel = resolve_data_parallel(
+                    self._data_parallel_arg, n_params=sum(p.numel() for p in module.parameters()) if module else 0,
+                    device_type=self.root_device.type,
+                    gpu_total=torch.cuda.get_device_properties(self.root_device).total_memory if on_gpu else None,
+                    parallelizes=module is not None and is_overridden("configure_model", module))
         return self._data_parallel
 
     def _compute_dtype(self) -> Optional[torch.dtype]:
