@@ -27,7 +27,8 @@ What the strategy does, so that a LightningModule and a DataLoader work unchange
   ``parallel_dims`` (``longctx.ParallelDims``), which the module's ``configure_model``
   hands to ``longctx.parallelize``; a module that does not is parallelized by the
   strategy (CP hand-over only, DDP);
-* makes the distributed sampler split data over the ``dp`` dimension only;
+* makes the distributed sampler split data over the ``dp`` dimension only, in the loader's
+  order (``longctx.lightning.dataloaders``);
 * shards every token batch for this rank's CP position in ``batch_to_device`` (via
   ``longctx.shard_batch``, after the LightningModule's transfer hooks so they see full
   sequences) and adds global ``position_ids``, also at ``cp == 1``;
@@ -45,7 +46,6 @@ step, with a checkpoint if it fits in ``stop_grace_period`` seconds, and exits w
 """
 from __future__ import annotations
 
-import os
 import signal
 from collections.abc import Mapping
 from datetime import timedelta
@@ -71,6 +71,7 @@ from ..run_plan import World as RunWorld
 from ..validation import check_choice, check_number
 from ..watchdog import RankWatchdog
 from .checkpoint_io import AtomicCheckpointIO, load_sharded_checkpoint, save_sharded_checkpoint
+from .dataloaders import DpSampling
 from .launcher import ReapingScriptLauncher, exit_with_launcher
 from .preemption import DEFAULT_GRACE_PERIOD, SignalStop, StoppedBySignal
 
@@ -155,6 +156,7 @@ class ContextParallelStrategy(ModelParallelStrategy):
         self.layout = layout
         self.cpu_offload = cpu_offload
         self._ddp_kwargs = ddp_kwargs
+        self._dp_sampling = DpSampling()
         self._cp_group: Optional[dist.ProcessGroup] = None
         self._parallel_dims: Optional[ParallelDims] = None
         self.failure_timeout = failure_timeout
@@ -418,38 +420,11 @@ class ContextParallelStrategy(ModelParallelStrategy):
 
     def connect(self, model: Any) -> None:
         super().connect(model)
-        # While fitting, this strategy injects the distributed sampler itself (process_dataloader):
-        # Lightning's shuffles every training loader, even one with shuffle=False, so a CP or
-        # dp run would not see the batches of the same loader on one device.
-        trainer = getattr(model, "_trainer", None)
-        connector = getattr(trainer, "_accelerator_connector", None)
-        if connector is not None and trainer.state.fn == TrainerFn.FITTING:
-            self._inject_sampler = connector.use_distributed_sampler
-            connector.use_distributed_sampler = False
+        self._dp_sampling.take_over(getattr(model, "_trainer", None))  # while fitting: our sampler, in order
 
     def process_dataloader(self, dataloader: object) -> object:
-        """Split a user's DataLoader over dp only, in the loader's own order.
-
-        Sequential (``shuffle=False``) and custom samplers keep their order, strided over the
-        dp ranks: the global batch of step k is the one device's batch k. A ``RandomSampler``
-        becomes one permutation shared by all ranks (seed ``PL_GLOBAL_SEED``, as Lightning).
-        Loaders with a ``DistributedSampler`` of their own and iterable datasets pass as they are.
-        """
-        from lightning.fabric.utilities.data import has_iterable_dataset
-        from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
-        from lightning.pytorch.utilities.data import _update_dataloader
-        from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
-
-        if (not getattr(self, "_inject_sampler", False) or not isinstance(dataloader, DataLoader)
-                or isinstance(dataloader.sampler, DistributedSampler) or has_iterable_dataset(dataloader)):
-            return dataloader
-        kwargs = {**self.distributed_sampler_kwargs, "seed": int(os.getenv("PL_GLOBAL_SEED", 0))}
-        sampler = dataloader.sampler
-        if isinstance(sampler, (RandomSampler, SequentialSampler)):
-            sampler = DistributedSampler(dataloader.dataset, shuffle=isinstance(sampler, RandomSampler), **kwargs)
-        else:
-            sampler = DistributedSamplerWrapper(sampler, shuffle=False, **kwargs)
-        return _update_dataloader(dataloader, sampler)
+        """Split a user's DataLoader over dp only, in the loader's own order (``DpSampling.split``)."""
+        return self._dp_sampling.split(dataloader, **self.distributed_sampler_kwargs)
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         # Shard after the LightningModule's transfer hooks, which may expect full sequences
@@ -486,9 +461,7 @@ class ContextParallelStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module
-        if getattr(self, "_inject_sampler", None) is not None and self.lightning_module is not None:
-            self.lightning_module.trainer._accelerator_connector.use_distributed_sampler = self._inject_sampler
-            self._inject_sampler = None
+        self._dp_sampling.restore(getattr(self.lightning_module, "_trainer", None))
         if self._watchdog is not None:
             if not self._failed and dist.is_initialized():
                 # No rank stops watching (and exits, maybe taking rank 0's store with it)
