@@ -70,7 +70,7 @@ from ..run_plan import BYTES_PER_PARAMETER, resolve_data_parallel
 from ..run_plan import World as RunWorld
 from ..validation import check_choice, check_number
 from ..watchdog import RankWatchdog
-from .checkpoint_io import AtomicCheckpointIO, load_sharded_checkpoint, save_sharded_checkpoint
+from .checkpoint_io import AtomicCheckpointIO, load_training_state, save_training_state
 from .dataloaders import DpSampling
 from .launcher import ReapingScriptLauncher, exit_with_launcher
 from .preemption import DEFAULT_GRACE_PERIOD, SignalStop, StoppedBySignal
@@ -370,38 +370,13 @@ class ContextParallelStrategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} writes sharded checkpoints itself: no storage_options")
         # A folder of per-rank shards plus a verified manifest, swapped in atomically.
-        path = Path(self.broadcast(str(filepath)))
-        state = {"state_dict": checkpoint.pop("state_dict")}
-        for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
-            state[f"optimizer_{i}"] = optimizer_state
-        save_sharded_checkpoint(path, state, checkpoint)
+        save_training_state(Path(self.broadcast(str(filepath))), checkpoint)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if not self._sharded:
             return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if not path.is_dir():
-            raise ValueError(
-                f"{path} is a single-file checkpoint (data_parallel='ddp'); this run shards with FSDP2 and "
-                "resumes from sharded checkpoint folders. Resume it with data_parallel='ddp'"
-            )
-        state = {"state_dict": get_model_state_dict(self.model)}
-        for i, optimizer in enumerate(self.optimizers):
-            state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer)
-        metadata = load_sharded_checkpoint(path, state)  # verified first; reshards to this world
-        strict = self.lightning_module.strict_loading
-        set_model_state_dict(self.model, state["state_dict"], options=StateDictOptions(strict=strict))
-        for i, optimizer in enumerate(self.optimizers):
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[f"optimizer_{i}"])
-        return metadata
+        return load_training_state(Path(self.broadcast(str(checkpoint_path))), self.model, self.optimizers,
+                                   strict=self.lightning_module.strict_loading)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if not self._sharded:
