@@ -42,7 +42,8 @@ makes every other rank fail within that time instead of hanging a job for half a
 Ending a job: under a plain launch rank 0 ends every process it started and each of them
 dies with rank 0 (``longctx.lightning.launcher``); SIGTERM stops every rank at the same
 step, with a checkpoint if it fits in ``stop_grace_period`` seconds, and exits with
-128 + 15 (``longctx.lightning.preemption``).
+128 + 15 (``longctx.lightning.preemption``); a rank that fails or goes silent ends every rank
+within ``failure_timeout``, naming it (``longctx.lightning.failures``).
 """
 from __future__ import annotations
 
@@ -69,9 +70,9 @@ from ..ring_comm import new_ring_group
 from ..run_plan import BYTES_PER_PARAMETER, resolve_data_parallel
 from ..run_plan import World as RunWorld
 from ..validation import check_choice, check_number
-from ..watchdog import RankWatchdog
 from .checkpoint_io import AtomicCheckpointIO, load_training_state, save_training_state
 from .dataloaders import DpSampling
+from .failures import RankFailures
 from .launcher import ReapingScriptLauncher, exit_with_launcher
 from .preemption import DEFAULT_GRACE_PERIOD, SignalStop, StoppedBySignal
 
@@ -159,11 +160,9 @@ class ContextParallelStrategy(ModelParallelStrategy):
         self._dp_sampling = DpSampling()
         self._cp_group: Optional[dist.ProcessGroup] = None
         self._parallel_dims: Optional[ParallelDims] = None
-        self.failure_timeout = failure_timeout
-        self._watchdog: Optional[RankWatchdog] = None
-        self._failed = False
         self._signal_stop = SignalStop(stop_grace_period, forward=self._signal_children,
                                        before_exit=lambda: self._signal_children(signal.SIGKILL))
+        self._failures = RankFailures(failure_timeout, on_failure=self._signal_stop.exit_now)
 
     # -- sizes and ranks ---------------------------------------------------------------
     # Derived from the global rank (cp innermost: rank = dp_rank * cp + cp_rank), so they are
@@ -259,12 +258,7 @@ class ContextParallelStrategy(ModelParallelStrategy):
         self._build_groups()
         # As ModelParallelStrategy: a user's configure_model can read the mesh.
         self.lightning_module._device_mesh = self._device_mesh
-        if self.failure_timeout is not None and self.world_size > 1:
-            interval = min(1.0, self.failure_timeout / 4)
-            self._watchdog = RankWatchdog(
-                self.global_rank, self.world_size, timeout=self.failure_timeout, interval=interval,
-                on_failure=self._signal_stop.exit_now,
-            ).start()
+        self._failures.start(self.global_rank, self.world_size)
         self._signal_stop.install(self.lightning_module.trainer, self.global_rank)
 
     # -- ending the job: signals, children, failures --------------------------------------
@@ -414,36 +408,22 @@ class ContextParallelStrategy(ModelParallelStrategy):
 
     # -- teardown / registration -----------------------------------------------------------
 
+    @property
+    def failure_timeout(self) -> Optional[float]:
+        return self._failures.failure_timeout
+
     def on_exception(self, exception: BaseException) -> None:
-        if isinstance(exception, StoppedBySignal):  # every rank raises it at the same step
-            super().on_exception(exception)
-            return
-        self._failed = True
-        if self.received_signal is not None:  # a peer left during the stop: no rank failed
-            super().on_exception(exception)
-            return
-        # Tell the other ranks now, instead of leaving them blocked in the next collective.
-        if isinstance(exception, torch.OutOfMemoryError):
-            hint = ("data_parallel='fsdp' (--data-parallel fsdp) shards weights, gradients and optimizer state"
-                    if self.data_parallel == "ddp" else
-                    "activation_checkpointing (--model.parallel.activation_checkpointing full), a larger "
-                    "--context-parallel, or cpu_offload=True (--strategy.cpu_offload true)")
-            print(f"[longctx] rank {self.global_rank}: out of GPU memory; try {hint}", flush=True)
-        if self._watchdog is not None:
-            self._watchdog.report_failure(exception)
+        if not isinstance(exception, StoppedBySignal):  # every rank raises that one at the same step
+            # A peer that left during a stop by signal is no failure: nothing to tell the others.
+            self._failures.failed(exception, rank=self.global_rank, data_parallel=self.data_parallel,
+                                  tell_others=self.received_signal is None)
         super().on_exception(exception)
 
     def teardown(self) -> None:
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module
         self._dp_sampling.restore(getattr(self.lightning_module, "_trainer", None))
-        if self._watchdog is not None:
-            if not self._failed and dist.is_initialized():
-                # No rank stops watching (and exits, maybe taking rank 0's store with it)
-                # while another is still working.
-                dist.barrier()
-            self._watchdog.stop()
-            self._watchdog = None
+        self._failures.stop()
         super().teardown()
 
     @classmethod
