@@ -29,6 +29,7 @@ from .parallel import ParallelPlan
 # "auto" data parallelism shards once the replicated training state would fill this share of a GPU.
 AUTO_FSDP_MEMORY_SHARE = 0.25
 BYTES_PER_PARAMETER = 16  # fp32 weights + gradients + AdamW's two moments
+DDP_BUCKET_BYTES = 4  # DDP's flat fp32 gradient buckets (a second copy of the gradients)
 REQUESTED_DATA_PARALLEL = ("auto", "fsdp", "ddp", "none")
 
 
@@ -129,6 +130,21 @@ def resolve_data_parallel(requested: str, *, n_params: int, device_type: str, gp
         return requested
     big = gpu_total is not None and n_params * BYTES_PER_PARAMETER > AUTO_FSDP_MEMORY_SHARE * gpu_total
     return "fsdp" if device_type == "cuda" and parallelizes and big else "ddp"
+
+
+def check_replica_fits(n_params: int, *, world_size: int, gpu_total: int, device_name: str) -> None:
+    """DDP keeps the whole training state on every GPU: raise ``MemoryError`` (one line, naming
+    the fix) where that alone exceeds ``gpu_total``, before any activation."""
+    per_param = BYTES_PER_PARAMETER + (DDP_BUCKET_BYTES if world_size > 1 else 0)
+    need = n_params * per_param
+    if need > gpu_total:
+        raise MemoryError(
+            f"data_parallel='ddp' keeps the whole model on every GPU: {n_params / 1e9:.2f}B parameters x "
+            f"{per_param} bytes (fp32 weights, gradients, AdamW moments, DDP buckets) = "
+            f"{need / 2**30:.0f} GiB > {gpu_total / 2**30:.0f} GiB on {device_name}, "
+            "before any activation. Use data_parallel='fsdp' (train.py --data-parallel fsdp) to shard it "
+            "over the ranks"
+        )
 
 
 def balances_documents(load_balance: Optional[bool], *, documents: bool, cp: int, layout: str,

@@ -67,8 +67,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ..layouts import Layout, check_layout
 from ..parallel import CPContext, ParallelDims, parallelize
 from ..ring_comm import new_ring_group
-from ..run_plan import BYTES_PER_PARAMETER, resolve_data_parallel
 from ..run_plan import World as RunWorld
+from ..run_plan import check_replica_fits, resolve_data_parallel
 from ..validation import check_choice, check_number
 from .checkpoint_io import AtomicCheckpointIO, load_training_state, save_training_state
 from .dataloaders import DpSampling
@@ -79,7 +79,6 @@ from .preemption import DEFAULT_GRACE_PERIOD, SignalStop, StoppedBySignal
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 DataParallel = Literal["auto", "fsdp", "ddp"]
 DATA_PARALLEL = get_args(DataParallel)
-DDP_BUCKET_BYTES = 4  # DDP's flat fp32 gradient buckets (a second copy of the gradients)
 
 
 def _check_divisible(world_size: int, cp_size: int, devices: Optional[int] = None, nodes: Optional[int] = None) -> None:
@@ -319,20 +318,10 @@ class ContextParallelStrategy(ModelParallelStrategy):
 
     def _check_replica_fits(self, module: torch.nn.Module) -> None:
         """DDP keeps everything on every GPU: say so (and how to fix it) before the OOM."""
-        if self.root_device.type != "cuda":
-            return
-        n_params = sum(p.numel() for p in module.parameters())
-        per_param = BYTES_PER_PARAMETER + (DDP_BUCKET_BYTES if self.world_size > 1 else 0)
-        need = n_params * per_param
-        total = torch.cuda.get_device_properties(self.root_device).total_memory
-        if need > total:
-            raise MemoryError(
-                f"data_parallel='ddp' keeps the whole model on every GPU: {n_params / 1e9:.2f}B parameters x "
-                f"{per_param} bytes (fp32 weights, gradients, AdamW moments, DDP buckets) = "
-                f"{need / 2**30:.0f} GiB > {total / 2**30:.0f} GiB on {torch.cuda.get_device_name(self.root_device)}, "
-                "before any activation. Use data_parallel='fsdp' (train.py --data-parallel fsdp) to shard it "
-                "over the ranks"
-            )
+        if self.root_device.type == "cuda":
+            check_replica_fits(sum(p.numel() for p in module.parameters()), world_size=self.world_size,
+                               gpu_total=torch.cuda.get_device_properties(self.root_device).total_memory,
+                               device_name=torch.cuda.get_device_name(self.root_device))
 
     # -- checkpoints: sharded folders (FSDP) or single files (DDP) -----------------------
 
