@@ -19,6 +19,8 @@ Data parallelism (``data_parallel``) runs over the whole ``dp x cp`` world:
   fp32 weights, gradients, two AdamW moments) would take more than a quarter of a GPU's
   memory, else ``"ddp"`` (faster for small models: no per-layer all-gather); always
   ``"ddp"`` on CPU and for modules that do not apply ``longctx.parallelize`` themselves.
+  Decided once (``longctx.run_plan``): with ``CausalLMModule`` as part of its run plan, in
+  its ``setup``, before the model is built; for other modules when ``parallel_dims`` is built.
 
 What the strategy does, so that a LightningModule and a DataLoader work unchanged:
 
@@ -190,7 +192,7 @@ class ContextParallelStrategy(ModelParallelStrategy):
 
     @property
     def data_parallel(self) -> str:
-        """``"fsdp"`` or ``"ddp"`` once resolved (``configure_model``), else the requested mode."""
+        """``"fsdp"`` or ``"ddp"`` once resolved (by ``configure_model``), else the requested mode."""
         return self._data_parallel or self._data_parallel_arg
 
     @property
