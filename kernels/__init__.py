@@ -16,8 +16,9 @@ when ``causal``). A query row that sees no key in a block gets ``out = 0`` and
 "fa4" (documents as varlen runs), "triton" (triton_document.py: tiles of no shared document
 are skipped, tiles inside one document run unmasked) and "torch"; "auto" picks fa4, else
 triton, on GPUs, and "cudnn"/"flash" fall back to triton with a warning (see
-resolve_backend). fa4 hands a block whose ids are not runs it can express to triton. Callers that
-resolve the backend once for several blocks (the ring) pass ``documents=True`` to ``resolve_backend``.
+select_backend). fa4 hands a block whose ids are not runs it can express to triton. Callers that
+resolve the backend once for several blocks (the ring) pass ``documents=True`` to ``resolve_backend``;
+``select_backend`` answers the same question from shapes alone (a run's plan, before any tensor).
 
 ``segments=`` (``kernels.segments.Segments``, with the ids): the block's varlen segments,
 built once by the caller (``longctx.documents``) for every layer; fa4 then reads nothing
@@ -45,6 +46,7 @@ __all__ = [
     "check_attention_inputs",
     "check_document_ids",
     "resolve_backend",
+    "select_backend",
     "backend_refusal",
     "BACKENDS",
     "VENDOR_BACKENDS",
@@ -142,48 +144,58 @@ def backend_refusal(backend: str, device) -> Optional[str]:
     return None if backend_available(backend, device) else f"attention backend {backend!r} is not available on {device}"
 
 
-def _fa4_refusal(q: torch.Tensor) -> Optional[str]:
-    """Why "fa4" cannot run these inputs (device, install or shape), or None."""
-    return backend_refusal("fa4", q.device) or _module("fa4").unsupported_shape(q.device, q.dtype, q.shape[-1])
+def _fa4_refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
+    """Why "fa4" cannot run blocks of this device, dtype and head dim (install or shape), or None."""
+    return backend_refusal("fa4", device) or _module("fa4").unsupported_shape(device, dtype, head_dim)
+
+
+def select_backend(backend: str, device, dtype: torch.dtype, head_dim: int, seq_len_q: int, seq_len_k: int,
+                   causal: bool, *, documents: bool = False) -> str:
+    """The concrete backend for blocks of this device, dtype, head dim and lengths; ``"auto"``
+    picks from recorded measurements (selection.py's table). ``resolve_backend`` asks it per
+    call; ``longctx.run_plan`` once per run for each block kind, and hands the answer down.
+
+    ``documents=True`` (the blocks carry document ids): "auto" picks "fa4" where it runs
+    (varlen runs), else "triton" on GPUs; an explicit "cudnn"/"flash" falls back to "triton"
+    (or "torch" where triton is not available) with a warning: PyTorch's vendor ops take no
+    per-token mask. An explicit backend that cannot run here raises one line saying why.
+    """
+    device = torch.device(device)
+    if backend == "auto":
+        if device.type == "cpu":
+            return "torch"
+        if documents:
+            if _fa4_refusal(device, dtype, head_dim) is None:
+                return "fa4"
+            # Triton covers D <= 256 in fp16/bf16/fp32; anything else takes the reference.
+            fits = head_dim <= 256 and dtype != torch.float64
+            return "triton" if fits and backend_available("triton", device) else "torch"
+        from .selection import choose_backend
+
+        backend = choose_backend(device, dtype, head_dim, seq_len_q, seq_len_k, causal)
+        return backend if backend_available(backend, device) else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected 'auto' or one of {BACKENDS}")
+    if backend == "fa4":
+        why = _fa4_refusal(device, dtype, head_dim)
+        if why is not None:
+            raise ValueError(f"attention backend 'fa4' cannot run here: {why}")
+        return backend
+    if not backend_available(backend, device):
+        raise ValueError(f"attention backend {backend!r} is not available on device {device}")
+    if documents and backend in ("cudnn", "flash"):
+        fallback = _document_fallback(device)
+        warnings.warn(f"attention backend {backend!r} takes no document mask; document-masked "
+                      f"blocks run on {fallback!r}", stacklevel=4)
+        return fallback
+    return backend
 
 
 def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, causal: bool, *,
                     documents: bool = False) -> str:
-    """The concrete backend for these inputs; ``"auto"`` picks from recorded measurements.
-
-    ``documents=True`` (the call carries document ids): "auto" picks "fa4" where it runs
-    (varlen runs), else "triton" on GPUs; an explicit "cudnn"/"flash" falls back to "triton"
-    (or "torch" where triton is not available) with a warning: PyTorch's vendor ops take no
-    per-token mask. An explicit "fa4" that cannot run here raises one line saying why.
-    """
-    if backend == "auto":
-        if q.device.type == "cpu":
-            return "torch"
-        if documents:
-            if _fa4_refusal(q) is None:
-                return "fa4"
-            # Triton covers D <= 256 in fp16/bf16/fp32; anything else takes the reference.
-            fits = q.shape[-1] <= 256 and q.dtype != torch.float64
-            return "triton" if fits and backend_available("triton", q.device) else "torch"
-        from .selection import choose_backend
-
-        backend = choose_backend(q.device, q.dtype, q.shape[-1], q.shape[1], k.shape[1], causal)
-        return backend if backend_available(backend, q.device) else "torch"
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; expected 'auto' or one of {BACKENDS}")
-    if backend == "fa4":
-        why = _fa4_refusal(q)
-        if why is not None:
-            raise ValueError(f"attention backend 'fa4' cannot run here: {why}")
-        return backend
-    if not backend_available(backend, q.device):
-        raise ValueError(f"attention backend {backend!r} is not available on device {q.device}")
-    if documents and backend in ("cudnn", "flash"):
-        fallback = _document_fallback(q)
-        warnings.warn(f"attention backend {backend!r} takes no document mask; document-masked "
-                      f"blocks run on {fallback!r}", stacklevel=3)
-        return fallback
-    return backend
+    """``select_backend`` for these inputs (``documents=True``: the call carries document ids)."""
+    return select_backend(backend, q.device, q.dtype, q.shape[-1], q.shape[1], k.shape[1], causal,
+                          documents=documents)
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -199,8 +211,8 @@ def partial_dtype(backend: str, dtype: torch.dtype) -> Optional[torch.dtype]:
     return None if backend in VENDOR_BACKENDS else accumulator_dtype(dtype)
 
 
-def _document_fallback(q: torch.Tensor) -> str:
-    return "triton" if backend_available("triton", q.device) else "torch"
+def _document_fallback(device: torch.device) -> str:
+    return "triton" if backend_available("triton", device) else "torch"
 
 
 def _check_segments(segments, docs, q, k, causal) -> None:
@@ -248,7 +260,7 @@ def attention_forward(
     if docs[0] is not None:
         result = mod.forward(q, k, v, causal, scale, out_dtype, *docs)
         if result is None:  # fa4: ids that varlen runs cannot express
-            result = _module(_document_fallback(q)).forward(q, k, v, causal, scale, out_dtype, *docs)
+            result = _module(_document_fallback(q.device)).forward(q, k, v, causal, scale, out_dtype, *docs)
         return result
     if name in ("cudnn", "flash"):
         return mod.forward(q, k, v, causal, scale, out_dtype, which=name)
@@ -293,7 +305,7 @@ def attention_backward(
     if docs[0] is not None:
         grads = mod.backward(dout, q, k, v, out, lse, causal, scale, delta, grad_dtype, *docs)
         if grads is None:  # fa4: ids that varlen runs cannot express (same test as forward)
-            grads = _module(_document_fallback(q)).backward(
+            grads = _module(_document_fallback(q.device)).backward(
                 dout, q, k, v, out, lse, causal, scale, delta, grad_dtype, *docs)
         return grads
     if name in ("cudnn", "flash"):

@@ -61,8 +61,9 @@ class ContextParallelContext:
     """The CP context of one model: process group (None = plain attention), layout, backend."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], layout: str, backend: str,
-                 model_name: Optional[str] = None):
+                 model_name: Optional[str] = None, document_backend: Optional[str] = None):
         self.group, self.layout, self.backend = group, layout, backend
+        self.document_backend = document_backend  # None: ``backend`` for document-masked calls too
         self.model_name = model_name  # for error messages
         self.world_size = 1 if group is None else dist.get_world_size(group)
         # The position_ids tensor last checked (see _check_data).
@@ -84,14 +85,16 @@ def _accepts(fn: Callable, name: str) -> bool:
 
 
 def set_context_parallel_group(model: torch.nn.Module, group: Optional[dist.ProcessGroup],
-                               layout: str = "zigzag", *, backend: str = "auto") -> None:
+                               layout: str = "zigzag", *, backend: str = "auto",
+                               document_backend: Optional[str] = None) -> None:
     """Run ``model``'s attention over ``group`` with sequences sharded by ``layout``.
 
     ``group=None`` (or a group of size 1): plain local attention through the same kernels.
     The model must have been loaded with ``attn_implementation="longctx_ring"`` or
     ``"longctx_ulysses"``. Features the ring cannot honour that the model's config or
     modules already reveal are refused here; the rest at the first forward.
-    ``backend`` is passed on to ``ring_attention(backend=...)``.
+    ``backend`` is passed on to ``ring_attention(backend=...)``; ``document_backend`` (None:
+    ``backend``) instead where the call carries document ids.
     """
     check_layout(layout)
     config = getattr(model, "config", None)
@@ -109,7 +112,7 @@ def set_context_parallel_group(model: torch.nn.Module, group: Optional[dist.Proc
     if softcap is not None:
         raise ValueError(f"{name}: attention logit soft-capping (attn_logit_softcapping={softcap}) "
                          f"is not supported by {implementation}")
-    context = ContextParallelContext(group, layout, backend, name)
+    context = ContextParallelContext(group, layout, backend, name, document_backend)
     for module in model.modules():
         # Every submodule: which modules call the attention function is the model's business.
         setattr(module, _CONTEXT_ATTR, context)
@@ -224,7 +227,8 @@ def _attention_forward(implementation: str, module: torch.nn.Module, query: torc
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # HF (B, H, S, D) -> (B, S, H, D)
     out = attention(q, k, v, group=context.group, causal=True, layout=context.layout,
                     softmax_scale=scaling if scaling is not None else module.scaling,
-                    backend=context.backend, **extra)
+                    backend=(context.document_backend or context.backend) if document_ids is not None
+                    else context.backend, **extra)
     return out, None
 
 

@@ -43,8 +43,10 @@ Not in ``max_memory_allocated`` but on the device: CUDA context, cuDNN/NCCL work
 (``cuda_context``, 1.5 GiB) and fragmentation (``allocator_slack``, 3% of the rest).
 
 ``max_seq_len(config, gpu_bytes, plan=..., cp=...)`` is the longest sequence (a multiple
-of ``2 x cp``) whose estimate fits. ``check_fits`` raises ``ValueError`` with one line
-naming the change that would make it fit (checkpointing, mlp_tile_size, offload, CP size).
+of ``2 x cp``) whose estimate fits. One escalation ladder, ``fitting_plan``: the MLP tiled,
+then the fewest attention head chunks, then the fewest blocks offloaded; a run takes it
+(``longctx.run_plan``), and ``check_fits`` raises ``ValueError`` with one line naming where
+the same ladder, from full activation checkpointing, ends (or the CP size that fits).
 ``longctx`` never imports ``longctx.models``: the config is read duck-typed (GPTConfig or a
 Hugging Face Llama-style config).
 """
@@ -112,7 +114,8 @@ class _Shape:
         return self.L * self.layer_params() + self.d + self.V * self.d * (1 if self.tied else 2)
 
 
-def _shape(config: Any) -> _Shape:
+def model_shape(config: Any) -> _Shape:
+    """The sizes the memory model reads, from a ``GPTConfig`` or a Hugging Face Llama-style config."""
     def get(*names, default=None):
         for n in names:
             v = getattr(config, n, None)
@@ -145,19 +148,24 @@ def _offload_layers(setting, n_layer: int) -> int:
     return offload_count(setting, n_layer)
 
 
+def kernel_family(backend: str) -> str:
+    """How the memory model counts a block kernel's buffers: "flash" like "cudnn" (GQA
+    expanded), the reference like "triton"; "fa4" as itself."""
+    return {"flash": "cudnn", "torch": "triton"}.get(backend, backend)
+
+
 def auto_attention_kernel(head_dim: int = 128, seq_len: int = 128 * 1024) -> str:
     """The block kernel ``backend="auto"`` runs for bf16 causal blocks of ``seq_len`` tokens and
-    ``head_dim`` on this machine's first GPU, by the kernels' own table
-    (``longctx.kernels.selection``), as the memory model counts it: "flash" like "cudnn"
-    (GQA expanded), the reference like "triton". Without a GPU: "triton"."""
+    ``head_dim`` on this machine's first GPU, by the kernels' own rule
+    (``longctx.kernels.select_backend``), as the memory model counts it (``kernel_family``).
+    Without a GPU: "triton". A run's plan resolves its kernels itself (``longctx.run_plan``)."""
     import torch
 
     if not torch.cuda.is_available():
         return "triton"
-    from longctx.kernels.selection import choose_backend
+    from longctx.kernels import select_backend
 
-    name = choose_backend("cuda", torch.bfloat16, head_dim, seq_len, seq_len, True)
-    return {"flash": "cudnn", "torch": "triton"}.get(name, name)
+    return kernel_family(select_backend("auto", "cuda", torch.bfloat16, head_dim, seq_len, seq_len, True))
 
 
 def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, data_parallel: str = "fsdp",
@@ -171,9 +179,9 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     ``"ddp"`` or ``"none"`` (replicated). ``precision``: ``"bf16-mixed"`` (fp32 masters,
     bf16 compute) or ``"32-true"``. ``attention_kernel``: the block kernels' backward
     buffers differ: ``"cudnn"`` expands GQA K/V to every query head, ``"fa4"`` and
-    ``"triton"`` take GQA natively; ``"auto"``: the plan's ``attention_backend``, and where
-    that is "auto" too, what the kernels' selection table picks here for this head dim and
-    shard length (``auto_attention_kernel``).
+    ``"triton"`` take GQA natively; ``"auto"``: the plan's ``attention_backend`` (a run's
+    resolved plan names it: ``longctx.run_plan``), and where that is "auto" too, what the
+    kernels pick here for this head dim and shard length (``auto_attention_kernel``).
     """
     for name, value in (("seq_len", seq_len), ("cp", cp), ("dp", dp), ("batch_size", batch_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -187,10 +195,10 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     if cpu_offload and data_parallel != "fsdp":
         raise ValueError("cpu_offload needs data_parallel='fsdp'")
     plan = _plan(plan)
-    s = _shape(config)
+    s = model_shape(config)
     if attention_kernel == "auto":  # the plan's backend; "auto" as the kernels will choose it
         chosen = plan.attention_backend
-        attention_kernel = ({"flash": "cudnn", "torch": "triton"}.get(chosen, chosen) if chosen != "auto"
+        attention_kernel = (kernel_family(chosen) if chosen != "auto"
                             else auto_attention_kernel(s.hd, -(-seq_len // cp)))
     world = cp * dp
     T = batch_size * -(-seq_len // cp)
@@ -408,51 +416,34 @@ def host_memory_bytes() -> int:
     raise RuntimeError("cannot read the machine's memory size")
 
 
+def _changes(before, after) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in after.to_dict().items() if getattr(before, k) != v)
+
+
 def _fix(config, seq_len, kw, plan, gpu_total, host_total) -> str:
-    """The first single change (in order of cost) predicted to make the step fit."""
-    from .parallel import ParallelPlan
+    """The cheapest change predicted to make the step fit, named: the one ladder
+    (``fitting_plan``) from the plan with full activation checkpointing (the first rung), then
+    with a larger CP size."""
+    full = dataclasses.replace(plan, activation_checkpointing="full")
 
-    def ok(p=plan, **over):
-        e = estimate(config, seq_len, **{**kw, "plan": p, **over})
-        return e if e.gpu_bytes <= gpu_total and (host_total is None or e.host_bytes <= host_total) else None
+    def fitted(**over):
+        return fitting_plan(config, seq_len, plan=full, gpu_total=gpu_total, host_total=host_total, **{**kw, **over})
 
-    def with_(**changes):
-        return ParallelPlan.from_dict({**dataclasses.asdict(plan), **changes})
+    def predicted(p, **over) -> str:
+        e = estimate(config, seq_len, plan=p, **{**kw, **over})
+        return f"predicted {e.gpu_bytes / GiB:.1f} GiB" + (f" GPU, {e.host_bytes / GiB:.1f} GiB host"
+                                                            if p.offload_activations else "")
 
-    tries = []
-    if plan.activation_checkpointing != "full":
-        tries.append(("activation_checkpointing='full'", with_(activation_checkpointing="full")))
-    full = with_(activation_checkpointing="full")
-    if plan.mlp_tile_size is None:
-        tries.append((f"mlp_tile_size={DEFAULT_MLP_TILE}" + ("" if plan.activation_checkpointing == "full"
-                                              else " with activation_checkpointing='full'"),
-                      ParallelPlan.from_dict({**dataclasses.asdict(full), "mlp_tile_size": DEFAULT_MLP_TILE})))
-    tiled = ParallelPlan.from_dict({**dataclasses.asdict(full),
-                                    "mlp_tile_size": plan.mlp_tile_size or DEFAULT_MLP_TILE})
-    if plan.cp_attention == "ring":
-        tiled = dataclasses.replace(tiled, attention_head_chunks=_shape(config).hkv)
-    for p_name, p in tries:
-        e = ok(p)
-        if e:
-            return f"set ParallelPlan({p_name}) (predicted {e.gpu_bytes / GiB:.1f} GiB)"
-    n_layer = _shape(config).L
-    settings = (f"activation_checkpointing='full', mlp_tile_size={tiled.mlp_tile_size}"
-                + (f", attention_head_chunks={tiled.attention_head_chunks}" if tiled.attention_head_chunks > 1 else ""))
-    e = ok(tiled)
-    if e:
-        return f"set ParallelPlan({settings}) (predicted {e.gpu_bytes / GiB:.1f} GiB)"
-    for n in range(1, n_layer + 1):
-        p = dataclasses.replace(tiled, offload_activations=n)
-        e = ok(p)
-        if e:
-            return (f"set ParallelPlan({settings}, offload_activations={n}) (predicted {e.gpu_bytes / GiB:.1f} GiB "
-                    f"GPU, {e.host_bytes / GiB:.1f} GiB host)")
+    p = fitted()
+    if p is not None:
+        return f"set ParallelPlan({_changes(plan, p)}) ({predicted(p)})"
     cp = kw["cp"]
     for bigger in (2 * cp, 4 * cp, 8 * cp, 16 * cp, 32 * cp):
-        e = ok(tiled, cp=bigger)
-        if e:
-            return (f"use a context-parallel size of {bigger} (with {settings}: predicted "
-                    f"{e.gpu_bytes / GiB:.1f} GiB per GPU)")
+        p = fitted(cp=bigger)
+        if p is not None:
+            settings = _changes(plan, p)
+            return (f"use a context-parallel size of {bigger}" + (f" (with {settings})" if settings else "")
+                    + f" ({predicted(p, cp=bigger)} per GPU)")
     return "shorten the sequence or use more GPUs"
 
 
@@ -483,14 +474,14 @@ def fitting_plan(config: Any, seq_len: int, *, plan=None, gpu_total: int, host_t
     if tiled is not plan and fits(tiled):
         return tiled
     if plan.attention_head_chunks == 1 and plan.cp_attention == "ring":
-        n_kv = _shape(config).hkv
+        n_kv = model_shape(config).hkv
         for chunks in (c for c in range(2, n_kv + 1) if n_kv % c == 0):
             tiled = dataclasses.replace(tiled, attention_head_chunks=chunks)
             if fits(tiled):
                 return tiled
     if plan.offload_activations is not False:
         return None  # the user chose how much to offload
-    n_layer = _shape(config).L
+    n_layer = model_shape(config).L
     if not gpu_ok(dataclasses.replace(tiled, offload_activations=n_layer)):
         return None
     # GPU bytes fall as n grows (host bytes rise): the smallest n whose GPU side fits, by
@@ -512,14 +503,14 @@ class PredictedOutOfMemory(ValueError):
 
 def check_fits(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, data_parallel: str = "fsdp",
                cpu_offload: bool = False, batch_size: int = 1, precision: str = "bf16-mixed",
-               gpu_total: Optional[int] = None, host_total: Optional[int] = None,
+               attention_kernel: str = "auto", gpu_total: Optional[int] = None, host_total: Optional[int] = None,
                host_ranks: int = 1) -> MemoryEstimate:
     """Estimate, then raise ``PredictedOutOfMemory`` (a ValueError: one line, naming what to change) when the
     prediction exceeds ``gpu_total`` bytes per GPU or ``host_total`` bytes of host memory
     shared by ``host_ranks`` ranks. A total of None is not checked (e.g. no GPU)."""
     plan = _plan(plan)
     kw = dict(cp=cp, dp=dp, data_parallel=data_parallel, cpu_offload=cpu_offload, batch_size=batch_size,
-              precision=precision)
+              precision=precision, attention_kernel=attention_kernel)
     est = estimate(config, seq_len, plan=plan, **kw)
     per_rank_host = None if host_total is None else host_total // max(host_ranks, 1)
     too_big = []

@@ -11,7 +11,8 @@ and ``parallelize``, which applies them to an architecture-only model from outsi
   CP ranks hold other tokens of the same samples, so they shard parameters too),
   FSDP2's compute dtype and CPU offload. The strategy builds it.
 * ``ParallelPlan``: the runtime policy of one model: activation checkpointing, pointwise
-  fusion, ring or Ulysses, kernel backend, loss chunk size. The training module owns it.
+  fusion, ring or Ulysses, kernel backends, loss chunk size, memory settings. A run resolves
+  its "auto"s once (``longctx.run_plan.resolve_run``); the training module owns the result.
 * ``parallelize(model, dims, plan)``: applies both, FSDP2 last (per block, an untied input
   embedding, then the root).
 
@@ -64,19 +65,21 @@ class ContextParallelAttention(nn.Module):
     """Exact causal attention of this rank's shard over its CP group (no parameters).
 
     ``forward(q, k, v, document_ids=None)`` on ``(B, S_local, heads, head_dim)`` tensors.
-    ``kind`` is ``"ring"`` or ``"ulysses"``; ``backend`` goes to the block kernels.
+    ``kind`` is ``"ring"`` or ``"ulysses"``; ``backend`` goes to the block kernels, and
+    ``document_backend`` (None: ``backend``) for document-masked calls.
     """
 
     def __init__(self, n_head: int, n_kv_head: int, *, kind: str = "ring", backend: str = "auto",
-                 head_chunks: int = 1):
+                 head_chunks: int = 1, document_backend: Optional[str] = None):
         super().__init__()
         self.n_head, self.n_kv_head = n_head, n_kv_head
         self.cp = CPContext()
-        self.kind, self.backend, self.head_chunks = "ring", backend, 1
+        self.kind, self.backend, self.document_backend, self.head_chunks = "ring", backend, document_backend, 1
         self.configure(kind=kind, head_chunks=head_chunks)
 
     def configure(self, *, cp: Optional[CPContext] = None, kind: Optional[str] = None,
-                  backend: Optional[str] = None, head_chunks: Optional[int] = None) -> None:
+                  backend: Optional[str] = None, head_chunks: Optional[int] = None,
+                  document_backend: Optional[str] = None) -> None:
         cp = self.cp if cp is None else cp
         kind = self.kind if kind is None else kind
         head_chunks = self.head_chunks if head_chunks is None else head_chunks
@@ -96,6 +99,8 @@ class ContextParallelAttention(nn.Module):
         self.cp, self.kind, self.head_chunks = cp, kind, head_chunks
         if backend is not None:
             self.backend = backend
+        if document_backend is not None:
+            self.document_backend = document_backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -103,17 +108,22 @@ class ContextParallelAttention(nn.Module):
         extra = {} if document_ids is None else {"document_ids": document_ids}
         if self.head_chunks != 1:
             extra["head_chunks"] = self.head_chunks
+        # A step's plan of one document per row runs as the plain ring: the plain blocks' kernel.
+        masked = document_ids is not None and not getattr(document_ids, "one_document", False)
+        backend = (self.document_backend or self.backend) if masked else self.backend
         return attention(q, k, v, group=self.cp.group, causal=True, layout=self.cp.layout,
-                         backend=self.backend, **extra)
+                         backend=backend, **extra)
 
     def extra_repr(self) -> str:
         return (f"kind={self.kind!r}, backend={self.backend!r}, cp_size={self.cp.size}, layout={self.cp.layout!r}"
+                + (f", document_backend={self.document_backend!r}" if self.document_backend else "")
                 + (f", head_chunks={self.head_chunks}" if self.head_chunks != 1 else ""))
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelPlan:
-    """How one model runs (never its sizes).
+    """How one model runs (never its sizes). Frozen: a run's plan is decided once
+    (``longctx.run_plan.resolve_run``) and applied once (``parallelize``).
 
     Args:
         activation_checkpointing: ``"none"``; ``"full"`` (keep each block's input, recompute
@@ -123,7 +133,11 @@ class ParallelPlan:
         cp_attention: ``"ring"`` (any head count) or ``"ulysses"`` (``n_kv_head % cp == 0``).
         attention_backend: block kernels: ``"auto"`` (measured fastest: FlashAttention-4
             where installed on sm90/sm100), ``"fa4"``, ``"cudnn"``, ``"flash"``, ``"triton"``,
-            ``"torch"``.
+            ``"torch"``. For blocks without document ids.
+        document_backend: block kernels for document-masked blocks (same names). None
+            (default): as ``attention_backend`` gives them ("auto": FlashAttention-4 where it
+            runs, else "triton"; "cudnn"/"flash" take no mask: "triton"). A run's resolved plan
+            names both (``longctx.run_plan``), so its config.yaml reproduces the kernels.
         loss_chunk_size: tokens per chunk of the chunked cross-entropy (fp32 logits of at
             most this many tokens exist at once).
         offload_activations: keep the tensors blocks save for the backward in pinned host
@@ -149,6 +163,7 @@ class ParallelPlan:
     fuse_pointwise: bool = False
     cp_attention: str = "ring"
     attention_backend: str = "auto"
+    document_backend: Optional[str] = None
     loss_chunk_size: int = 4096
     offload_activations: Union[bool, int] = False
     mlp_tile_size: Optional[int] = None
@@ -159,15 +174,15 @@ class ParallelPlan:
         ac = {False: "none", True: "full"}.get(ac, ac) if isinstance(ac, bool) else ac
         if ac not in CHECKPOINTING:
             raise ValueError(f"activation_checkpointing must be one of {CHECKPOINTING}, got {ac!r}")
-        self.activation_checkpointing = ac
+        object.__setattr__(self, "activation_checkpointing", ac)  # frozen: normalised once, here
         if self.cp_attention not in CP_ATTENTION:
             raise ValueError(f"cp_attention must be one of {CP_ATTENTION}, got {self.cp_attention!r}")
         from longctx.kernels import BACKENDS
 
-        if self.attention_backend not in ("auto", *BACKENDS):
-            raise ValueError(
-                f"attention_backend must be 'auto' or one of {BACKENDS}, got {self.attention_backend!r}"
-            )
+        for name in ("attention_backend", "document_backend"):
+            value = getattr(self, name)
+            if value not in ("auto", *BACKENDS) and not (name == "document_backend" and value is None):
+                raise ValueError(f"{name} must be 'auto' or one of {BACKENDS}, got {value!r}")
         n = self.loss_chunk_size
         if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
             raise ValueError(f"loss_chunk_size must be a positive int, got {n!r}")
@@ -184,9 +199,11 @@ class ParallelPlan:
         (e.g. "fa4" without FlashAttention-4 or off an sm90/sm100 GPU), before any step."""
         from longctx.kernels import backend_refusal
 
-        why = backend_refusal(self.attention_backend, device)
-        if why is not None:
-            raise ValueError(f"parallel.attention_backend {self.attention_backend!r} cannot run on {device}: {why}")
+        for name in ("attention_backend", "document_backend"):
+            backend = getattr(self, name)
+            why = None if backend is None else backend_refusal(backend, device)
+            if why is not None:
+                raise ValueError(f"parallel.{name} {backend!r} cannot run on {device}: {why}")
 
     @classmethod
     def from_dict(cls, d: Union["ParallelPlan", Mapping[str, Any], None]) -> "ParallelPlan":
@@ -252,11 +269,12 @@ def parallelize(model: nn.Module, dims: Optional[ParallelDims] = None,
 
     cores = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
     for core in cores:
-        core.configure(cp=dims.cp, kind=plan.cp_attention, backend=plan.attention_backend)
+        core.configure(cp=dims.cp, kind=plan.cp_attention, backend=plan.attention_backend,
+                       document_backend=plan.document_backend)
     if not cores:
         _hand_over_to_hf(model, dims.cp, plan)
 
-    apply_run_settings(model, plan)
+    _apply_run_settings(model, plan)
     if dims.data_parallel == "fsdp":
         _apply_fsdp(model, dims)
     model._longctx_parallelized = True
@@ -279,7 +297,8 @@ def _hand_over_to_hf(model: nn.Module, cp: CPContext, plan: ParallelPlan) -> Non
                                  f"Hugging Face models ({type(m).__name__}); leave it at 1")
             from . import hf
 
-            hf.set_context_parallel_group(m, cp.group, layout=cp.layout, backend=plan.attention_backend)
+            hf.set_context_parallel_group(m, cp.group, layout=cp.layout, backend=plan.attention_backend,
+                                          document_backend=plan.document_backend)
             return
     if cp.size > 1:
         raise ValueError(
@@ -288,11 +307,9 @@ def _hand_over_to_hf(model: nn.Module, cp: CPContext, plan: ParallelPlan) -> Non
         )
 
 
-def apply_run_settings(model: nn.Module, plan: ParallelPlan) -> None:
+def _apply_run_settings(model: nn.Module, plan: ParallelPlan) -> None:
     """The plan's settings that change how the model runs, not its layout (checkpointing,
-    fusion, loss chunk, offload, MLP tiling, attention head chunks): attributes only, so
-    they may be applied again after wrapping (CausalLMModule does, where the memory
-    prediction asks for it)."""
+    fusion, loss chunk, offload, MLP tiling, attention head chunks), through the model's setters."""
     ac = plan.activation_checkpointing
     if hasattr(model, "set_activation_checkpointing"):
         model.set_activation_checkpointing(ac)

@@ -20,6 +20,7 @@ accumulation rescale below leaves alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import resource
@@ -35,6 +36,7 @@ from longctx.balance import balance_documents
 from longctx.documents import plan_documents
 from longctx.loss import TokenWeightedAccumulator
 from longctx.parallel import ParallelDims, ParallelPlan, parallelize
+from longctx.run_plan import balances_documents
 from longctx.sharding import document_position_ids, is_sharded
 from longctx.validation import check_choice, check_number, qualified
 
@@ -89,9 +91,12 @@ class CausalLMModule(L.LightningModule):
     Args:
         model: a ``GPTConfig``, a mapping for ``GPTConfig.from_dict`` (``preset`` plus
             overrides), or None with ``init_from``.
-        parallel: the runtime plan (``longctx.ParallelPlan`` or a mapping of its fields:
-            activation_checkpointing, fuse_pointwise, cp_attention, attention_backend,
-            loss_chunk_size).
+        parallel: the runtime plan as asked for (``longctx.ParallelPlan`` or a mapping of its
+            fields); its "auto"s are resolved once in ``setup``, before ``configure_model``
+            (``longctx.run_plan.resolve_run``: kernels, memory settings, with the strategy's
+            data-parallel mode and the document balance): ``run_plan``, printed at the start
+            of a fit; ``plan`` / ``hparams["parallel"]`` its model part, which train.py's
+            config.yaml records so that the run reproduces.
         attention: ``"document"`` (default): a token attends only to earlier tokens of its own
             document, from the batch's ``document_ids`` (a batch without them is one
             document); ``"causal"``: to every earlier token of the packed sequence.
@@ -124,14 +129,15 @@ class CausalLMModule(L.LightningModule):
         seq_len: the full (unsharded) training sequence length, for FLOPs/MFU; None = read
             from the first batch.
         memory_check: in ``setup`` (before the model is built; from the data module's
-            ``seq_len``/``batch_size``, else on the first batch), predict this rank's peak memory
+            ``seq_len``/``batch_size``), predict this rank's peak memory
             (``longctx.memory.estimate``) and print it (one line, rank 0). Where it would not
             fit the GPU and the plan leaves the MLP untiled and nothing offloaded, the MLP is
             tiled and the saved inputs of the fewest blocks predicted to fit go to host memory
             (``longctx.memory.fitting_plan``; printed); what still cannot fit raises a
             one-line ``ValueError`` naming what to change. On CPU only the prediction is
             printed. The plan taken is ``hparams["parallel"]`` (train.py's config.yaml too).
-            False: none of this.
+            Data whose shapes are unknown before the fit is only checked, on the first batch
+            (the model is built by then). False: none of this.
     """
 
     def __init__(
@@ -183,7 +189,8 @@ class CausalLMModule(L.LightningModule):
         self.config = self.model.config
         self.seq_len = seq_len
         self.memory_check = memory_check
-        self._memory_checked = False
+        self.run_plan = None  # longctx.run_plan.RunPlan: resolved in setup, before configure_model
+        self._check_first_batch = False
         self._documents_reported = False
         self.acc = TokenWeightedAccumulator()
         # nan_strategy="disable": a NaN validation loss must show, not be dropped with a warning.
@@ -203,9 +210,6 @@ class CausalLMModule(L.LightningModule):
         _check_arguments({k: v for k, v in bound.arguments.items() if k != "self"})
         if device is not None:
             ParallelPlan.from_dict(bound.arguments["parallel"]).check_device(device)
-
-    def on_fit_start(self) -> None:
-        self.plan.check_device(self.device)
 
     def configure_model(self) -> None:
         # Lightning calls this once the processes exist and before the strategy wraps or
@@ -251,77 +255,83 @@ class CausalLMModule(L.LightningModule):
         return plan
 
     def _balance_over(self, batch: Mapping[str, Any]) -> Optional[tuple[int, str]]:
-        """(CP size, layout) to balance ``batch`` for (``load_balance``), None for none."""
-        if self.load_balance is False or self.attention != "document" or self._trainer is None:
+        """(CP size, layout) to balance ``batch`` for (the run plan's ``balance_documents``), None for none."""
+        if self._trainer is None:
             return None
         cp, layout = _cp_size(self._trainer), getattr(self._trainer.strategy, "layout", "zigzag")
-        if cp == 1:
-            return None
-        if self.load_balance is None and (layout != "zigzag" or is_sharded(batch)
-                                          or self.plan.cp_attention != "ring"):
+        if self.run_plan is not None:
+            balance = self.run_plan.parallel.balance_documents
+        else:  # the hook called outside a fit: the same rule
+            balance = balances_documents(self.load_balance, documents=self.attention == "document", cp=cp,
+                                         layout=layout, cp_attention=self.plan.cp_attention)
+        # A batch the user sharded already cannot be reordered; only an explicit True insists (and raises).
+        if not balance or (self.load_balance is None and is_sharded(batch)):
             return None
         return cp, layout
 
     def setup(self, stage: str) -> None:
-        # Before configure_model: the memory plan is decided once, on the run's shapes (the data
-        # module's), so the model is parallelized with it and config.yaml and the checkpoint
-        # record it.
-        if stage == "fit" and self.memory_check and not self._memory_checked:
-            datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-            seq_len = self.seq_len or getattr(datamodule, "seq_len", None)
-            batch_size = getattr(datamodule, "batch_size", None)
-            if seq_len and batch_size:
-                self._memory_checked = True
-                self._check_memory(int(batch_size), int(seq_len))
-        if stage == "fit" and self._trainer is not None and self.trainer.global_rank == 0:
-            print(plan_line(self.plan), flush=True)  # the plan configure_model applies
+        # Before configure_model: every "auto" of the run resolved once (longctx.run_plan), on the
+        # run's shapes (the data module's), so the model is parallelized with it and config.yaml
+        # and the checkpoint record it.
+        if self.run_plan is not None or getattr(self.model, "_longctx_parallelized", False):
+            return
+        fit = stage == "fit"
+        self.run_plan = self._resolve_run(memory_check=fit and self.memory_check)
+        self.plan = self.run_plan.model_plan()
+        self.hparams["parallel"] = self.plan.to_dict()
+        self._check_first_batch = fit and self.memory_check and self.run_plan.estimate is None
+        if fit and self._trainer is not None and self.trainer.global_rank == 0:
+            for line in (*self.run_plan.notes, self.run_plan.line()):  # the plan configure_model applies
+                print(line, flush=True)
+            if self.run_plan.estimate is not None:
+                print(self.run_plan.estimate.summary(), flush=True)
+
+    def _resolve_run(self, *, memory_check: bool):
+        from longctx.memory import host_memory_bytes
+        from longctx.run_plan import World, resolve_run
+
+        trainer = self._trainer
+        strategy = getattr(trainer, "strategy", None)
+        device = getattr(strategy, "root_device", None) or torch.device("cpu")
+        world = getattr(strategy, "run_world", None)
+        if world is None:  # not the longctx strategy: one CP rank, data parallelism is not ours
+            cp = _cp_size(trainer) if trainer is not None else 1
+            world = World(cp=cp, dp=max(int(getattr(trainer, "world_size", 1)) // cp, 1),
+                          layout=getattr(strategy, "layout", "zigzag"))
+        # The host holds every local rank's share (pinned offload buffers, offloaded state).
+        world = dataclasses.replace(world, local_ranks=max(int(getattr(trainer, "num_devices", 1)), 1))
+        datamodule = getattr(trainer, "datamodule", None)
+        seq_len = self.seq_len or getattr(datamodule, "seq_len", None)
+        batch_size = getattr(datamodule, "batch_size", None)
+        totals = {}
+        if device.type == "cuda":
+            totals = dict(gpu_total=torch.cuda.mem_get_info(device)[1], host_total=host_memory_bytes())
+        return resolve_run(self.config, world, device, requested=self.plan,
+                           precision=str(getattr(trainer, "precision", "32-true")),
+                           seq_len=int(seq_len) if seq_len else None,
+                           batch_size=int(batch_size) if batch_size else None,
+                           documents=self.attention == "document", load_balance=self.load_balance,
+                           n_params=sum(p.numel() for p in self.parameters()), memory_check=memory_check, **totals)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # Data without a known sequence length: checked on the first batch instead.
-        if self.memory_check and not self._memory_checked and isinstance(batch, Mapping) and "input_ids" in batch:
-            self._memory_checked = True
+        # Data whose sequence length was unknown before the fit: the memory is checked (not
+        # planned: the model is built) on the first batch.
+        if self._check_first_batch and isinstance(batch, Mapping) and "input_ids" in batch:
+            from longctx.memory import host_memory_bytes
+            from longctx.run_plan import check_memory
+
+            self._check_first_batch = False
             ids = batch["input_ids"]  # sharded by now
-            self._check_memory(int(ids.shape[0]), int(ids.shape[1]) * _cp_size(self.trainer))
-
-    def _check_memory(self, batch_size: int, seq_len: int) -> None:
-        """Predict this rank's peak (longctx.memory), print it on rank 0, refuse what cannot fit;
-        where the plan leaves room to fit, take the fitting plan (``hparams["parallel"]`` and the
-        run's config.yaml record it)."""
-        from longctx.memory import check_fits, estimate, fitting_plan, host_memory_bytes
-        from longctx.parallel import apply_run_settings
-
-        trainer = self.trainer
-        cp = _cp_size(trainer)
-        dims = getattr(trainer.strategy, "parallel_dims", None)
-        precision = str(getattr(trainer, "precision", "32-true"))
-        kw = dict(plan=self.plan, cp=cp, dp=max(trainer.world_size // cp, 1),
-                  data_parallel=getattr(dims, "data_parallel", "none"),
-                  cpu_offload=bool(getattr(dims, "cpu_offload", False)),
-                  batch_size=batch_size,
-                  precision="32-true" if precision.startswith("32") or precision.startswith("64") else "bf16-mixed")
-        try:
-            est = estimate(self.config, seq_len, **kw)
-        except (ValueError, AttributeError, TypeError):
-            return  # a model shape the memory model cannot read: no prediction, no check
-        device = trainer.strategy.root_device
-        if device.type == "cuda":
-            # The host holds every local rank's share (pinned offload buffers, offloaded state).
-            totals = dict(gpu_total=torch.cuda.mem_get_info(device)[1], host_total=host_memory_bytes())
-            host_ranks = max(int(trainer.num_devices), 1)
-            plan = fitting_plan(self.config, seq_len, **kw, gpu_total=totals["gpu_total"],
-                                host_total=totals["host_total"] // host_ranks)
-            if plan is not None and plan != self.plan:
-                apply_run_settings(self.model, plan)
-                if trainer.global_rank == 0:
-                    print(f"memory: {est.gpu_bytes / 2**30:.1f} GiB predicted does not fit; running with "
-                          f"mlp_tile_size={plan.mlp_tile_size}, attention_head_chunks={plan.attention_head_chunks}, "
-                          f"offload_activations={plan.offload_activations}",
-                          flush=True)
-                self.plan = kw["plan"] = plan
-                self.hparams["parallel"] = plan.to_dict()
-            est = check_fits(self.config, seq_len, **kw, **totals, host_ranks=host_ranks)
-        if trainer.global_rank == 0:
-            print(est.summary(), flush=True)
+            device = self.trainer.strategy.root_device
+            totals = {}
+            if device.type == "cuda":
+                totals = dict(gpu_total=torch.cuda.mem_get_info(device)[1], host_total=host_memory_bytes())
+            est = check_memory(self.config, self.run_plan, int(ids.shape[1]) * _cp_size(self.trainer),
+                               batch_size=int(ids.shape[0]), precision=str(self.trainer.precision),
+                               documents=self.attention == "document",
+                               local_ranks=max(int(self.trainer.num_devices), 1), **totals)
+            if est is not None and self.trainer.global_rank == 0:
+                print(est.summary(), flush=True)
 
     def _loss(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         docs = None
@@ -483,11 +493,6 @@ def _check_arguments(args: Mapping[str, Any]) -> None:
         check_checkpoint_spec("init_from", init_from)
     elif not isinstance(model, GPTConfig):
         GPTConfig.from_dict(dict(model or {}))  # unknown keys and bad sizes
-
-
-def plan_line(plan: ParallelPlan) -> str:
-    """The run's ``ParallelPlan`` in one line, as printed at the start of a fit."""
-    return "parallel plan: " + ", ".join(f"{k}={v}" for k, v in plan.to_dict().items())
 
 
 def _document_report(plan, document_ids: torch.Tensor) -> str:

@@ -266,9 +266,10 @@ def test_backend_resolution_with_document_ids(monkeypatch):
                                      shape=(1, 8, 2, head_dim))
 
     g = on_gpu(128)
-    monkeypatch.setattr(kernels, "_fa4_refusal", lambda q: None)
+    monkeypatch.setattr(kernels, "_fa4_refusal", lambda device, dtype, head_dim: None)
     assert kernels.resolve_backend("auto", g, g, True, documents=True) == "fa4"
-    monkeypatch.setattr(kernels, "_fa4_refusal", lambda q: "FlashAttention-4 is not installed")
+    monkeypatch.setattr(kernels, "_fa4_refusal",
+                        lambda device, dtype, head_dim: "FlashAttention-4 is not installed")
     assert kernels.resolve_backend("auto", g, g, True, documents=True) == "triton"
     assert kernels.resolve_backend("auto", on_gpu(512), on_gpu(512), True, documents=True) == "torch"
     f64 = on_gpu(64, torch.float64)

@@ -196,14 +196,14 @@ def test_the_model_bounds_the_committed_measurements(results):
 
 def test_the_fitting_plan_is_decided_before_the_model_is_built(monkeypatch, capsys):
     """A run predicted not to fit takes the fitting plan in ``setup`` (before configure_model),
-    from the data module's shapes: the module's plan, ``hparams["parallel"]`` (what the
+    from the data module's shapes: the run plan printed at start, ``hparams["parallel"]`` (what the
     checkpoint and train.py's config.yaml record) and the settings the parallelized model
     runs with are the same plan; a second module given that plan resolves to it unchanged."""
     from types import SimpleNamespace
 
     import torch
 
-    from longctx.models.lit_module import CausalLMModule, plan_line
+    from longctx.models.lit_module import CausalLMModule
     from longctx.parallel import ParallelDims
 
     gpu = 9 * 2**30  # a small "GPU": the 1M-token tiny run fits only with the MLP tiled
@@ -223,10 +223,11 @@ def test_the_fitting_plan_is_decided_before_the_model_is_built(monkeypatch, caps
     module = run({"activation_checkpointing": "full"})
     printed = capsys.readouterr().out
     assert "does not fit; running with" in printed
-    assert plan_line(module.plan) in printed.splitlines()  # printed at start: the plan it runs with
-    assert module.plan.mlp_tile_size is not None
+    assert module.run_plan.line() in printed.splitlines()  # printed at start: the plan it runs with
+    assert module.plan == module.run_plan.model_plan() and module.plan.mlp_tile_size is not None
     assert module.hparams["parallel"] == module.plan.to_dict()
     assert {block.mlp.tile_size for block in module.model.blocks} == {module.plan.mlp_tile_size}
     assert module.model.offload_activations == module.plan.offload_activations
     again = run(module.hparams["parallel"])  # the run's config.yaml / checkpoint, loaded back
     assert again.plan == module.plan and "does not fit" not in capsys.readouterr().out
+    assert again.run_plan == module.run_plan

@@ -74,6 +74,14 @@ def _fit(strategy, devices: int, loader: DataLoader, accumulate: int, **module_k
         info["coords"] = (s.dp_rank, s.dp_size, s.cp_rank, s.cp_size)
         info["cp_size_in_attention"] = module.model.cp.size  # the CP context reached the layers
         info["data_parallel"] = s.data_parallel
+        # The run plan decided before configure_model is what the strategy and the layers run.
+        run = module.run_plan
+        info["run_plan"] = (run.parallel.data_parallel, run.parallel.cp, run.parallel.dp)
+        from longctx.parallel import ContextParallelAttention
+
+        info["kernels"] = {(c.backend, c.document_backend) for c in module.model.modules()
+                           if isinstance(c, ContextParallelAttention)}
+        info["planned_kernels"] = (run.parallel.attention_backend, run.parallel.document_backend)
         info["sharded"] = [isinstance(p, DTensor) and p.placements == (Shard(0),) for p in module.parameters()]
         info["local_numel"] = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()
                                   for p in module.parameters())
@@ -117,6 +125,8 @@ def test_matches_single_device(reference, world, cp, batch, accumulate, data_par
         assert out["coords"] == (rank // cp, world // cp, rank % cp, cp)
         assert out["cp_size_in_attention"] == cp
         assert out["data_parallel"] == data_parallel
+        assert out["run_plan"] == (data_parallel, cp, world // cp)
+        assert out["kernels"] == {out["planned_kernels"]}
         if data_parallel == "fsdp":
             # Every parameter is a DTensor sharded on dim 0 over the whole world; each rank
             # holds about 1/world of the model (FSDP2 pads dim 0 to a multiple of world).

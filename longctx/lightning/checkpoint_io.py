@@ -7,7 +7,9 @@ Two kinds, both written so that a crash mid-save never leaves something a resume
   every member (``torch.save`` writes them; ``torch.load`` never checks them);
 * sharded folders (``save_sharded_checkpoint``, for FSDP2): ``torch.distributed.checkpoint``
   into ``.NAME.tmp-PID``, then ``manifest.json`` (size + crc32 of every file, the step),
-  fsync, atomic rename by rank 0. Integrity = the manifest.
+  fsync, atomic rename by rank 0. Integrity = the manifest. ``save_training_state`` /
+  ``load_training_state``: a Lightning checkpoint dict and an FSDP2 model with its
+  optimizers, through them (what ``ContextParallelStrategy`` routes FSDP runs to).
 
 ``find_resume_checkpoint`` orders both kinds by the training step stored in them (never
 by file time) and takes the newest intact one, warning about each one it skips.
@@ -361,6 +363,43 @@ def load_sharded_checkpoint(path: PathLike, state: dict[str, Any], *,
 
 def _load_metadata(path: Path) -> dict[str, Any]:
     return torch.load(path / METADATA_NAME, map_location="cpu", weights_only=True)
+
+
+def save_training_state(path: PathLike, checkpoint: dict[str, Any]) -> None:
+    """Lightning's checkpoint dict of an FSDP2 run as a sharded folder: its model and optimizer
+    states (taken out of ``checkpoint``) as shards, the rest as rank 0's metadata. Every rank."""
+    state = {"state_dict": checkpoint.pop("state_dict")}
+    for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+        state[f"optimizer_{i}"] = optimizer_state
+    save_sharded_checkpoint(path, state, checkpoint)
+
+
+def load_training_state(path: PathLike, model: torch.nn.Module, optimizers: list, *,
+                        strict: bool = True) -> dict[str, Any]:
+    """Load a folder ``save_training_state`` wrote into an FSDP2 ``model`` and its ``optimizers``,
+    in place (verified first; resharded to this world); returns the metadata. Every rank."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(
+            f"{path} is a single-file checkpoint (data_parallel='ddp'); this run shards with FSDP2 and "
+            "resumes from sharded checkpoint folders. Resume it with data_parallel='ddp'"
+        )
+    state = {"state_dict": get_model_state_dict(model)}
+    for i, optimizer in enumerate(optimizers):
+        state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer)
+    metadata = load_sharded_checkpoint(path, state)
+    set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
+    for i, optimizer in enumerate(optimizers):
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state[f"optimizer_{i}"])
+    return metadata
 
 
 def consolidate_checkpoint(sharded_path: PathLike, out_file: PathLike, *,

@@ -19,6 +19,8 @@ Data parallelism (``data_parallel``) runs over the whole ``dp x cp`` world:
   fp32 weights, gradients, two AdamW moments) would take more than a quarter of a GPU's
   memory, else ``"ddp"`` (faster for small models: no per-layer all-gather); always
   ``"ddp"`` on CPU and for modules that do not apply ``longctx.parallelize`` themselves.
+  Decided once (``longctx.run_plan``): with ``CausalLMModule`` as part of its run plan, in
+  its ``setup``, before the model is built; for other modules when ``parallel_dims`` is built.
 
 What the strategy does, so that a LightningModule and a DataLoader work unchanged:
 
@@ -27,7 +29,8 @@ What the strategy does, so that a LightningModule and a DataLoader work unchange
   ``parallel_dims`` (``longctx.ParallelDims``), which the module's ``configure_model``
   hands to ``longctx.parallelize``; a module that does not is parallelized by the
   strategy (CP hand-over only, DDP);
-* makes the distributed sampler split data over the ``dp`` dimension only;
+* makes the distributed sampler split data over the ``dp`` dimension only, in the loader's
+  order (``longctx.lightning.dataloaders``);
 * shards every token batch for this rank's CP position in ``batch_to_device`` (via
   ``longctx.shard_batch``, after the LightningModule's transfer hooks so they see full
   sequences) and adds global ``position_ids``, also at ``cp == 1``;
@@ -41,11 +44,11 @@ makes every other rank fail within that time instead of hanging a job for half a
 Ending a job: under a plain launch rank 0 ends every process it started and each of them
 dies with rank 0 (``longctx.lightning.launcher``); SIGTERM stops every rank at the same
 step, with a checkpoint if it fits in ``stop_grace_period`` seconds, and exits with
-128 + 15 (``longctx.lightning.preemption``).
+128 + 15 (``longctx.lightning.preemption``); a rank that fails or goes silent ends every rank
+within ``failure_timeout``, naming it (``longctx.lightning.failures``).
 """
 from __future__ import annotations
 
-import os
 import signal
 from collections.abc import Mapping
 from datetime import timedelta
@@ -66,19 +69,18 @@ from torch.nn.parallel import DistributedDataParallel
 from ..layouts import Layout, check_layout
 from ..parallel import CPContext, ParallelDims, parallelize
 from ..ring_comm import new_ring_group
+from ..run_plan import World as RunWorld
+from ..run_plan import check_replica_fits, resolve_data_parallel
 from ..validation import check_choice, check_number
-from ..watchdog import RankWatchdog
-from .checkpoint_io import AtomicCheckpointIO, load_sharded_checkpoint, save_sharded_checkpoint
+from .checkpoint_io import AtomicCheckpointIO, load_training_state, save_training_state
+from .dataloaders import DpSampling
+from .failures import RankFailures
 from .launcher import ReapingScriptLauncher, exit_with_launcher
 from .preemption import DEFAULT_GRACE_PERIOD, SignalStop, StoppedBySignal
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 DataParallel = Literal["auto", "fsdp", "ddp"]
 DATA_PARALLEL = get_args(DataParallel)
-# "auto" shards once the replicated training state would fill this share of a GPU.
-AUTO_FSDP_MEMORY_SHARE = 0.25
-BYTES_PER_PARAMETER = 16  # fp32 weights + gradients + AdamW's two moments
-DDP_BUCKET_BYTES = 4  # DDP's flat fp32 gradient buckets (a second copy of the gradients)
 
 
 def _check_divisible(world_size: int, cp_size: int, devices: Optional[int] = None, nodes: Optional[int] = None) -> None:
@@ -156,13 +158,12 @@ class ContextParallelStrategy(ModelParallelStrategy):
         self.layout = layout
         self.cpu_offload = cpu_offload
         self._ddp_kwargs = ddp_kwargs
+        self._dp_sampling = DpSampling()
         self._cp_group: Optional[dist.ProcessGroup] = None
         self._parallel_dims: Optional[ParallelDims] = None
-        self.failure_timeout = failure_timeout
-        self._watchdog: Optional[RankWatchdog] = None
-        self._failed = False
         self._signal_stop = SignalStop(stop_grace_period, forward=self._signal_children,
                                        before_exit=lambda: self._signal_children(signal.SIGKILL))
+        self._failures = RankFailures(failure_timeout, on_failure=self._signal_stop.exit_now)
 
     # -- sizes and ranks ---------------------------------------------------------------
     # Derived from the global rank (cp innermost: rank = dp_rank * cp + cp_rank), so they are
@@ -191,7 +192,7 @@ class ContextParallelStrategy(ModelParallelStrategy):
 
     @property
     def data_parallel(self) -> str:
-        """``"fsdp"`` or ``"ddp"`` once resolved (``configure_model``), else the requested mode."""
+        """``"fsdp"`` or ``"ddp"`` once resolved (by ``configure_model``), else the requested mode."""
         return self._data_parallel or self._data_parallel_arg
 
     @property
@@ -210,19 +211,28 @@ class ContextParallelStrategy(ModelParallelStrategy):
             )
         return self._parallel_dims
 
+    @property
+    def run_world(self) -> RunWorld:
+        """What this strategy fixes of a run (``longctx.run_plan.World``): the module's
+        ``resolve_run`` starts from it (valid once the processes exist)."""
+        return RunWorld(cp=self.cp_size, dp=self.dp_size, layout=self.layout, data_parallel=self._data_parallel_arg,
+                        cpu_offload=self.cpu_offload)
+
     def _resolve_data_parallel(self) -> str:
+        # The module's run plan decided it (CausalLMModule, in setup); a module without one by
+        # the same rule (longctx.run_plan.resolve_data_parallel).
         if self._data_parallel is None:
-            mode = self._data_parallel_arg
-            if mode == "auto":
-                mode = "ddp"
-                module = self.lightning_module
+            module = self.lightning_module
+            run = getattr(module, "run_plan", None)
+            if run is not None and run.parallel.data_parallel != "none":
+                self._data_parallel = run.parallel.data_parallel
+            else:
                 on_gpu = self.root_device.type == "cuda"
-                if on_gpu and module is not None and is_overridden("configure_model", module):
-                    n_params = sum(p.numel() for p in module.parameters())
-                    total = torch.cuda.get_device_properties(self.root_device).total_memory
-                    if n_params * BYTES_PER_PARAMETER > AUTO_FSDP_MEMORY_SHARE * total:
-                        mode = "fsdp"
-            self._data_parallel = mode
+                self._data_parallel = resolve_data_parallel(
+                    self._data_parallel_arg, n_params=sum(p.numel() for p in module.parameters()) if module else 0,
+                    device_type=self.root_device.type,
+                    gpu_total=torch.cuda.get_device_properties(self.root_device).total_memory if on_gpu else None,
+                    parallelizes=module is not None and is_overridden("configure_model", module))
         return self._data_parallel
 
     def _compute_dtype(self) -> Optional[torch.dtype]:
@@ -249,12 +259,7 @@ class ContextParallelStrategy(ModelParallelStrategy):
         self._build_groups()
         # As ModelParallelStrategy: a user's configure_model can read the mesh.
         self.lightning_module._device_mesh = self._device_mesh
-        if self.failure_timeout is not None and self.world_size > 1:
-            interval = min(1.0, self.failure_timeout / 4)
-            self._watchdog = RankWatchdog(
-                self.global_rank, self.world_size, timeout=self.failure_timeout, interval=interval,
-                on_failure=self._signal_stop.exit_now,
-            ).start()
+        self._failures.start(self.global_rank, self.world_size)
         self._signal_stop.install(self.lightning_module.trainer, self.global_rank)
 
     # -- ending the job: signals, children, failures --------------------------------------
@@ -315,20 +320,10 @@ class ContextParallelStrategy(ModelParallelStrategy):
 
     def _check_replica_fits(self, module: torch.nn.Module) -> None:
         """DDP keeps everything on every GPU: say so (and how to fix it) before the OOM."""
-        if self.root_device.type != "cuda":
-            return
-        n_params = sum(p.numel() for p in module.parameters())
-        per_param = BYTES_PER_PARAMETER + (DDP_BUCKET_BYTES if self.world_size > 1 else 0)
-        need = n_params * per_param
-        total = torch.cuda.get_device_properties(self.root_device).total_memory
-        if need > total:
-            raise MemoryError(
-                f"data_parallel='ddp' keeps the whole model on every GPU: {n_params / 1e9:.2f}B parameters x "
-                f"{per_param} bytes (fp32 weights, gradients, AdamW moments, DDP buckets) = "
-                f"{need / 2**30:.0f} GiB > {total / 2**30:.0f} GiB on {torch.cuda.get_device_name(self.root_device)}, "
-                "before any activation. Use data_parallel='fsdp' (train.py --data-parallel fsdp) to shard it "
-                "over the ranks"
-            )
+        if self.root_device.type == "cuda":
+            check_replica_fits(sum(p.numel() for p in module.parameters()), world_size=self.world_size,
+                               gpu_total=torch.cuda.get_device_properties(self.root_device).total_memory,
+                               device_name=torch.cuda.get_device_name(self.root_device))
 
     # -- checkpoints: sharded folders (FSDP) or single files (DDP) -----------------------
 
@@ -360,38 +355,13 @@ class ContextParallelStrategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} writes sharded checkpoints itself: no storage_options")
         # A folder of per-rank shards plus a verified manifest, swapped in atomically.
-        path = Path(self.broadcast(str(filepath)))
-        state = {"state_dict": checkpoint.pop("state_dict")}
-        for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
-            state[f"optimizer_{i}"] = optimizer_state
-        save_sharded_checkpoint(path, state, checkpoint)
+        save_training_state(Path(self.broadcast(str(filepath))), checkpoint)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if not self._sharded:
             return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if not path.is_dir():
-            raise ValueError(
-                f"{path} is a single-file checkpoint (data_parallel='ddp'); this run shards with FSDP2 and "
-                "resumes from sharded checkpoint folders. Resume it with data_parallel='ddp'"
-            )
-        state = {"state_dict": get_model_state_dict(self.model)}
-        for i, optimizer in enumerate(self.optimizers):
-            state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer)
-        metadata = load_sharded_checkpoint(path, state)  # verified first; reshards to this world
-        strict = self.lightning_module.strict_loading
-        set_model_state_dict(self.model, state["state_dict"], options=StateDictOptions(strict=strict))
-        for i, optimizer in enumerate(self.optimizers):
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[f"optimizer_{i}"])
-        return metadata
+        return load_training_state(Path(self.broadcast(str(checkpoint_path))), self.model, self.optimizers,
+                                   strict=self.lightning_module.strict_loading)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if not self._sharded:
@@ -410,38 +380,11 @@ class ContextParallelStrategy(ModelParallelStrategy):
 
     def connect(self, model: Any) -> None:
         super().connect(model)
-        # While fitting, this strategy injects the distributed sampler itself (process_dataloader):
-        # Lightning's shuffles every training loader, even one with shuffle=False, so a CP or
-        # dp run would not see the batches of the same loader on one device.
-        trainer = getattr(model, "_trainer", None)
-        connector = getattr(trainer, "_accelerator_connector", None)
-        if connector is not None and trainer.state.fn == TrainerFn.FITTING:
-            self._inject_sampler = connector.use_distributed_sampler
-            connector.use_distributed_sampler = False
+        self._dp_sampling.take_over(getattr(model, "_trainer", None))  # while fitting: our sampler, in order
 
     def process_dataloader(self, dataloader: object) -> object:
-        """Split a user's DataLoader over dp only, in the loader's own order.
-
-        Sequential (``shuffle=False``) and custom samplers keep their order, strided over the
-        dp ranks: the global batch of step k is the one device's batch k. A ``RandomSampler``
-        becomes one permutation shared by all ranks (seed ``PL_GLOBAL_SEED``, as Lightning).
-        Loaders with a ``DistributedSampler`` of their own and iterable datasets pass as they are.
-        """
-        from lightning.fabric.utilities.data import has_iterable_dataset
-        from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
-        from lightning.pytorch.utilities.data import _update_dataloader
-        from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
-
-        if (not getattr(self, "_inject_sampler", False) or not isinstance(dataloader, DataLoader)
-                or isinstance(dataloader.sampler, DistributedSampler) or has_iterable_dataset(dataloader)):
-            return dataloader
-        kwargs = {**self.distributed_sampler_kwargs, "seed": int(os.getenv("PL_GLOBAL_SEED", 0))}
-        sampler = dataloader.sampler
-        if isinstance(sampler, (RandomSampler, SequentialSampler)):
-            sampler = DistributedSampler(dataloader.dataset, shuffle=isinstance(sampler, RandomSampler), **kwargs)
-        else:
-            sampler = DistributedSamplerWrapper(sampler, shuffle=False, **kwargs)
-        return _update_dataloader(dataloader, sampler)
+        """Split a user's DataLoader over dp only, in the loader's own order (``DpSampling.split``)."""
+        return self._dp_sampling.split(dataloader, **self.distributed_sampler_kwargs)
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         # Shard after the LightningModule's transfer hooks, which may expect full sequences
@@ -456,38 +399,22 @@ class ContextParallelStrategy(ModelParallelStrategy):
 
     # -- teardown / registration -----------------------------------------------------------
 
+    @property
+    def failure_timeout(self) -> Optional[float]:
+        return self._failures.failure_timeout
+
     def on_exception(self, exception: BaseException) -> None:
-        if isinstance(exception, StoppedBySignal):  # every rank raises it at the same step
-            super().on_exception(exception)
-            return
-        self._failed = True
-        if self.received_signal is not None:  # a peer left during the stop: no rank failed
-            super().on_exception(exception)
-            return
-        # Tell the other ranks now, instead of leaving them blocked in the next collective.
-        if isinstance(exception, torch.OutOfMemoryError):
-            hint = ("data_parallel='fsdp' (--data-parallel fsdp) shards weights, gradients and optimizer state"
-                    if self.data_parallel == "ddp" else
-                    "activation_checkpointing (--model.parallel.activation_checkpointing full), a larger "
-                    "--context-parallel, or cpu_offload=True (--strategy.cpu_offload true)")
-            print(f"[longctx] rank {self.global_rank}: out of GPU memory; try {hint}", flush=True)
-        if self._watchdog is not None:
-            self._watchdog.report_failure(exception)
+        if not isinstance(exception, StoppedBySignal):  # every rank raises that one at the same step
+            # A peer that left during a stop by signal is no failure: nothing to tell the others.
+            self._failures.failed(exception, rank=self.global_rank, data_parallel=self.data_parallel,
+                                  tell_others=self.received_signal is None)
         super().on_exception(exception)
 
     def teardown(self) -> None:
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module
-        if getattr(self, "_inject_sampler", None) is not None and self.lightning_module is not None:
-            self.lightning_module.trainer._accelerator_connector.use_distributed_sampler = self._inject_sampler
-            self._inject_sampler = None
-        if self._watchdog is not None:
-            if not self._failed and dist.is_initialized():
-                # No rank stops watching (and exits, maybe taking rank 0's store with it)
-                # while another is still working.
-                dist.barrier()
-            self._watchdog.stop()
-            self._watchdog = None
+        self._dp_sampling.restore(getattr(self.lightning_module, "_trainer", None))
+        self._failures.stop()
         super().teardown()
 
     @classmethod

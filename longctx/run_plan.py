@@ -1,0 +1,281 @@
+"""One run plan, decided once: every "auto" of a training run resolved before the model is built.
+
+``resolve_run(config, world, device, ...)`` is a pure function of the model's shape, the world
+the launcher and the strategy fixed (``World``), the device and the run's shapes. It returns a
+frozen ``RunPlan`` of two parts kept apart:
+
+* ``parallel`` (``ParallelChoices``): data-parallel mode (FSDP2 or DDP; ``resolve_data_parallel``),
+  CP size and layout, ring or Ulysses, the block kernel for each block kind (plain and
+  document-masked, by ``longctx.kernels.select_backend``: the rule the kernels apply per call),
+  pointwise fusion, document balancing;
+* ``memory`` (``MemoryChoices``): activation checkpointing, MLP tiling, attention head chunks,
+  offloaded blocks, loss chunk: the requested settings, escalated where the memory model
+  (``longctx.memory``, one ladder: ``fitting_plan``) predicts they do not fit the GPU.
+
+``RunPlan.model_plan()`` is the ``ParallelPlan`` ``parallelize`` applies (once, kernels named:
+the layers run what the plan says, nothing re-resolves "auto"); ``config_entries()`` the options
+that reproduce the run when written to its config.yaml; ``line()`` the line printed at start.
+A plan resolved again from its own entries is the same plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
+
+from .layouts import check_layout
+from .parallel import ParallelPlan
+
+# "auto" data parallelism shards once the replicated training state would fill this share of a GPU.
+AUTO_FSDP_MEMORY_SHARE = 0.25
+BYTES_PER_PARAMETER = 16  # fp32 weights + gradients + AdamW's two moments
+DDP_BUCKET_BYTES = 4  # DDP's flat fp32 gradient buckets (a second copy of the gradients)
+REQUESTED_DATA_PARALLEL = ("auto", "fsdp", "ddp", "none")
+
+
+@dataclass(frozen=True)
+class World:
+    """What the launcher and the strategy fixed: CP and dp sizes, the layout, the data-parallel
+    mode asked for (``"auto"``, ``"fsdp"``, ``"ddp"``; ``"none"``: no longctx strategy) and
+    FSDP2's CPU offload; ``local_ranks``: the ranks sharing this host's memory."""
+
+    cp: int = 1
+    dp: int = 1
+    layout: str = "zigzag"
+    data_parallel: str = "none"
+    cpu_offload: bool = False
+    local_ranks: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("cp", "dp", "local_ranks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"World.{name} must be an int >= 1, got {value!r}")
+        check_layout(self.layout)
+        if self.data_parallel not in REQUESTED_DATA_PARALLEL:
+            raise ValueError(f"data_parallel must be one of {REQUESTED_DATA_PARALLEL}, got {self.data_parallel!r}")
+
+
+@dataclass(frozen=True)
+class ParallelChoices:
+    """How the world splits the work and which kernels run it (every value resolved)."""
+
+    data_parallel: str  # "fsdp", "ddp" or "none" (no longctx strategy)
+    cp: int
+    dp: int
+    layout: str
+    cpu_offload: bool
+    cp_attention: str
+    attention_backend: str  # blocks without document ids ("auto" only where the shapes were unknown)
+    document_backend: str  # document-masked blocks
+    fuse_pointwise: bool
+    balance_documents: bool
+
+
+@dataclass(frozen=True)
+class MemoryChoices:
+    """What the backward keeps, recomputes, tiles, chunks and offloads."""
+
+    activation_checkpointing: str
+    mlp_tile_size: Optional[int]
+    attention_head_chunks: int
+    offload_activations: Union[bool, int]
+    loss_chunk_size: int
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A run's decisions: ``parallel`` and ``memory``. ``estimate`` (the memory model's
+    prediction, None where not checked) and ``notes`` (what was changed to fit) are reports,
+    not decisions: they do not take part in equality."""
+
+    parallel: ParallelChoices
+    memory: MemoryChoices
+    estimate: Any = dataclasses.field(default=None, compare=False)
+    notes: tuple = dataclasses.field(default=(), compare=False)
+
+    def model_plan(self) -> ParallelPlan:
+        """The ``ParallelPlan`` that ``parallelize`` applies (and ``hparams["parallel"]`` records)."""
+        p = self.parallel
+        return ParallelPlan(cp_attention=p.cp_attention, attention_backend=p.attention_backend,
+                            document_backend=p.document_backend, fuse_pointwise=p.fuse_pointwise,
+                            **dataclasses.asdict(self.memory))
+
+    def to_dict(self) -> dict:
+        return {"parallel": dataclasses.asdict(self.parallel), "memory": dataclasses.asdict(self.memory)}
+
+    def config_entries(self) -> dict:
+        """Dotted config keys (train.py's sections) -> the values that reproduce this plan:
+        the model's ``parallel`` section and, under the longctx strategy, its data-parallel mode."""
+        entries: dict = {"model.parallel": self.model_plan().to_dict()}
+        if self.parallel.data_parallel != "none":
+            entries["strategy.data_parallel"] = self.parallel.data_parallel
+        return entries
+
+    def line(self) -> str:
+        """The plan in one line, as printed at the start of a fit."""
+        def fields(d):
+            return ", ".join(f"{k}={v}" for k, v in d.items())
+
+        d = self.to_dict()
+        return f"run plan: parallel({fields(d['parallel'])}); memory({fields(d['memory'])})"
+
+
+def resolve_data_parallel(requested: str, *, n_params: int, device_type: str, gpu_total: Optional[int],
+                          parallelizes: bool) -> str:
+    """"fsdp" or "ddp" for ``requested`` ("auto": FSDP2 when the replicated training state,
+    16 bytes a parameter, would take more than a quarter of the GPU; always DDP on CPU and for
+    modules that do not apply ``longctx.parallelize`` themselves)."""
+    if requested != "auto":
+        return requested
+    big = gpu_total is not None and n_params * BYTES_PER_PARAMETER > AUTO_FSDP_MEMORY_SHARE * gpu_total
+    return "fsdp" if device_type == "cuda" and parallelizes and big else "ddp"
+
+
+def check_replica_fits(n_params: int, *, world_size: int, gpu_total: int, device_name: str) -> None:
+    """DDP keeps the whole training state on every GPU: raise ``MemoryError`` (one line, naming
+    the fix) where that alone exceeds ``gpu_total``, before any activation."""
+    per_param = BYTES_PER_PARAMETER + (DDP_BUCKET_BYTES if world_size > 1 else 0)
+    need = n_params * per_param
+    if need > gpu_total:
+        raise MemoryError(
+            f"data_parallel='ddp' keeps the whole model on every GPU: {n_params / 1e9:.2f}B parameters x "
+            f"{per_param} bytes (fp32 weights, gradients, AdamW moments, DDP buckets) = "
+            f"{need / 2**30:.0f} GiB > {gpu_total / 2**30:.0f} GiB on {device_name}, "
+            "before any activation. Use data_parallel='fsdp' (train.py --data-parallel fsdp) to shard it "
+            "over the ranks"
+        )
+
+
+def balances_documents(load_balance: Optional[bool], *, documents: bool, cp: int, layout: str,
+                       cp_attention: str) -> bool:
+    """Whether batches are reordered for balanced document work (``longctx.balance_documents``):
+    ``load_balance`` True: wherever there is CP and document attention; None: also only under
+    the ring and the zigzag layout; False: never."""
+    if not load_balance and load_balance is not None or not documents or cp == 1:
+        return False
+    return bool(load_balance) or (layout == "zigzag" and cp_attention == "ring")
+
+
+def compute_dtype(precision: str):
+    """The dtype attention blocks see under a Lightning ``precision`` string."""
+    import torch
+
+    precision = str(precision)
+    if "bf16" in precision:
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return torch.float64 if precision.startswith("64") else torch.float32
+
+
+def resolve_run(config: Any, world: World, device: Any, *,
+                requested: Union[ParallelPlan, Mapping[str, Any], None] = None, precision: str = "32-true",
+                seq_len: Optional[int] = None, batch_size: Optional[int] = None, documents: bool = True,
+                load_balance: Optional[bool] = None, n_params: int = 0, parallelizes: bool = True,
+                memory_check: bool = True, gpu_total: Optional[int] = None,
+                host_total: Optional[int] = None) -> RunPlan:
+    """Every "auto" of the run, resolved once (see the module doc).
+
+    ``config``: the model's shape (``GPTConfig`` or a Hugging Face config; read duck-typed).
+    ``device``: this rank's device; ``gpu_total`` / ``host_total``: its GPU's and the host's
+    bytes (None: unknown, nothing escalated). ``requested``: the run's ``ParallelPlan`` as
+    given. ``seq_len`` / ``batch_size``: the full training sequence and the per-rank batch
+    (None: unknown before the first batch: the plain blocks' kernel stays "auto", chosen per
+    call by the kernels, and the memory is not planned). ``documents``: document-masked
+    attention. ``n_params`` / ``parallelizes``: for ``resolve_data_parallel``.
+    ``memory_check``: on a GPU, escalate the memory settings the plan leaves at their
+    defaults to the cheapest that fit (``longctx.memory.fitting_plan``) and raise
+    ``PredictedOutOfMemory`` (one line) where nothing does.
+    """
+    import torch
+
+    from longctx.kernels import select_backend
+
+    from . import memory
+
+    plan = ParallelPlan.from_dict(requested)
+    device = torch.device(device)
+    plan.check_device(device)  # a named kernel that cannot run here: one line naming the option
+    on_gpu = device.type == "cuda"
+    mode = world.data_parallel if world.data_parallel == "none" else resolve_data_parallel(
+        world.data_parallel, n_params=n_params, device_type=device.type, gpu_total=gpu_total,
+        parallelizes=parallelizes)
+    if world.cpu_offload and mode != "fsdp":
+        raise ValueError("cpu_offload=True needs data_parallel='fsdp' (FSDP2 offloads the shards)")
+    try:
+        head_dim = memory.model_shape(config).hd
+    except (ValueError, AttributeError, TypeError):
+        head_dim = None  # a model shape this cannot read: the kernels choose per call, no memory plan
+
+    # Block kernels: the ring's blocks are this rank's shard; Ulysses' the whole sequence.
+    dtype = compute_dtype(precision)
+    block = None if seq_len is None else (-(-seq_len // world.cp) if plan.cp_attention == "ring" else seq_len)
+    plain, document = plan.attention_backend, plan.document_backend or plan.attention_backend
+    if head_dim is not None:
+        if plain != "auto" or block is not None or not on_gpu:
+            plain = select_backend(plain, device, dtype, head_dim, block or 1, block or 1, True)
+        # Document-masked blocks take their kernel from the plain one's request where none is named.
+        document = select_backend(document, device, dtype, head_dim, block or 1, block or 1, True, documents=True)
+    plan = dataclasses.replace(plan, attention_backend=plain, document_backend=document)
+
+    estimate, notes = None, ()
+    memory_kw = None
+    if memory_check and seq_len and batch_size and head_dim is not None:
+        memory_kw = _memory_kw(mode, world, plan, precision=precision, batch_size=batch_size, documents=documents)
+        try:
+            estimate = memory.estimate(config, seq_len, plan=plan, **memory_kw)
+        except (ValueError, AttributeError, TypeError):
+            memory_kw = None  # a model shape the memory model cannot read: no prediction, no check
+    if memory_kw is not None and on_gpu and gpu_total is not None:
+        host = None if host_total is None else host_total // world.local_ranks
+        fitted = memory.fitting_plan(config, seq_len, plan=plan, gpu_total=gpu_total, host_total=host, **memory_kw)
+        if fitted is not None and fitted != plan:
+            notes = (f"memory: {estimate.gpu_bytes / memory.GiB:.1f} GiB predicted does not fit; running with "
+                     f"mlp_tile_size={fitted.mlp_tile_size}, attention_head_chunks={fitted.attention_head_chunks}, "
+                     f"offload_activations={fitted.offload_activations}",)
+            plan = fitted
+        estimate = memory.check_fits(config, seq_len, plan=plan, **memory_kw, gpu_total=gpu_total,
+                                     host_total=host_total, host_ranks=world.local_ranks)
+
+    parallel = ParallelChoices(
+        data_parallel=mode, cp=world.cp, dp=world.dp, layout=world.layout, cpu_offload=world.cpu_offload,
+        cp_attention=plan.cp_attention, attention_backend=plan.attention_backend,
+        document_backend=plan.document_backend, fuse_pointwise=plan.fuse_pointwise,
+        balance_documents=balances_documents(load_balance, documents=documents, cp=world.cp, layout=world.layout,
+                                             cp_attention=plan.cp_attention))
+    mem = MemoryChoices(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(MemoryChoices)})
+    return RunPlan(parallel, mem, estimate=estimate, notes=notes)
+
+
+def _memory_kw(data_parallel: str, world: World, plan: ParallelPlan, *, precision: str, batch_size: int,
+               documents: bool) -> dict:
+    """``longctx.memory.estimate``'s arguments for a resolved plan: the memory model counts the
+    kernel the layers run (the document-masked one with documents)."""
+    from . import memory
+
+    kernel = plan.document_backend if documents else plan.attention_backend
+    return dict(cp=world.cp, dp=world.dp, data_parallel=data_parallel, cpu_offload=world.cpu_offload,
+                batch_size=batch_size, precision="32-true" if str(precision)[:2] in ("32", "64") else "bf16-mixed",
+                attention_kernel="auto" if kernel in (None, "auto") else memory.kernel_family(kernel))
+
+
+def check_memory(config: Any, run: RunPlan, seq_len: int, *, batch_size: int, precision: str, documents: bool,
+                 local_ranks: int = 1, gpu_total: Optional[int] = None, host_total: Optional[int] = None):
+    """The memory model's prediction for a resolved ``run`` (which it does not change): for data
+    whose shapes were unknown when the plan was made, checked on the first batch. Raises
+    ``PredictedOutOfMemory`` (one line, naming the change) where it exceeds ``gpu_total`` /
+    ``host_total`` (None: not checked); None where the model's shape cannot be read."""
+    from . import memory
+
+    p = run.parallel
+    world = World(cp=p.cp, dp=p.dp, layout=p.layout, data_parallel=p.data_parallel, cpu_offload=p.cpu_offload,
+                  local_ranks=local_ranks)
+    plan = run.model_plan()
+    kw = _memory_kw(p.data_parallel, world, plan, precision=precision, batch_size=batch_size, documents=documents)
+    try:
+        memory.estimate(config, seq_len, plan=plan, **kw)
+    except (ValueError, AttributeError, TypeError):
+        return None
+    return memory.check_fits(config, seq_len, plan=plan, **kw, gpu_total=gpu_total, host_total=host_total,
+                             host_ranks=local_ranks)
