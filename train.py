@@ -34,12 +34,19 @@ from pathlib import Path
 from typing import Any, Optional
 
 from longctx.lightning.cli import (
+    MODEL_SHAPE_KEYS,
+    _UnreadTokenizer,
     check_sections,
     cli_class,
+    expand_short_flags,
     flag_values,
     flatten,
     hf_model_drops_config_models,
+    launched_world,
     one_line,
+    resolve_accelerator,
+    resolve_devices,
+    run_dir_of,
 )
 from longctx.lightning.training import say
 
@@ -78,28 +85,6 @@ SHORT_FLAGS = {
 # ---- configuration -------------------------------------------------------------------------
 
 
-def expand_short_flags(argv: list[str]) -> list[str]:
-    """Short flags -> their options; config paths found from the repo too; --print_config
-    last (it prints what the arguments after it set as well)."""
-    out, print_config = [], []
-    for i, arg in enumerate(argv):
-        flag, eq, value = arg.partition("=")
-        if flag in SHORT_FLAGS:
-            arg = f"--{SHORT_FLAGS[flag]}{eq}{value}"
-        elif flag == "--print_config":
-            print_config.append(arg)
-            continue
-        elif i and argv[i - 1] in ("--config", "-c") and not Path(arg).exists() and (REPO / arg).exists():
-            arg = str(REPO / arg)
-        out.append(arg)
-    return out + print_config
-
-
-def run_dir_of(checkpoint: Path) -> Path:
-    parent = checkpoint.parent
-    return parent.parent if parent.name == "checkpoints" else parent
-
-
 @dataclass
 class Resolved:
     config: Any  # the parsed options (a jsonargparse Namespace)
@@ -119,7 +104,7 @@ def resolve_config(argv: list[str]) -> Resolved:
     explicit ``--config`` and flags given then are overrides (reported)."""
     # A Hugging Face model comes from its directory: the GPT sizes of configs read before it
     # are dropped (sizes given as flags are kept, and refused with it).
-    args = hf_model_drops_config_models(expand_short_flags(argv))
+    args = hf_model_drops_config_models(expand_short_flags(argv, SHORT_FLAGS, REPO))
     configs = flag_values(args, "--config", "-c")
     for path in configs:
         check_sections(path)
@@ -146,32 +131,6 @@ def resolve_config(argv: list[str]) -> Resolved:
             cfg.run.output_dir = str(run_dir_of(resume_ckpt))
     name = Path(configs[-1]).stem if configs else DEFAULT_CONFIG.stem
     return Resolved(cfg, cli.parser, name, resume_ckpt, run_cfg, overrides)
-
-
-def resolve_accelerator(accelerator: str) -> str:
-    """"auto" as the machine has it; a GPU asked for where none is: one line, not Lightning's."""
-    import torch
-
-    resolved = "gpu" if accelerator == "cuda" or accelerator == "auto" and torch.cuda.is_available() else accelerator
-    resolved = "cpu" if resolved == "auto" else resolved
-    if resolved == "gpu" and not torch.cuda.is_available():
-        raise ValueError(f"accelerator {accelerator!r} needs a CUDA GPU and none is visible here; "
-                         "run on a GPU machine or pass --accelerator cpu (and a CPU-sized --config)")
-    return resolved
-
-
-def resolve_devices(cfg, accelerator: str) -> Any:
-    """Processes per node: as given; on CPU "auto" is one process per CP rank."""
-    devices = cfg.trainer.devices
-    if isinstance(devices, str) and devices.isdigit():
-        return int(devices)
-    if devices == "auto" and accelerator == "cpu":
-        return cfg.strategy.context_parallel_size or 1
-    return devices
-
-
-MODEL_SHAPE_KEYS = ("preset", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size",
-                    "head_dim", "tie_embeddings")
 
 
 def check_resume(resolved: Resolved) -> None:
@@ -214,23 +173,6 @@ class Prepared:
     run_lock: Any  # the run directory's lock (rank 0), held while this lives; None: checked only
     trainer: Any  # None: checked only (``device_checks=False``)
     datamodule: Any
-
-
-class _UnreadTokenizer:
-    """A GGUF tokenizer named (and its spec checked) but not read: reading it is data work."""
-    vocab_size, eos_id, bos_id = 1, 0, None
-
-    def encode(self, text: str) -> list[int]:
-        raise NotImplementedError("checked only: the GGUF tokenizer was not read")
-
-    decode = encode
-
-
-def launched_world() -> Optional[int]:
-    """The world an external launcher (torchrun) set up, if any."""
-    import os
-
-    return int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
 
 
 def prepare(argv: list[str], *, device_checks: bool = True) -> Prepared:

@@ -9,6 +9,7 @@ by the class as it is built (train.py builds them before any data work).
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -217,3 +218,66 @@ def one_line(error: BaseException) -> str:
         expected = f" expected {fields['Subtypes']}," if "Subtypes" in fields else ""
         return f"{lines[0]}{expected} got {fields['Given value']!r}"
     return " ".join(lines)
+
+
+def expand_short_flags(argv: list[str], short_flags: dict[str, str], repo: Path) -> list[str]:
+    """Short flags -> their options; config paths found from the repo too; --print_config
+    last (it prints what the arguments after it set as well)."""
+    out, print_config = [], []
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag in short_flags:
+            arg = f"--{short_flags[flag]}{eq}{value}"
+        elif flag == "--print_config":
+            print_config.append(arg)
+            continue
+        elif i and argv[i - 1] in ("--config", "-c") and not Path(arg).exists() and (repo / arg).exists():
+            arg = str(repo / arg)
+        out.append(arg)
+    return out + print_config
+
+
+def run_dir_of(checkpoint: Path) -> Path:
+    parent = checkpoint.parent
+    return parent.parent if parent.name == "checkpoints" else parent
+
+
+def resolve_accelerator(accelerator: str) -> str:
+    """"auto" as the machine has it; a GPU asked for where none is: one line, not Lightning's."""
+    import torch
+
+    resolved = "gpu" if accelerator == "cuda" or accelerator == "auto" and torch.cuda.is_available() else accelerator
+    resolved = "cpu" if resolved == "auto" else resolved
+    if resolved == "gpu" and not torch.cuda.is_available():
+        raise ValueError(f"accelerator {accelerator!r} needs a CUDA GPU and none is visible here; "
+                         "run on a GPU machine or pass --accelerator cpu (and a CPU-sized --config)")
+    return resolved
+
+
+def resolve_devices(cfg, accelerator: str) -> Any:
+    """Processes per node: as given; on CPU "auto" is one process per CP rank."""
+    devices = cfg.trainer.devices
+    if isinstance(devices, str) and devices.isdigit():
+        return int(devices)
+    if devices == "auto" and accelerator == "cpu":
+        return cfg.strategy.context_parallel_size or 1
+    return devices
+
+
+MODEL_SHAPE_KEYS = ("preset", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size",
+                    "head_dim", "tie_embeddings")
+
+
+class _UnreadTokenizer:
+    """A GGUF tokenizer named (and its spec checked) but not read: reading it is data work."""
+    vocab_size, eos_id, bos_id = 1, 0, None
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError("checked only: the GGUF tokenizer was not read")
+
+    decode = encode
+
+
+def launched_world() -> Optional[int]:
+    """The world an external launcher (torchrun) set up, if any."""
+    return int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
