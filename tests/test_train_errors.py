@@ -148,7 +148,7 @@ def test_resume_reads_the_runs_config(train, tmp_path, cache, capsys):
     assert cfg.model.lr == 1e-3 and cfg.model.warmup_steps == 4 and cfg.run.output_dir == str(run)
     assert resolved.overrides == {"trainer.max_steps": (6, 9)}
     assert cfg.model.decay_steps == 6  # the schedule is the run's unless --decay-steps says otherwise
-    train.check_resume(resolved)
+    resolved.check_resume()
     out = capsys.readouterr().out
     assert "overridden here: trainer.max_steps 6 -> 9" in out and "keeps ending at step 6" in out
     stretched = train.resolve_config(["--resume", str(run), "--max-steps", "9", "--decay-steps", "9"])
