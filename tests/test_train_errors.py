@@ -57,6 +57,8 @@ CASES = [
     (["--seq-len", "502"], "data: sequence length 502 cannot be split by layout 'zigzag' over P=2 ranks: it must be "
                            "a positive multiple of 4 (2 x P); nearest valid: 500 or 504"),
     (["--context-parallel", "3", "--devices", "2"], "strategy.context_parallel_size 3 does not divide the world of 2"),
+    # Lightning's own check, said of the section whose object refused it.
+    (["--trainer.devices", "0"], "trainer: `Trainer(devices=0)` value is not a valid input using cpu accelerator"),
     # On CPU devices follow --context-parallel: CP 3 is fine, the default 512 tokens are not.
     (["--context-parallel", "3"], "by layout 'zigzag' over P=3 ranks: it must be a positive multiple of 6"),
     (["--accumulate-grad-batches", "0"], "Parser key \"trainer.accumulate_grad_batches\": Not of type PositiveInt: 0"),
