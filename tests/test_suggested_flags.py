@@ -21,7 +21,8 @@ NOT_TRAIN_PY = {"--no-deps": "pip", "--sections": "benchmarks/ring.py", "--nproc
 # A value of each flag's kind (a new hint names a flag missing here: add one).
 VALUES = {
     "--config": ["configs/tiny-cpu.yaml"], "--context-parallel": ["2"], "--data-parallel": ["ddp"],
-    "--devices": ["2"], "--hf-model": ["benchmarks/hf_configs/llama3.2-1b"],
+    "--devices": ["2"], "--hf-model": ["benchmarks/hf_configs/llama3.2-1b"], "--accelerator": ["cpu"],
+    "--max-steps": ["400"], "--decay-steps": ["400"],
     "--model.hf_model": ["benchmarks/hf_configs/llama3.2-1b"], "--model.model": ["null"],
     "--model.parallel.<key>": ["--model.parallel.loss_chunk_size", "2048"],
     "--model.parallel.activation_checkpointing": ["full"], "--model.parallel.fuse_pointwise": ["false"],

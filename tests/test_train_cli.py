@@ -130,6 +130,8 @@ def _train_module():
 
 def test_print_config_loads_back(tmp_path, capsys):
     """--print_config: the whole resolved config, which --config reads back to the same options."""
+    from longctx.lightning.cli import flatten
+
     train = _train_module()
     argv = ["--config", "configs/gpt-125m.yaml", "--context-parallel", "4", "--model.model.n_layer", "3",
             "--model.parallel.activation_checkpointing", "selective", "--strategy.timeout", "0:07:30",
@@ -140,8 +142,8 @@ def test_print_config_loads_back(tmp_path, capsys):
     printed = capsys.readouterr().out
     dumped = tmp_path / "printed.yaml"
     dumped.write_text(printed)
-    direct = train.flatten(train.resolve_config(argv).config)
-    loaded = train.flatten(train.resolve_config(["--config", str(dumped)]).config)
+    direct = flatten(train.resolve_config(argv).config)
+    loaded = flatten(train.resolve_config(["--config", str(dumped)]).config)
     assert {k: v for k, v in loaded.items() if k != "config"} == {k: v for k, v in direct.items() if k != "config"}
     assert direct["strategy.context_parallel_size"] == 4 and direct["model.model.n_layer"] == 3
     assert direct["strategy.failure_timeout"] is None  # a null that differs from the default survives

@@ -57,6 +57,8 @@ CASES = [
     (["--seq-len", "502"], "data: sequence length 502 cannot be split by layout 'zigzag' over P=2 ranks: it must be "
                            "a positive multiple of 4 (2 x P); nearest valid: 500 or 504"),
     (["--context-parallel", "3", "--devices", "2"], "strategy.context_parallel_size 3 does not divide the world of 2"),
+    # Lightning's own check, said of the section whose object refused it.
+    (["--trainer.devices", "0"], "trainer: `Trainer(devices=0)` value is not a valid input using cpu accelerator"),
     # On CPU devices follow --context-parallel: CP 3 is fine, the default 512 tokens are not.
     (["--context-parallel", "3"], "by layout 'zigzag' over P=3 ranks: it must be a positive multiple of 6"),
     (["--accumulate-grad-batches", "0"], "Parser key \"trainer.accumulate_grad_batches\": Not of type PositiveInt: 0"),
@@ -148,7 +150,7 @@ def test_resume_reads_the_runs_config(train, tmp_path, cache, capsys):
     assert cfg.model.lr == 1e-3 and cfg.model.warmup_steps == 4 and cfg.run.output_dir == str(run)
     assert resolved.overrides == {"trainer.max_steps": (6, 9)}
     assert cfg.model.decay_steps == 6  # the schedule is the run's unless --decay-steps says otherwise
-    train.check_resume(resolved)
+    resolved.check_resume()
     out = capsys.readouterr().out
     assert "overridden here: trainer.max_steps 6 -> 9" in out and "keeps ending at step 6" in out
     stretched = train.resolve_config(["--resume", str(run), "--max-steps", "9", "--decay-steps", "9"])

@@ -1,16 +1,22 @@
 """train.py's LightningCLI: the parser over ``CausalLMModule`` (``model``),
 ``LongDocumentDataModule`` (``data``), ``ContextParallelStrategy`` (``strategy``), the
-``Trainer`` (``trainer``), ``NonFiniteGuard`` (``nonfinite``) and ``RunOptions`` (``run``),
-with the helpers that read its configs and render its errors as one line each.
+``Trainer`` (``trainer``), ``NonFiniteGuard`` (``nonfinite``) and ``RunOptions`` (``run``);
+it builds what it parses, and renders every refusal as one line.
 
 The classes' signatures are the options: their ``Literal`` types and defaults are what the
 parser checks and ``--help`` lists; the values a type allows but a class refuses are refused
-by the class as it is built (train.py builds them before any data work).
+by the class as it is built. ``TrainCLI`` builds every object before any data work (run
+options, guard, strategy, data module, Trainer; the model's arguments checked), each inside
+its section, so a refusal is said of that section's option (``model.lr must be ...``). The
+model itself is built once the data module's tokenizer exists (``instantiate_model``): the
+tokenizer decides its vocabulary.
 """
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 # The sections of a config, as of the command line (``--model.lr`` = model: lr:).
 SECTIONS = ("trainer", "model", "data", "strategy", "nonfinite", "run")
@@ -22,9 +28,32 @@ TRAINER_DERIVED = (
 )
 
 
+@contextmanager
+def refused_as(section: str, options: Any) -> Iterator[None]:
+    """A class's refusal, raised while building ``section``, said of that section's option:
+    ``section.ARGUMENT ...`` where the message names one of ``options`` (dotted for nested
+    ones), else ``section: message``."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-def cli_class(description: str, short_flags: dict[str, str]):
-    """The LightningCLI subclass, built lazily: Lightning's import is the slow part of an error."""
+    from ..validation import qualified
+
+    try:
+        yield
+    except (ValueError, TypeError, FileNotFoundError, MisconfigurationException) as e:
+        names = {*options, *flatten(options)} if isinstance(options, dict) else set(options)
+        raise ValueError(qualified(section, names, str(e))) from None
+
+
+def cli_class(description: str, short_flags: dict[str, str], default_config: Path):
+    """The LightningCLI subclass, built lazily: Lightning's import is the slow part of an error.
+
+    ``TrainCLI(argv)`` parses (configs/``default_config`` or a resumed run's own config.yaml
+    <- ``--config`` files <- flags, in order) and builds every object before any data work;
+    ``instantiate=False``: parses only; ``device_checks=False``: checks what the command itself
+    decides, on any machine (a GPU command on a CPU machine: tests/test_readme_commands.py):
+    no CUDA needed for a GPU accelerator, no Trainer (so none of Lightning's device checks),
+    the model without the plan's kernel checks, no GGUF tokenizer read, no run directory
+    locked."""
     import inspect
     from argparse import RawDescriptionHelpFormatter
 
@@ -41,6 +70,7 @@ def cli_class(description: str, short_flags: dict[str, str]):
     from .strategy import ContextParallelStrategy
     from .training import RunOptions
 
+    repo = default_config.resolve().parents[1]
     # Trainer options a run needs bounded (Lightning's own types allow an endless -1,
     # zero micro-batches, ...): typed here, so the parser refuses the rest.
     bounded = {"max_steps": PositiveInt, "accumulate_grad_batches": PositiveInt, "num_nodes": PositiveInt,
@@ -50,10 +80,12 @@ def cli_class(description: str, short_flags: dict[str, str]):
         """Keeps the epilog's table of short flags as written."""
 
     class TrainCLI(LightningCLI):
-        """Parses and checks the options only: train.py builds the objects after its own
-        checks, data first (the tokenizer fixes a fresh model's vocabulary)."""
-
-        def __init__(self, args: list[str]) -> None:
+        def __init__(self, args: list[str], *, instantiate: bool = True, device_checks: bool = True) -> None:
+            self._instantiate, self.device_checks = instantiate, device_checks
+            self.resume_checkpoint: Optional[Path] = None
+            self.run_config: Optional[Any] = None  # the resumed run's own config.yaml, parsed
+            self.overrides: dict = {}  # dotted key -> (run's value, value now), on resume
+            self.trainer = self.datamodule = self.model = self.run_lock = None
             super().__init__(
                 CausalLMModule, LongDocumentDataModule, save_config_callback=None, run=False,
                 auto_configure_optimizers=False, load_from_checkpoint_support=False, args=args,
@@ -61,6 +93,8 @@ def cli_class(description: str, short_flags: dict[str, str]):
                                "formatter_class": HelpFormatter, "epilog": "short flags:\n" + "\n".join(
                                    f"  {flag:26} --{key}" for flag, key in short_flags.items())},
             )
+
+        # -- the parser ----------------------------------------------------------------------
 
         def add_default_arguments_to_parser(self, parser) -> None:
             pass  # no --seed_everything: train.py seeds everything from data.seed
@@ -78,9 +112,10 @@ def cli_class(description: str, short_flags: dict[str, str]):
                 parser.add_argument(f"--trainer.{name}", type=kind, default=None if name == "max_steps" else default,
                                     help=f"Trainer's {name} (see lightning.pytorch.Trainer)")
             # CausalLMModule's ``model`` also takes a GPTConfig; as an option it is the mapping
-            # only: jsonargparse would turn it into a GPTConfig and drop ``preset``.
+            # only: jsonargparse would turn it into a GPTConfig and drop ``preset``. The module is
+            # built by instantiate_model, after the tokenizer: not by the parser.
             parser.add_class_arguments(self.model_class, "model", skip={"model"}, fail_untyped=False,
-                                       sub_configs=True)
+                                       instantiate=False, sub_configs=True)
             parser.add_argument("--model.model", type=Optional[dict[str, Any]], default=None,
                                 help="the GPT: GPTConfig fields plus `preset` (tiny, gpt-125m, llama3-8b, ...); "
                                      "with init_from, overrides of non-size fields")
@@ -89,26 +124,244 @@ def cli_class(description: str, short_flags: dict[str, str]):
         def add_arguments_to_parser(self, parser) -> None:
             # **ddp_kwargs would bring every DistributedDataParallel argument along: not ours.
             ddp = set(inspect.signature(DistributedDataParallel.__init__).parameters)
-            parser.add_class_arguments(ContextParallelStrategy, "strategy", skip=ddp, instantiate=False)
-            parser.add_class_arguments(NonFiniteGuard, "nonfinite", skip={"group"}, instantiate=False)
-            parser.add_class_arguments(RunOptions, "run", instantiate=False)
+            parser.add_class_arguments(ContextParallelStrategy, "strategy", skip=ddp)
+            parser.add_class_arguments(NonFiniteGuard, "nonfinite", skip={"group"})
+            parser.add_class_arguments(RunOptions, "run")
             parser.add_argument("--resume", type=Optional[str], default=None,
                                 help="checkpoint, checkpoint directory or run directory (its newest complete "
                                      "checkpoint); continues from the run's own config.yaml")
             # One value, set once: the data splits like the strategy; the module's FLOPs use the data's length.
             parser.link_arguments("strategy.context_parallel_size", "data.context_parallel_size")
-            parser.link_arguments("strategy.layout", "data.layout")
+            # On instantiation: the strategy is built (and its world checked) before the data module.
+            parser.link_arguments("strategy", "data.layout", compute_fn=layout_of, apply_on="instantiate")
             parser.link_arguments("data.seq_len", "model.seq_len")
 
         def parse_arguments(self, parser, args) -> None:
-            self.config = parser.parse_args(args)  # (LightningCLI's own warns when sys.argv is also set)
+            """On ``--resume`` flags not repeated keep the run's values; an explicit ``--config``
+            and flags given then are overrides (reported)."""
+            # A Hugging Face model comes from its directory: the GPT sizes of configs read before
+            # it are dropped (sizes given as flags are kept, and refused with it).
+            args = hf_model_drops_config_models(expand_short_flags(list(args), short_flags, repo))
+            configs = flag_values(args, "--config", "-c")
+            for path in configs:
+                check_sections(path)
+            resume = flag_values(args, "--resume")
+            run_yaml = None
+            if resume and resume[-1] not in ("null", "None"):
+                from .checkpoint_io import find_resume_checkpoint
+
+                self.resume_checkpoint = find_resume_checkpoint(resume[-1])
+                run_yaml = run_dir_of(self.resume_checkpoint) / "config.yaml"
+                run_yaml = run_yaml if run_yaml.exists() else None
+                if run_yaml is not None:
+                    check_sections(str(run_yaml))  # a run from before train.py's LightningCLI: flat keys
+            base = run_yaml or (None if configs else default_config)
+            self.config = self._parse(parser, [*(["--config", str(base)] if base else []), *args])
+            self.name = Path(configs[-1]).stem if configs else default_config.stem
+            if run_yaml is not None:
+                self.run_config = self._parse(parser, ["--config", str(run_yaml)])
+                before, now = flatten(self.run_config), flatten(self.config)
+                self.overrides = {k: (before.get(k), v) for k, v in now.items()
+                                  if k not in ("config", "resume", "run.output_dir") and before.get(k) != v}
+                if self.config.run.output_dir == self.run_config.run.output_dir:  # not given now: where it is
+                    self.config.run.output_dir = str(run_dir_of(self.resume_checkpoint))
+
+        @staticmethod
+        def _parse(parser, args: list[str]):
+            config = parser.parse_args(args)  # (LightningCLI's own warns when sys.argv is also set)
             for name in bounded:  # jsonargparse's restricted numbers subclass int/float: YAML cannot dump them
-                value = self.config.trainer[name]
+                value = config.trainer[name]
                 if value is not None:
-                    self.config.trainer[name] = float(value) if isinstance(value, float) else int(value)
+                    config.trainer[name] = float(value) if isinstance(value, float) else int(value)
+            return config
+
+        def dump(self) -> str:
+            """The config as YAML (every option): ``--config`` reads it back to the same run."""
+            return self.parser.dump(self.config, skip_unset=False)
+
+        # -- building ------------------------------------------------------------------------
+
+        def before_instantiate_classes(self) -> None:
+            """The model's arguments, the resume, and the settings left to the run (pinned in its
+            config.yaml), all before anything is built."""
+            if not self._instantiate:
+                return
+            cfg = self.config
+            with refused_as("model", cfg.model.as_dict()):
+                CausalLMModule.check_arguments(**cfg.model.as_dict())
+            if self.resume_checkpoint is not None:
+                self.check_resume()
+            trainer = cfg.trainer
+            if self.device_checks or trainer.accelerator not in ("gpu", "cuda"):
+                trainer.accelerator = resolve_accelerator(trainer.accelerator)
+            else:
+                trainer.accelerator = "gpu"  # checked only: this machine may have none
+            trainer.devices = resolve_devices(trainer.devices, trainer.accelerator,
+                                              cfg.strategy.context_parallel_size)
+            if trainer.precision is None:
+                trainer.precision = "bf16-mixed" if trainer.accelerator == "gpu" else "32-true"
+            if cfg.model.decay_steps is None:  # pinned: extending max_steps on resume keeps the schedule
+                cfg.model.decay_steps = trainer.max_steps
+            # An HF model comes from its directory: a config's GPT sizes do not apply to it.
+            cfg.model.model = None if cfg.model.hf_model is not None else dict(cfg.model.model or {})
+            # A tokenizer trained on the corpus, its size left at the data module's default, is
+            # trained to the model's vocabulary (an HF model's, capped at 32768).
+            default_vocab = self.parser.get_defaults().data.vocab_size
+            if cfg.data.tokenizer is None and cfg.model.init_from is None and cfg.data.vocab_size == default_vocab:
+                cfg.data.vocab_size = model_vocab(cfg.model)
+            if cfg.run.output_dir is None:  # a resumed run continues in its own directory
+                ckpt = self.resume_checkpoint
+                cfg.run.output_dir = str(run_dir_of(ckpt) if ckpt else Path("runs") / self.name)
+
+        def _check_world(self) -> None:
+            """``world``: the one the command asks for (the launcher's, else devices x nodes; None
+            where unknown), checked against the CP size as the strategy checks it, before any
+            process starts."""
+            from .strategy import _check_divisible
+
+            devices, nodes = self.config.trainer.devices, self.config.trainer.num_nodes
+            if devices == "auto" and self.device_checks and self.config.trainer.accelerator == "gpu":
+                import torch
+
+                devices = torch.cuda.device_count()
+            per_node = len(devices) if isinstance(devices, (list, tuple)) else devices
+            per_node = per_node if isinstance(per_node, int) else None
+            world = launched_world()
+            if world is not None and per_node is not None and per_node * nodes != world:
+                raise ValueError(f"trainer.devices {devices} x num_nodes {nodes} does not match the launcher's world "
+                                 f"of {world} processes")
+            world = world if world is not None else None if per_node is None else per_node * nodes
+            cp = self.config.strategy.context_parallel_size
+            if world is not None and cp is not None:
+                with refused_as("strategy", self.config.strategy.as_dict()):
+                    _check_divisible(world, cp, per_node, nodes)
+            self.world = world
 
         def instantiate_classes(self) -> None:
-            pass
+            """Run options, guard, strategy (then the world checked against it) and data module as
+            jsonargparse builds them, each refusal said of its section; then the Trainer, the
+            model's arguments checked on its device, the run directory locked (rank 0)."""
+            if not self._instantiate:
+                return
+            from .run_dir import lock_run_dir
+            from .training import launch_rank
+
+            cfg = self.config
+            self.config_init = self.parser.instantiate(cfg, instantiators=[
+                (self._instantiator("run"), RunOptions, False),
+                (self._instantiator("nonfinite"), NonFiniteGuard, False),
+                (self._instantiator("strategy", then=self._check_world), ContextParallelStrategy, False),
+                (self._instantiator("data", given=self._data_arguments), LongDocumentDataModule, False),
+            ])
+            self.datamodule = self.config_init.data
+            self.out = Path(self.config_init.run.output_dir)
+            if self.device_checks:
+                self.trainer = self.instantiate_trainer()
+                with refused_as("model", cfg.model.as_dict()):
+                    CausalLMModule.check_arguments(**cfg.model.as_dict(), device=self.trainer.strategy.root_device)
+                if launch_rank() == 0:
+                    self.run_lock = lock_run_dir(self.out)
+
+        @staticmethod
+        def _instantiator(section: str, given: Any = dict, then: Any = None):
+            """Builds a section's class with its parsed arguments (and those ``given()`` adds);
+            ``then`` checks what needs the object."""
+            def build(cls, *args: Any, **kwargs: Any):
+                with refused_as(section, kwargs):
+                    built = cls(*args, **{**kwargs, **given()})
+                if then is not None:
+                    then()
+                return built
+            return build
+
+        def _data_arguments(self) -> dict:
+            # The data module checks its sequence length against the CP size the strategy will
+            # have (the world's, where the strategy's is null) and reads the model's own
+            # tokenizer where none is given.
+            cp = self.config.strategy.context_parallel_size or self.world
+            return {"context_parallel_size": cp, "tokenizer": self._tokenizer()}
+
+        def _tokenizer(self) -> Any:
+            """The data module's tokenizer: see training.data_tokenizer; checked only: a GGUF one
+            named, not read."""
+            from .training import data_tokenizer
+
+            cfg = self.config
+            spec = cfg.data.tokenizer if cfg.data.tokenizer is not None else cfg.model.init_from
+            if not self.device_checks:
+                from longctx.models import GGUFTokenizer
+                from longctx.models.checkpoint_import import check_checkpoint_spec
+
+                if GGUFTokenizer.accepts(spec):
+                    check_checkpoint_spec("tokenizer", spec)
+                    return _UnreadTokenizer()
+            return data_tokenizer(cfg.data.tokenizer, cfg.model.init_from, cfg.model.hf_model)
+
+        def instantiate_trainer(self, **kwargs: Any) -> Any:
+            """The run's Trainer (training.build_trainer) around the built strategy; Lightning's
+            refusals said of ``trainer``."""
+            from .training import build_trainer
+
+            init, trainer = self.config_init, self.config.trainer.as_dict()
+            with refused_as("trainer", trainer):
+                return build_trainer(trainer, init.strategy, init.run, self.out, [init.nonfinite],
+                                     on_train_start=self._write_config)
+
+        def _write_config(self, trainer: Any, module: Any) -> None:
+            # At train start, i.e. after a resumed checkpoint was accepted: a rejected resume
+            # leaves the run's config.yaml as it was. Without ``resume``: loaded with --config it
+            # starts the same run afresh.
+            from .run_dir import write_atomic
+
+            if trainer.is_global_zero:
+                self.config.resume = None
+                self.config.model.parallel = module.plan.to_dict()  # as the run decided it (memory check)
+                write_atomic(self.out / "config.yaml", self.dump())
+
+        def instantiate_model(self) -> Any:
+            """The module, once the data module's tokenizer exists: a fresh GPT gets the tokenizer's
+            vocabulary (a configured one kept where larger: a Llama-shaped preset beside a smaller
+            trained tokenizer); config.yaml records it."""
+            from longctx.models import GPTConfig
+
+            cfg = self.config.model
+            vocab = self.datamodule.get_tokenizer().vocab_size
+            if cfg.init_from is None and cfg.hf_model is None:
+                cfg.model = {**cfg.model, "vocab_size": max(vocab, GPTConfig.from_dict(cfg.model).vocab_size)}
+            self.model = CausalLMModule(**cfg.as_dict())
+            if self.model.config.vocab_size < vocab:
+                raise ValueError(f"the tokenizer has {vocab} tokens but the model only {self.model.config.vocab_size}")
+            return self.model
+
+        def check_resume(self) -> None:
+            """Refuse a resume that cannot continue the run, and say what a flag changes."""
+            from .checkpoint_io import checkpoint_step
+            from .training import say
+
+            cfg, ckpt = self.config, self.resume_checkpoint
+            changed = [f"{k} {before} -> {now}" for k in MODEL_SHAPE_KEYS
+                       for before, now in [self.overrides.get(f"model.model.{k}", (None, None))] if before != now]
+            if changed:
+                raise ValueError(f"--resume {ckpt}: the checkpoint holds another model shape than asked for "
+                                 f"({', '.join(changed)}); resume with the run's model (drop those flags)")
+            step = checkpoint_step(ckpt)  # the checkpoint was verified when parsing picked it
+            max_steps = cfg.trainer.max_steps
+            if step >= 0 and step >= max_steps:
+                decay = cfg.model.decay_steps or max_steps
+                raise ValueError(
+                    f"--resume {ckpt}: that run already finished (step {step} of --max-steps {max_steps}); to "
+                    f"train it further pass --max-steps N with N > {step} (the lr schedule still ends at step "
+                    f"{decay}: add --decay-steps N to stretch it)"
+                )
+            where = run_dir_of(ckpt) / "config.yaml"
+            if self.run_config is None:
+                say(f"resume: {where} not found; using --config and flags as given")
+                return
+            changes = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in self.overrides.items())
+            say(f"resume: the run's own config {where}" + (f"; overridden here: {changes}" if changes else ""))
+            if "trainer.max_steps" in self.overrides and "model.decay_steps" not in self.overrides:
+                say(f"resume: the lr schedule keeps ending at step {cfg.model.decay_steps} "
+                    "(--decay-steps N changes it)")
 
     return TrainCLI
 
@@ -217,3 +470,82 @@ def one_line(error: BaseException) -> str:
         expected = f" expected {fields['Subtypes']}," if "Subtypes" in fields else ""
         return f"{lines[0]}{expected} got {fields['Given value']!r}"
     return " ".join(lines)
+
+
+def layout_of(strategy: Any) -> str:
+    """The layout a built strategy shards batches with (what the data module checks lengths for)."""
+    return strategy.layout
+
+
+def model_vocab(model: Any) -> int:
+    """The vocabulary of the model section's model (a GPT's config, an HF directory's capped
+    at 32768): what a tokenizer trained for it is asked for."""
+    if model.hf_model is not None:
+        import json
+
+        return min(json.loads((Path(model.hf_model) / "config.json").read_text())["vocab_size"], 32768)
+    from longctx.models import GPTConfig
+
+    return GPTConfig.from_dict(model.model).vocab_size
+
+
+def expand_short_flags(argv: list[str], short_flags: dict[str, str], repo: Path) -> list[str]:
+    """Short flags -> their options; config paths found from the repo too; --print_config
+    last (it prints what the arguments after it set as well)."""
+    out, print_config = [], []
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag in short_flags:
+            arg = f"--{short_flags[flag]}{eq}{value}"
+        elif flag == "--print_config":
+            print_config.append(arg)
+            continue
+        elif i and argv[i - 1] in ("--config", "-c") and not Path(arg).exists() and (repo / arg).exists():
+            arg = str(repo / arg)
+        out.append(arg)
+    return out + print_config
+
+
+def run_dir_of(checkpoint: Path) -> Path:
+    parent = checkpoint.parent
+    return parent.parent if parent.name == "checkpoints" else parent
+
+
+def resolve_accelerator(accelerator: str) -> str:
+    """"auto" as the machine has it; a GPU asked for where none is: one line, not Lightning's."""
+    import torch
+
+    resolved = "gpu" if accelerator == "cuda" or accelerator == "auto" and torch.cuda.is_available() else accelerator
+    resolved = "cpu" if resolved == "auto" else resolved
+    if resolved == "gpu" and not torch.cuda.is_available():
+        raise ValueError(f"accelerator {accelerator!r} needs a CUDA GPU and none is visible here; "
+                         "run on a GPU machine or pass --accelerator cpu (and a CPU-sized --config)")
+    return resolved
+
+
+def resolve_devices(devices: Any, accelerator: str, context_parallel_size: Optional[int]) -> Any:
+    """Processes per node: as given; on CPU "auto" is one process per CP rank."""
+    if isinstance(devices, str) and devices.isdigit():
+        return int(devices)
+    if devices == "auto" and accelerator == "cpu":
+        return context_parallel_size or 1
+    return devices
+
+
+MODEL_SHAPE_KEYS = ("preset", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size",
+                    "head_dim", "tie_embeddings")
+
+
+class _UnreadTokenizer:
+    """A GGUF tokenizer named (and its spec checked) but not read: reading it is data work."""
+    vocab_size, eos_id, bos_id = 1, 0, None
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError("checked only: the GGUF tokenizer was not read")
+
+    decode = encode
+
+
+def launched_world() -> Optional[int]:
+    """The world an external launcher (torchrun) set up, if any."""
+    return int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
