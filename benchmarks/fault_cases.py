@@ -135,16 +135,6 @@ def baseline(s: Settings, name: str = "baseline") -> Row:
     return row
 
 
-def repeat(s: Settings) -> Row:
-    """A second uninterrupted run: the run-to-run noise resumes are allowed."""
-    row = baseline(s, "baseline_repeat")
-    row["what"] = "second uninterrupted run (run-to-run loss noise)"
-    diff = compare(row["losses"], s.reference, range(s.steps))
-    row["loss_diff"] = diff
-    row.check(diff is not None, "losses missing")
-    return row
-
-
 def sigterm(target: str) -> Callable[[Settings], Row]:
     launcher = "torchrun" if target == "launcher" else "plain"
 

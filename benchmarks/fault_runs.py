@@ -61,6 +61,15 @@ def gpu_pids() -> Optional[list[int]]:
     return [int(x) for x in out.split() if x.strip().isdigit()]
 
 
+def gpu_held(settle: float = 10.0) -> Optional[list[int]]:
+    """Every process nvidia-smi lists as holding GPU memory, after waiting up to ``settle``
+    seconds for none; None without nvidia-smi."""
+    deadline = time.monotonic() + settle
+    while (held := gpu_pids()) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return held
+
+
 class Run:
     """One launch of train.py (``flags``) with ``fault`` injected (see fault_inject.py)."""
 
@@ -162,12 +171,13 @@ class Run:
         return left
 
     def gpu_left(self, settle: float = 5.0) -> Optional[list[int]]:
-        """Processes (PIDs as nvidia-smi lists them) still holding GPU memory after this run,
-        waiting ``settle`` seconds for the driver to release it; None without nvidia-smi."""
+        """This run's processes (PIDs as nvidia-smi lists them) still holding GPU memory,
+        waiting ``settle`` seconds for the driver to release it; None without nvidia-smi.
+        (Other runs may hold GPU memory meanwhile: faults.py checks for none at the end.)"""
         deadline = time.monotonic() + settle
-        while (held := gpu_pids()) and time.monotonic() < deadline:
+        while (held := sorted(set(gpu_pids() or []) & self.seen)) and time.monotonic() < deadline:
             time.sleep(0.25)
-        return held
+        return held if gpu_pids() is not None else None
 
     def finish(self) -> None:
         """Stop following the run; SIGKILL whatever of it is left (by pid, marked only)."""

@@ -19,14 +19,17 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from fault_cases import CASES, NEEDS_REFERENCE, Settings, baseline, repeat  # benchmarks/ is sys.path[0]
+from fault_cases import CASES, NEEDS_REFERENCE, Settings, baseline
+from fault_runs import compare, gpu_held  # benchmarks/ is sys.path[0]
 
 GPU_MODEL = ["--model.model.n_layer", "4", "--model.model.n_embd", "512", "--model.model.n_head", "4",
              "--model.model.n_kv_head", "2", "--model.model.intermediate_size", "1408"]
@@ -47,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--failure-timeout", type=float, default=10.0, help="the watchdog's (train.py --failure-timeout)")
     p.add_argument("--grace", type=float, default=25.0, help="SIGTERM grace period (--stop-grace-period)")
     p.add_argument("--stall-timeout", type=int, default=30, help="process-group timeout in the stall case, s")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="cases run at once (nccl 3: the runs are small and share the 2 GPUs; gloo 1)")
     p.add_argument("--no-repeat", action="store_true",
                    help="skip the second uninterrupted run (noise then counts as 0: resumes must be bit-exact)")
     p.add_argument("--train-flags", default="", help="more train.py flags for every run (one string)")
@@ -96,14 +101,25 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def run_case(name: str, s: Settings) -> dict:
+    try:
+        return CASES[name](s)
+    except Exception as exc:  # noqa: BLE001 - a case that cannot run is a failed row
+        return {"case": name, "what": name, "outcome": "fail", "why": f"{type(exc).__name__}: {exc}",
+                "seconds": None, "exit_codes": {}, "work_lost": None, "message": ""}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.jobs = args.jobs or (3 if args.backend == "nccl" else 1)
     chosen = list(CASES) if args.cases == "all" else [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in chosen if c not in CASES]
     if unknown:
         raise SystemExit(f"faults.py: error: unknown case(s) {unknown}; choose from {', '.join(CASES)}")
     if args.backend == "nccl" and not (torch.cuda.is_available() and torch.cuda.device_count() >= 2):
         raise SystemExit("faults.py: error: --backend nccl needs 2 GPUs; use --backend gloo")
+    # No core files: NCCL's watchdog aborts the process whose collective timed out (the stall case).
+    resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="longctx-faults-"))
     workdir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("LONGCTX_CACHE_DIR", str(workdir / "cache"))  # tokenizer + corpus, built once
@@ -119,22 +135,27 @@ def main(argv=None) -> int:
 
     try:
         if NEEDS_REFERENCE & set(chosen):
-            ref = baseline(s)
+            names = ["baseline"] + ([] if args.no_repeat else ["baseline_repeat"])
+            with ThreadPoolExecutor(max_workers=min(args.jobs, 2)) as pool:
+                ref, *rep = pool.map(lambda name: baseline(s, name), names)
             s.reference = ref.pop("losses")
             record(ref)
-            if ref["outcome"] == "pass" and not args.no_repeat:
-                rep = repeat(s)
-                rep.pop("losses")
-                s.noise = rep.get("loss_diff")
-                record(rep)
+            for row in rep:  # the run-to-run noise a resume is allowed
+                row["what"] = "second uninterrupted run (run-to-run loss noise)"
+                s.noise = row["loss_diff"] = compare(row.pop("losses"), s.reference, range(s.steps))
+                row.check(s.noise is not None, "losses missing")
+                record(row)
             if ref["outcome"] != "pass":
                 chosen = [c for c in chosen if c not in NEEDS_REFERENCE]
-        for name in chosen:
-            try:
-                record(CASES[name](s))
-            except Exception as exc:  # noqa: BLE001 - a case that cannot run is a failed row
-                record({"case": name, "what": name, "outcome": "fail", "why": f"{type(exc).__name__}: {exc}",
-                        "seconds": None, "exit_codes": {}, "work_lost": None, "message": ""})
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # each case waits on its own processes
+            for row in pool.map(lambda name: run_case(name, s), chosen):
+                record(row)
+        if s.gpu:  # with every run over, no process may hold GPU memory (the cases check their own)
+            held = gpu_held()
+            gpu_after = {"case": "gpu_memory_after_all", "what": "no process holds GPU memory after the suite",
+                         "outcome": "pass" if not held else "fail", "why": f"held by pids {held}" if held else "",
+                         "seconds": None, "exit_codes": {}, "work_lost": None, "message": f"nvidia-smi: {held}"}
+            record(gpu_after)
     finally:
         if args.workdir is None and all(r["outcome"] == "pass" for r in rows):
             shutil.rmtree(workdir, ignore_errors=True)
