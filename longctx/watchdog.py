@@ -172,6 +172,12 @@ class RankWatchdog:
                 deadline = time.monotonic() + self.timeout + 3 * self.interval
                 while time.monotonic() < deadline and not self._call("check", ["failure"]):
                     time.sleep(self.interval / 2)
+                if not self._call("check", ["failure"]):
+                    # No rank raised and every heartbeat moves: a peer is alive but never joined
+                    # (stalled outside the collective); this rank did not fail, it stopped waiting.
+                    mine = (f"rank {self.rank} stopped waiting in a collective ({text[:1500]}); no rank failed "
+                            f"and every heartbeat kept moving for {self.timeout:.0f}s: a rank is stalled "
+                            "(alive, not joining the collective)")
             first = self._call("compare_set", "failure", "", mine).decode(errors="replace")
         except Exception as exc:  # noqa: BLE001 - the store is gone or hung
             if symptom:

@@ -352,3 +352,60 @@ def test_sharded_metadata_and_pickles_are_data_only(tmp_path):
     with pytest.raises(CheckpointException, match="unsupported GLOBAL os.makedirs"):
         load_sharded_checkpoint(tmp_path / "b", {"model": {"w": torch.zeros(4), "x": None}})
     assert not (tmp_path / "payload-ran").exists()
+
+
+def _full_disk(create_stream):
+    """DCP's file streams on a disk that fills up: 64 bytes fit, then ENOSPC."""
+    import errno
+    from contextlib import contextmanager
+
+    @contextmanager
+    def stream_on_full_disk(self, path, mode):
+        with create_stream(self, path, mode) as stream:
+            stream.write(b"\0" * 64)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            yield stream  # (never reached: a generator, as contextmanager wants)
+
+    return stream_on_full_disk
+
+
+def test_disk_full_during_a_sharded_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """ENOSPC while DCP writes the shards: every rank raises one line saying what failed and
+    that the earlier checkpoints are intact; the folder being replaced keeps its content, no
+    temp folder is left, and a resume takes the previous checkpoint."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    save_sharded_checkpoint(tmp_path / "last", {"model": {"w": torch.arange(4.0)}}, {"global_step": 1})
+    monkeypatch.setattr(FileSystem, "create_stream", _full_disk(FileSystem.create_stream))
+    with pytest.raises(RuntimeError) as failed:
+        save_sharded_checkpoint(tmp_path / "last", {"model": {"w": torch.zeros(4)}}, {"global_step": 2})
+    monkeypatch.undo()
+    message = str(failed.value)
+    assert "\n" not in message and "No space left on device" in message, message
+    assert "the checkpoints saved before are intact" in message, message
+    assert os.listdir(tmp_path) == ["last"]
+    loaded = {"model": {"w": torch.zeros(4)}}
+    assert load_sharded_checkpoint(find_resume_checkpoint(tmp_path), loaded)["global_step"] == 1
+    assert torch.equal(loaded["model"]["w"], torch.arange(4.0))
+
+
+def test_a_failed_swap_puts_the_previous_folder_back(tmp_path, monkeypatch):
+    """The new folder cannot take the old one's name (rename fails): the old one is put back
+    under its name, not left hidden as a leftover that the next save deletes."""
+    import longctx.lightning.checkpoint_io as checkpoint_io
+
+    save_sharded_checkpoint(tmp_path / "last", {"model": {"w": torch.arange(4.0)}}, {"global_step": 1})
+    rename = os.rename
+
+    def failing_rename(src, dst):
+        if ".tmp-" in str(src):
+            raise OSError(28, "No space left on device")
+        rename(src, dst)
+
+    monkeypatch.setattr(checkpoint_io.os, "rename", failing_rename)
+    with pytest.raises(RuntimeError, match="No space left on device.*checkpoints saved before are intact"):
+        save_sharded_checkpoint(tmp_path / "last", {"model": {"w": torch.zeros(4)}}, {"global_step": 2})
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["last"]
+    assert is_complete_checkpoint(tmp_path / "last")
+    assert find_resume_checkpoint(tmp_path) == tmp_path / "last"

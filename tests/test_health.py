@@ -188,6 +188,13 @@ def _two_ranks(rank, world):
         out["stop"] = None
     except NonFiniteError as e:
         out["stop"] = (str(e), e.step, e.parameter, e.grad_ranks, e.loss_ranks)
+    # 4b. only rank 1's gradients (as FSDP2's shards after the reduce-scatter): the message
+    # must not claim that the NaN shows on every rank
+    _grads(model, rank, nan_on={1: "2.weight"})
+    try:
+        stop.check(7, model.named_parameters(), opt)
+    except NonFiniteError as e:
+        out["stop_rank1"] = str(e)
     # 5. the collectives stayed matched: a further finite check completes on both ranks
     _grads(model, rank)
     out["after"] = stop.check(8, model.named_parameters(), opt)
@@ -223,6 +230,9 @@ def test_two_ranks_take_the_same_decision():
     msg, step, param, grad_ranks, loss_ranks = r0["stop"]
     assert step == 7 and param == "2.weight" and grad_ranks == [0, 1] and loss_ranks == [0]
     assert "optimizer step 7" in msg and "'2.weight' (on rank(s) [1]" in msg, msg
+    assert "shows on every rank" in msg, msg  # every rank's gradients non-finite: as DDP's would be
+    assert "ranks with any non-finite gradient: [1])" in r0["stop_rank1"], r0["stop_rank1"]
+    assert "shows on every rank" not in r0["stop_rank1"], r0["stop_rank1"]
     assert r0["ddp_changed"] == [True, True, False, True] and r0["ddp_skips"] == 1
     assert all(math.isfinite(v) for v in r0["ddp_params"])
     assert r0["ddp_stop"] is not None and "optimizer step 1" in r0["ddp_stop"]

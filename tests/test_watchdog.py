@@ -85,3 +85,17 @@ def test_non_finite_or_non_positive_timeout_is_refused(value):
         RankWatchdog(0, 2, timeout=value, store=dist.HashStore())
     with pytest.raises(ValueError, match="interval must be a finite number of seconds"):
         RankWatchdog(0, 2, timeout=10.0, interval=value, store=dist.HashStore())
+
+
+def test_a_timeout_nobody_explains_is_reported_as_a_stalled_rank():
+    """A collective timed out (a peer is alive but never joined it: its heartbeat thread
+    still beats) and no rank published a cause: the message says a rank is stalled instead
+    of calling the rank that waited the failed one."""
+    watchdog = RankWatchdog(0, 2, timeout=0.5, interval=0.1, store=dist.HashStore())
+    first = watchdog.report_failure(RuntimeError("[gloo] Timed out waiting 30000ms for send operation to complete"))
+    assert first.startswith("rank 0 stopped waiting in a collective (RuntimeError: [gloo] Timed out"), first
+    assert "a rank is stalled" in first and "failed:" not in first, first
+    # A cause published meanwhile (the dead rank's watcher, the rank that raised) is kept.
+    named = RankWatchdog(0, 2, timeout=0.5, interval=0.1, store=dist.HashStore())
+    named._call("set", "failure", "rank 1 stopped responding (no heartbeat for 3s; killed or hung)")
+    assert named.report_failure(RuntimeError("Connection reset by peer")).startswith("rank 1 stopped responding")

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -258,7 +259,11 @@ def _replace(tmp: Path, path: Path) -> None:
     aside = path.with_name(f".{path.name}.old-{os.getpid()}")
     shutil.rmtree(aside, ignore_errors=True)  # left by an earlier failed save of this process
     os.rename(path, aside)
-    os.rename(tmp, path)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        os.rename(aside, path)  # the previous checkpoint back under its name: never left hidden
+        raise
     _fsync_dir(path.parent)
     if aside.is_dir() and not aside.is_symlink():
         shutil.rmtree(aside)
@@ -294,7 +299,7 @@ def save_sharded_checkpoint(path: PathLike, state: dict[str, Any], metadata: dic
             error = f"{type(exc).__name__}: {exc}"
     tmp, error = _from_rank0((tmp, error), group)
     if error is not None:
-        raise RuntimeError(f"cannot save sharded checkpoint {path} (rank 0: {error})")
+        raise _save_failed(path, f"rank 0: {error}")
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group,
                  no_dist=world == 1)
@@ -325,11 +330,40 @@ def save_sharded_checkpoint(path: PathLike, state: dict[str, Any], metadata: dic
                 error = f"{type(exc).__name__}: {exc}"
         error = _from_rank0(error, group)
         if error is not None:
-            raise RuntimeError(f"cannot save sharded checkpoint {path} (rank 0: {error})")
+            raise _SaveFailed(f"rank 0: {error}")
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException, raised on every rank
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_failed(path, _cause(exc)) from exc
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+class _SaveFailed(Exception):
+    """A sharded save failed on some rank; every rank raises it (its text: the cause)."""
+
+
+def _cause(error: BaseException) -> str:
+    """One line: which rank failed how (DCP's exception holds every failed rank's error)."""
+    if isinstance(error, _SaveFailed):
+        return str(error)
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        first = failures[rank][0]
+        return f"rank {rank}: {type(first).__name__}: {first}"
+    return f"{type(error).__name__}: {error}"
+
+
+def _save_failed(path: Path, cause: str) -> RuntimeError:
+    """The error every rank raises when a sharded save fails: one line that says what
+    failed and that nothing else changed (the temp folder is removed, ``path`` and every
+    earlier checkpoint are untouched)."""
+    cause = " ".join(cause.split())  # one line, whatever the cause's message looks like
+    return RuntimeError(f"cannot save sharded checkpoint {path} ({cause}); nothing of it was kept, the "
+                        "checkpoints saved before are intact and --resume takes the newest of them")
 
 
 def _write_synced(path: Path, data: bytes) -> dict:

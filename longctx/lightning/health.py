@@ -256,7 +256,7 @@ class NonFiniteGuard(Callback):
         if loss_ranks:
             what.append(f"non-finite loss on rank(s) {loss_ranks}")
         msg = f"non-finite values at optimizer step {step} (world size {world}): " + "; ".join(what)
-        if grad_ranks and world > 1:
+        if world > 1 and len(grad_ranks) == world:  # sharded (FSDP) gradients name the rank they came from
             msg += (" (under DDP gradients are averaged before this check, so a NaN produced on "
                     "one rank shows on every rank; the loss flags are per rank)")
         return NonFiniteError(msg, step=step, parameter=parameter, grad_ranks=grad_ranks, loss_ranks=loss_ranks)
