@@ -1,8 +1,9 @@
 """Peer: packed-document attention under PyTorch's own context parallel (torchtitan's route).
 
-    torchrun --nproc-per-node=2 benchmarks/document_peer_torch_cp.py --out $OUT          # GPUs, nccl
-    torchrun --nproc-per-node=2 benchmarks/document_peer_torch_cp.py --device cpu --seq 1024 \\
-        --heads 2 --dim 16 --dtype float64 --mixes mean1k,docs256 --check --out /tmp/x     # CPU, gloo
+    torchrun --nproc-per-node=2 benchmarks/document_peer_torch_cp.py --check --out $OUT  # GPUs, nccl
+    torchrun --standalone --nproc-per-node=2 benchmarks/document_peer_torch_cp.py --device cpu \\
+        --seq 2048 --heads 2 --dim 16 --dtype float64 --mixes mean1k --seed 2 --check \\
+        --check-seq 2048 --out /tmp/x                                                      # CPU, gloo
 
 The problem of benchmarks/document_attention.py part B: S = 128K tokens packed from the seeded
 mixes of longctx.data.document_mixes, bf16, B=1, H=16, D=128, forward+backward, each mix timed
