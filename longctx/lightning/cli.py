@@ -315,7 +315,11 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
 
             if trainer.is_global_zero:
                 self.config.resume = None
-                self.config.model.parallel = module.plan.to_dict()  # as the run decided it (memory check)
+                # The run plan as resolved (every "auto" decided): loaded back, it resolves the same.
+                plan = module.run_plan
+                entries = plan.config_entries() if plan is not None else {"model.parallel": module.plan.to_dict()}
+                for key, value in entries.items():
+                    self.config[key] = value
                 write_atomic(self.out / "config.yaml", self.dump())
 
         def instantiate_model(self) -> Any:
