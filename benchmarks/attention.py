@@ -66,7 +66,12 @@ def bench_ms(fn, budget_s=0.3, min_reps=3, max_reps=50):
     e.record()
     torch.cuda.synchronize()
     est = s.elapsed_time(e) / 1e3
-    reps = int(min(max_reps, max(min_reps, budget_s / max(est, 1e-6))))
+    return events_ms(fn, int(min(max_reps, max(min_reps, budget_s / max(est, 1e-6)))))
+
+
+def events_ms(fn, reps):
+    """Median ms of ``reps`` runs of ``fn`` back to back, CUDA events between them (the host
+    queues ahead of the GPU, as in training)."""
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for a, b in events:
         a.record()

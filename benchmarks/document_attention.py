@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -51,7 +50,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]  # the checkout, and the sibling benchmark scripts
 
-from attention import bench_ms, gpu_tag, poison_allocator, rel_err  # noqa: E402
+from attention import bench_ms, events_ms, gpu_tag, poison_allocator, rel_err  # noqa: E402
 
 from longctx.data.document_mixes import document_ids, document_lengths  # noqa: E402
 from longctx.kernels import attention_backward, attention_forward  # noqa: E402
@@ -197,13 +196,7 @@ def steady_ms(fn, group, warmup=2, reps=10):
         fn()
     torch.cuda.synchronize()
     dist.barrier(group=group)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in events:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in events)
+    return events_ms(fn, reps)
 
 
 def time_provider(make_step):

@@ -30,6 +30,8 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
+from ring import time_in_group  # noqa: E402
+
 from longctx import balance_documents, ring_attention  # noqa: E402
 from longctx.data.document_mixes import document_lengths  # noqa: E402
 from longctx.documents import plan_documents  # noqa: E402
@@ -52,19 +54,9 @@ def _sleep_cycles(ms: float) -> int:
 
 def measure(step, group, reps=7, sleep_ms=60.0):
     """(wall_ms, gpu_ms, host_ms) medians of ``step``."""
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    walls, gpus, hosts = [], [], []
+    wall = time_in_group(step, group, warmup=2, iters=reps)  # each step from an idle GPU
+    gpus, hosts = [], []
     for _ in range(reps):
-        if group is not None:
-            dist.barrier(group=group)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        torch.cuda.synchronize()
-        walls.append(a.elapsed_time(b))
         if group is not None:
             dist.barrier(group=group)
         torch.cuda._sleep(_sleep_cycles(sleep_ms))
@@ -76,7 +68,7 @@ def measure(step, group, reps=7, sleep_ms=60.0):
         b.record()
         torch.cuda.synchronize()
         gpus.append(a.elapsed_time(b))
-    return statistics.median(walls), statistics.median(gpus), statistics.median(hosts)
+    return wall, statistics.median(gpus), statistics.median(hosts)
 
 
 def profile(step, path_prefix, trace: bool):
