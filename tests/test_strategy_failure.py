@@ -11,7 +11,9 @@ HERE = os.path.dirname(__file__)
 
 
 def test_raising_rank_ends_the_job_and_is_named():
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    # MASTER_PORT too: an in-process fit earlier in the session may have set it and still hold
+    # that port (its process group lives on); the job must pick its own.
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
     start = time.monotonic()
     proc = subprocess.run([sys.executable, os.path.join(HERE, "strategy_failure_script.py")],
                           capture_output=True, text=True, timeout=180, env=env, cwd=HERE)
