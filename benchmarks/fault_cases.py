@@ -71,6 +71,21 @@ class Row(dict):
         return ok
 
 
+def _signal_mid_step(s: Settings, row: Row, name: str, launcher: str, target: str, signum: int,
+                     limit: float) -> tuple[Run, Optional[int]]:
+    """Start run ``name``, send ``signum`` to ``target`` once it reaches the fault step, and
+    wait (up to ``limit`` s) for every process to end: (the finished run, its exit code)."""
+    run = s.run(name, launcher=launcher)
+    try:
+        run.wait_step(s.signal_step, s.startup_s)
+        since = time.monotonic()
+        run.signal(target, signum)
+        rc = _end(s, run, row, since, limit)
+    finally:
+        run.finish()
+    return run, rc
+
+
 def _end(s: Settings, run: Run, row: Row, since: float, limit: float, key: str = "launcher") -> Optional[int]:
     """Wait (at most ``limit`` s from ``since``) for the run to end; record the exit code, the
     seconds from ``since``, leftover processes and GPU memory."""
@@ -144,14 +159,7 @@ def sigterm(target: str) -> Callable[[Settings], Row]:
                 "SIGTERM to the launching process (torchrun's agent) mid-step")
         row = Row(name, what)
         out = s.workdir / name
-        run = s.run(name, launcher=launcher)
-        try:
-            run.wait_step(s.signal_step, s.startup_s)
-            since = time.monotonic()
-            run.signal(target, signal.SIGTERM)
-            rc = _end(s, run, row, since, s.grace + 10)
-        finally:
-            run.finish()
+        run, rc = _signal_mid_step(s, row, name, launcher, target, signal.SIGTERM, s.grace + 10)
         log = run.log()
         row["message"] = find_line(log, r"\[longctx\] stopped by SIGTERM at step", r"stopped by SIGTERM")
         if launcher == "plain":
@@ -184,16 +192,9 @@ def sigkill(target: str, launcher: str = "plain") -> Callable[[Settings], Row]:
         name = f"sigkill_{target}" + ("_torchrun" if launcher == "torchrun" else "")
         under = " (under torchrun)" if launcher == "torchrun" else ""
         row = Row(name, f"SIGKILL of {target} during training{under}")
-        run = s.run(name, launcher=launcher)
-        try:
-            run.wait_step(s.signal_step, s.startup_s)
-            since = time.monotonic()
-            run.signal(target, signal.SIGKILL)
-            # Bound: the watchdog's timeout + its lingering, or the launcher's 10 s wait for
-            # the watchdog's message, whichever is first; plus a second of polling.
-            rc = _end(s, run, row, since, s.failure_timeout + 15)
-        finally:
-            run.finish()
+        # Bound: the watchdog's timeout + its lingering, or the launcher's 10 s wait for the
+        # watchdog's message, whichever is first; plus a second of polling.
+        run, rc = _signal_mid_step(s, row, name, launcher, target, signal.SIGKILL, s.failure_timeout + 15)
         log = run.log()
         dead = target.removeprefix("rank")
         if launcher == "torchrun":
