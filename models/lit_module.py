@@ -287,7 +287,6 @@ class CausalLMModule(L.LightningModule):
                 print(self.run_plan.estimate.summary(), flush=True)
 
     def _resolve_run(self, *, memory_check: bool):
-        from longctx.memory import host_memory_bytes
         from longctx.run_plan import World, resolve_run
 
         trainer = self._trainer
@@ -303,9 +302,7 @@ class CausalLMModule(L.LightningModule):
         datamodule = getattr(trainer, "datamodule", None)
         seq_len = self.seq_len or getattr(datamodule, "seq_len", None)
         batch_size = getattr(datamodule, "batch_size", None)
-        totals = {}
-        if device.type == "cuda":
-            totals = dict(gpu_total=torch.cuda.mem_get_info(device)[1], host_total=host_memory_bytes())
+        totals = _memory_totals(device)
         return resolve_run(self.config, world, device, requested=self.plan,
                            precision=str(getattr(trainer, "precision", "32-true")),
                            seq_len=int(seq_len) if seq_len else None,
@@ -317,15 +314,12 @@ class CausalLMModule(L.LightningModule):
         # Data whose sequence length was unknown before the fit: the memory is checked (not
         # planned: the model is built) on the first batch.
         if self._check_first_batch and isinstance(batch, Mapping) and "input_ids" in batch:
-            from longctx.memory import host_memory_bytes
             from longctx.run_plan import check_memory
 
             self._check_first_batch = False
             ids = batch["input_ids"]  # sharded by now
             device = self.trainer.strategy.root_device
-            totals = {}
-            if device.type == "cuda":
-                totals = dict(gpu_total=torch.cuda.mem_get_info(device)[1], host_total=host_memory_bytes())
+            totals = _memory_totals(device)
             est = check_memory(self.config, self.run_plan, int(ids.shape[1]) * _cp_size(self.trainer),
                                batch_size=int(ids.shape[0]), precision=str(self.trainer.precision),
                                documents=self.attention == "document",
@@ -508,6 +502,15 @@ def _document_report(plan, document_ids: torch.Tensor) -> str:
             f"{plan.imbalance:.3f}x the mean visible pairs; K/V rows exchanged per layer "
             f"{plan.moved / ring_rows:.1%} of the plain ring's"
             + (" (every document whole on one rank: the ranks run data-parallel here)" if plan.moved == 0 else ""))
+
+
+def _memory_totals(device: torch.device) -> dict:
+    """The GPU's and the host's total memory for the memory model (none off CUDA)."""
+    from longctx.memory import host_memory_bytes
+
+    if device.type != "cuda":
+        return {}
+    return dict(gpu_total=torch.cuda.mem_get_info(device)[1], host_total=host_memory_bytes())
 
 
 def _cp_size(trainer: "L.Trainer") -> int:
