@@ -46,7 +46,7 @@ from attention import bench_ms, gpu_tag, poison_allocator  # noqa: E402
 from longctx import shard_sequence  # noqa: E402
 from longctx.data.document_mixes import document_id_pattern  # noqa: E402
 from longctx.document_ring import _call_forward, backward_calls, forward_calls  # noqa: E402
-from longctx.documents import plan_documents, rows_of  # noqa: E402
+from longctx.documents import plan_documents  # noqa: E402
 from longctx.kernels import (  # noqa: E402
     attention_backward,
     attention_forward,
@@ -54,6 +54,7 @@ from longctx.kernels import (  # noqa: E402
     resolve_backend,  # noqa: E402
 )
 from longctx.kernels.merge import merge_partials_  # noqa: E402
+from longctx.kernels.rows import rows_of  # noqa: E402
 from longctx.ring import _ring_blocks  # noqa: E402
 
 K = 1024

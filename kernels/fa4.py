@@ -38,6 +38,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .rows import mark_nonfinite_rows_
+
 log = logging.getLogger(__name__)
 
 # Read by flash_attn.cute when it is imported: set before the (lazy) import below.
@@ -147,15 +149,10 @@ def _keep_nan(out, lse, covered):
     report the row as one that sees no key (lse -inf). Every dense row and every row of a
     varlen segment sees at least one key, so a non-finite lse there means NaN came in: mark
     the row NaN in out and lse, as plain attention would, so that the ring's merge (which
-    treats lse -inf as "no contribution") cannot hide it."""
-    bad = ~torch.isfinite(lse)
-    if covered is not None:
-        bad &= covered
-    # In place: both were just written by the kernel (no extra out-sized buffer). The row
-    # mask is made contiguous in out's (B, S, H) order first: read through the transposed
-    # view, the fill ran at a small fraction of memory bandwidth.
-    lse.masked_fill_(bad, float("nan"))
-    return out.masked_fill_(bad.transpose(1, 2).contiguous().unsqueeze(-1), float("nan")), lse
+    treats lse -inf as "no contribution") cannot hide it. In place: both were just written
+    by the kernel."""
+    mark_nonfinite_rows_(out, lse, covered)
+    return out, lse
 
 
 def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dtype=None,

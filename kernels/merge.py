@@ -13,11 +13,16 @@ q or k must make the merged row NaN, as in single-device attention, not drop the
 On CUDA this is one Triton pass (read out, out_b, both lse; write out, lse); the
 unfused PyTorch version makes about seven passes over the fp32 accumulator, which at
 8K tokens per GPU costs a third of a ring step. ``out_b`` may be bf16/fp16 (vendor
-kernels) and is upcast while loading, so no fp32 copy of it is ever made.
+kernels) and is upcast while loading, so no fp32 copy of it is ever made. ``out`` may be
+in the kernels' dtype too (a first call's output kept as written): the merge is done in
+fp32 and rounded once on the store. ``rows=`` merges the block into some rows of ``out``
+(a slice, or gathered int64 indices: the document ring's exchanged rows) in the same pass.
 """
 from __future__ import annotations
 
 import torch
+
+from .rows import Rows, count_rows, rows_of
 
 try:  # Triton is optional: CPU-only machines merge with PyTorch ops.
     import triton
@@ -27,6 +32,7 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 
 
 def _merge_torch_(out, lse, out_b, lse_b) -> None:
+    """``out`` in its accumulator dtype (fp32/fp64)."""
     lse_b = lse_b.to(lse.dtype)
     # -inf - -inf is the one NaN that means "no keys on either side": weight 0 there.
     # sigmoid(-inf - x) is 0 already for any other x, so this touches no other row.
@@ -39,24 +45,28 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(
-        out, lse, out_b, lse_b,
-        seq_len, n_heads, head_dim,
+        out, lse, out_b, lse_b, row_index,
+        seq_len, n_heads, head_dim, row_offset,
         so_b, so_s, so_h,
         sob_b, sob_s, sob_h,
         sl_b, sl_h, sl_s,
         slb_b, slb_h, slb_s,
-        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+        INDEXED: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         pid_s = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // n_heads
         h = bh % n_heads
-        rows = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+        rows = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)  # rows of the block
         cols = tl.arange(0, BLOCK_D)
         row_ok = rows < seq_len
         tile_ok = row_ok[:, None] & (cols[None, :] < head_dim)
+        if INDEXED:  # the rows of out / lse they merge into
+            target = tl.load(row_index + rows, mask=row_ok, other=0)
+        else:
+            target = row_offset + rows
 
-        lse_ptr = lse + b * sl_b + h * sl_h + rows * sl_s
+        lse_ptr = lse + b * sl_b + h * sl_h + target * sl_s
         l_run = tl.load(lse_ptr, mask=row_ok, other=float("-inf")).to(tl.float32)
         l_blk = tl.load(lse_b + b * slb_b + h * slb_h + rows * slb_s, mask=row_ok,
                         other=float("-inf")).to(tl.float32)
@@ -70,7 +80,7 @@ if triton is not None:
         inv = tl.where(empty, 0.0, 1.0 / total)
         new_lse = tl.where(empty, float("-inf"), top + tl.log(total))
 
-        out_ptr = out + b * so_b + h * so_h + rows[:, None] * so_s + cols[None, :]
+        out_ptr = out + b * so_b + h * so_h + target[:, None] * so_s + cols[None, :]
         blk_ptr = out_b + b * sob_b + h * sob_h + rows[:, None] * sob_s + cols[None, :]
         o_run = tl.load(out_ptr, mask=tile_ok, other=0.0).to(tl.float32)
         o_blk = tl.load(blk_ptr, mask=tile_ok, other=0.0).to(tl.float32)
@@ -80,31 +90,53 @@ if triton is not None:
 
 
 def merge_partials_(
-    out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor, *, impl: str = "auto"
+    out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor, *, rows: Rows = None,
+    impl: str = "auto",
 ) -> None:
-    """In place: ``out`` (B, S, H, D) fp32 and ``lse`` (B, H, S) fp32 absorb ``(out_b, lse_b)``.
+    """In place: ``out`` (B, S, H, D) and ``lse`` (B, H, S) fp32 absorb ``(out_b, lse_b)``.
 
-    Views (e.g. the second half of the rows) are fine. ``impl``: "auto" (Triton on CUDA,
-    PyTorch elsewhere), "torch", or "triton" (also on the CPU under TRITON_INTERPRET=1).
+    ``rows``: which rows of ``out``/``lse`` (dim 1 / dim 2) the block's rows are: None (all,
+    in order), a slice, or distinct int64 indices. ``out`` may be fp32 or the kernels' dtype
+    (merged in fp32, rounded once). Views (e.g. the second half of the rows) are fine.
+    ``impl``: "auto" (Triton on CUDA, PyTorch elsewhere), "torch", or "triton" (also on the
+    CPU under TRITON_INTERPRET=1).
     """
-    if out.shape != out_b.shape or lse.shape != lse_b.shape:
+    n = count_rows(out, rows)
+    if out_b.shape != (out.shape[0], n, *out.shape[2:]) or lse_b.shape != (*lse.shape[:2], n) \
+            or lse.shape[2] != out.shape[1]:
         raise ValueError(
-            f"merge shapes differ: out {tuple(out.shape)} vs {tuple(out_b.shape)}, "
+            f"merge shapes differ: out {tuple(out.shape)} at {n} rows vs {tuple(out_b.shape)}, "
             f"lse {tuple(lse.shape)} vs {tuple(lse_b.shape)}"
         )
     use_triton = impl == "triton" or (impl == "auto" and triton is not None and out.is_cuda)
-    if not use_triton or out.stride(-1) != 1 or out_b.stride(-1) != 1:
-        _merge_torch_(out, lse, out_b, lse_b)
+    if not use_triton or out.stride(-1) != 1 or out_b.stride(-1) != 1 or out.dtype == torch.float64:
+        acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+        if out.dtype == acc and not isinstance(rows, torch.Tensor):
+            _merge_torch_(rows_of(out, rows, 1), rows_of(lse, rows, 2), out_b, lse_b)
+            return
+        # Gathered rows or a low-precision out: merge a copy in fp32, write it back once.
+        out_rows = rows_of(out, rows, 1).to(acc, copy=True)
+        lse_rows = rows_of(lse, rows, 2).clone()
+        _merge_torch_(out_rows, lse_rows, out_b, lse_b)
+        if isinstance(rows, torch.Tensor):
+            out.index_copy_(1, rows, out_rows.to(out.dtype))
+            lse.index_copy_(2, rows, lse_rows)
+        else:
+            rows_of(out, rows, 1).copy_(out_rows)
+            rows_of(lse, rows, 2).copy_(lse_rows)
         return
-    b, s, h, d = out.shape
+    if n == 0:
+        return
+    b, _, h, d = out.shape
     block_d = triton.next_power_of_2(d)
     block_s = max(16, min(128, 8192 // block_d))
-    grid = (triton.cdiv(s, block_s), b * h)
+    grid = (triton.cdiv(n, block_s), b * h)
+    indexed = isinstance(rows, torch.Tensor)
     _merge_kernel[grid](
-        out, lse, out_b, lse_b, s, h, d,
+        out, lse, out_b, lse_b, rows if indexed else lse, n, h, d, rows.start if isinstance(rows, slice) else 0,
         out.stride(0), out.stride(1), out.stride(2),
         out_b.stride(0), out_b.stride(1), out_b.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2),
         lse_b.stride(0), lse_b.stride(1), lse_b.stride(2),
-        BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
+        INDEXED=indexed, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
     )

@@ -28,8 +28,9 @@ import torch
 
 from longctx.kernels import accumulator_dtype, attention_backward, attention_forward, partial_dtype, resolve_backend
 from longctx.kernels.merge import merge_partials_
+from longctx.kernels.rows import Rows, add_rows_, rows_of
 
-from .documents import BlockCall, DocumentPlan, Rows, rows_of
+from .documents import BlockCall, DocumentPlan
 from .head_groups import by_head_groups, grads_by_head_groups
 from .ring_comm import RingExchange
 
@@ -39,55 +40,25 @@ def flatten_batch(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:])
 
 
-def _write_rows(t: torch.Tensor, rows: Rows, value: torch.Tensor, dim: int = 1) -> None:
-    if rows is None or isinstance(rows, slice):
-        rows_of(t, rows, dim).copy_(value)
-    else:
-        t.index_copy_(dim, rows, value.to(t.dtype))
-
-
-def _merge_at(out, lse, rows: Rows, out_b, lse_b) -> None:
-    """Merges a call's partial result into ``out``/``lse`` at ``rows``. ``out`` in fp32 takes
-    it in place; ``out`` in the kernel's dtype (the first call's output, kept as written) has
-    just these rows merged in fp32 and written back once (vendor partials are in that dtype
-    anyway, so a single merge rounds exactly as a full fp32 buffer would)."""
-    in_place = out.dtype == accumulator_dtype(out.dtype) and (rows is None or isinstance(rows, slice))
-    if in_place:
-        merge_partials_(rows_of(out, rows), rows_of(lse, rows, dim=2), out_b, lse_b)
-        return
-    out_rows = rows_of(out, rows).to(accumulator_dtype(out.dtype), memory_format=torch.contiguous_format, copy=True)
-    lse_rows = rows_of(lse, rows, dim=2).contiguous()
-    merge_partials_(out_rows, lse_rows, out_b, lse_b)
-    _write_rows(out, rows, out_rows)
-    _write_rows(lse, rows, lse_rows, dim=2)
-
-
 class _Accumulator:
     """A gradient of the shard's rows, allocated by its first contribution: where that covers
     every row it is kept as the kernel wrote it (fp32 from ours; the input dtype from the
     vendor kernels: no zero fill, no copy), else zeros in fp32. Later contributions add in
-    fp32: in place into an fp32 buffer, or on just their rows of one in the input dtype."""
+    fp32 on just their rows (``add_rows_``: one pass), stored in the buffer's dtype."""
 
     def __init__(self, like: torch.Tensor):
         self.like, self.value = like, None
 
     def add(self, rows: Rows, grad: torch.Tensor) -> None:
-        acc = accumulator_dtype(self.like.dtype)
         if self.value is None:
             if rows is None:
                 self.value = grad.contiguous()
                 return
-            self.value = torch.zeros(self.like.shape, dtype=acc, device=self.like.device)
-        if self.value.dtype != acc:
-            if rows is None:  # a second full contribution: from here on in fp32
-                self.value = self.value.to(acc)
-            else:
-                _write_rows(self.value, rows, rows_of(self.value, rows).to(acc).add_(grad))
-                return
-        if rows is None or isinstance(rows, slice):
-            rows_of(self.value, rows).add_(grad)
-        else:
-            self.value.index_add_(1, rows, grad.to(acc))
+            self.value = torch.zeros(self.like.shape, dtype=accumulator_dtype(self.like.dtype),
+                                     device=self.like.device)
+        elif rows is None and self.value.dtype != accumulator_dtype(self.like.dtype):
+            self.value = self.value.to(accumulator_dtype(self.like.dtype))  # a second full contribution
+        add_rows_(self.value, rows, grad)
 
     def result(self) -> torch.Tensor:
         value = self.value if self.value is not None else torch.zeros_like(self.like)
@@ -105,7 +76,10 @@ def _call_forward(call: BlockCall, q, k, v, out, lse, scale, backend, only: bool
         return out_b, lse_b
     if out is None:  # the first call of a plan covers every row: kept as the kernel wrote it
         return out_b.contiguous(), lse_b.to(accumulator_dtype(q.dtype))
-    _merge_at(out, lse, call.q_rows, out_b, lse_b)
+    # In fp32, in one pass, into ``out`` as it is: fp32, or the first call's output kept in
+    # the kernel's dtype and rounded once (vendor partials are in that dtype anyway, so this
+    # rounds exactly as a full fp32 buffer would).
+    merge_partials_(out, lse, out_b, lse_b, rows=call.q_rows)
     return out, lse
 
 

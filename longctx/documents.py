@@ -29,19 +29,16 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from longctx.kernels import Segments
+from longctx.kernels.rows import Rows
 
 from .layouts import check_layout, check_seq_len, chunks_per_rank, rank_chunks
-
-# Rows of a block call: None = every row in order, a slice = a contiguous range, a tensor
-# = gathered rows (int64 indices on the device).
-Rows = Union[None, slice, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -69,15 +66,6 @@ class Exchange:
     n_send: int
     n_recv: int
     call: Optional[BlockCall]
-
-
-def rows_of(t: torch.Tensor, rows: Rows, dim: int = 1) -> torch.Tensor:
-    """``t``'s rows ``rows`` along ``dim`` (a view for None and slices, a gather otherwise)."""
-    if rows is None:
-        return t
-    if isinstance(rows, slice):
-        return t.narrow(dim, rows.start, rows.stop - rows.start)
-    return t.index_select(dim, rows)
 
 
 class DocumentPlan:

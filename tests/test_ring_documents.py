@@ -271,7 +271,7 @@ def test_kernel_dtype_results_merge_and_accumulate_in_fp32_on_their_rows():
     """The vendor kernels' bf16 outputs are kept as written; later partial results are merged
     (and gradients added) in fp32 on just their rows, rounding once, as a full fp32 buffer
     would (checked against it), for every kind of rows."""
-    from longctx.document_ring import _Accumulator, _merge_at
+    from longctx.document_ring import _Accumulator
     from longctx.kernels.merge import merge_partials_
 
     g = torch.Generator().manual_seed(random.randrange(1 << 30))
@@ -286,7 +286,7 @@ def test_kernel_dtype_results_merge_and_accumulate_in_fp32_on_their_rows():
         o, l_ = want_out[:, index].clone(), want_lse[:, :, index].clone()
         merge_partials_(o, l_, out_b, lse_b)
         want_out[:, index], want_lse[:, :, index] = o, l_
-        _merge_at(out, lse, rows, out_b, lse_b)
+        merge_partials_(out, lse, out_b, lse_b, rows=rows)
         assert out.dtype == torch.bfloat16
         assert torch.equal(out, want_out.to(torch.bfloat16)) and torch.allclose(lse, want_lse)
 
