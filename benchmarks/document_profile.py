@@ -145,7 +145,7 @@ def main():
         step = stepper(q, k, v, dout, plan, dist.group.WORLD)
         wall, gpu, host = measure(step, dist.group.WORLD)
         kernels = profile(step, os.path.join(folder, f"{mix}_p{world}_rank{rank}"), trace=i == 0 and rank == 0)
-        case = dict(mix=mix, gpus=world, rank=rank, calls=plan.calls, fused=plan.fused is not None, moved=plan.moved,
+        case = dict(mix=mix, gpus=world, rank=rank, calls=plan.calls, moved=plan.moved,
                     imbalance=plan.imbalance, wall_ms=wall, gpu_ms=gpu, host_ms=host, kernels=kernels)
         cases = [None] * world
         dist.all_gather_object(cases, case)
