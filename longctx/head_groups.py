@@ -12,11 +12,13 @@ from typing import Optional
 
 import torch
 
+from .validation import ArgumentValueError
+
 
 def check_head_chunks(chunks, n_kv_head: Optional[int] = None) -> None:
     """``attention_head_chunks``: a positive int dividing the key/value head count."""
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-        raise ValueError(f"attention_head_chunks must be a positive int, got {chunks!r}")
+        raise ArgumentValueError("attention_head_chunks", f"must be a positive int, got {chunks!r}")
     if n_kv_head is not None and n_kv_head % chunks:
         raise ValueError(f"attention_head_chunks={chunks} must divide the {n_kv_head} key/value heads "
                          "(each chunk takes whole GQA groups)")

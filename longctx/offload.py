@@ -24,6 +24,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from .validation import ArgumentValueError
+
 
 class _Saved:
     """One saved tensor: on the GPU (not offloaded), in host memory, or prefetched back."""
@@ -131,7 +133,7 @@ def check_offload_setting(value) -> None:
     if isinstance(value, bool):
         return
     if not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"offload_activations must be a bool or a non-negative int (blocks whose saved inputs go to "
-            f"host memory), got {value!r}"
+        raise ArgumentValueError(
+            "offload_activations",
+            f"must be a bool or a non-negative int (blocks whose saved inputs go to host memory), got {value!r}",
         )

@@ -36,6 +36,7 @@ from .head_groups import check_head_chunks
 from .layouts import check_layout
 from .ring import ring_attention
 from .ulysses import ulysses_attention
+from .validation import ArgumentValueError
 
 CP_ATTENTION = ("ring", "ulysses")
 DATA_PARALLEL = ("fsdp", "ddp", "none")
@@ -173,19 +174,19 @@ class ParallelPlan:
         ac = self.activation_checkpointing
         ac = {False: "none", True: "full"}.get(ac, ac) if isinstance(ac, bool) else ac
         if ac not in CHECKPOINTING:
-            raise ValueError(f"activation_checkpointing must be one of {CHECKPOINTING}, got {ac!r}")
+            raise ArgumentValueError("activation_checkpointing", f"must be one of {CHECKPOINTING}, got {ac!r}")
         object.__setattr__(self, "activation_checkpointing", ac)  # frozen: normalised once, here
         if self.cp_attention not in CP_ATTENTION:
-            raise ValueError(f"cp_attention must be one of {CP_ATTENTION}, got {self.cp_attention!r}")
+            raise ArgumentValueError("cp_attention", f"must be one of {CP_ATTENTION}, got {self.cp_attention!r}")
         from longctx.kernels import BACKENDS
 
         for name in ("attention_backend", "document_backend"):
             value = getattr(self, name)
             if value not in ("auto", *BACKENDS) and not (name == "document_backend" and value is None):
-                raise ValueError(f"{name} must be 'auto' or one of {BACKENDS}, got {value!r}")
+                raise ArgumentValueError(name, f"must be 'auto' or one of {BACKENDS}, got {value!r}")
         n = self.loss_chunk_size
         if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-            raise ValueError(f"loss_chunk_size must be a positive int, got {n!r}")
+            raise ArgumentValueError("loss_chunk_size", f"must be a positive int, got {n!r}")
         from .offload import check_offload_setting
 
         check_offload_setting(self.offload_activations)
@@ -203,7 +204,7 @@ class ParallelPlan:
             backend = getattr(self, name)
             why = None if backend is None else backend_refusal(backend, device)
             if why is not None:
-                raise ValueError(f"parallel.{name} {backend!r} cannot run on {device}: {why}")
+                raise ArgumentValueError(f"parallel.{name}", f"{backend!r} cannot run on {device}: {why}")
 
     @classmethod
     def from_dict(cls, d: Union["ParallelPlan", Mapping[str, Any], None]) -> "ParallelPlan":

@@ -1,11 +1,33 @@
 """One-line refusals of bad argument values, for the classes that own the values (the
-strategy, the LightningModule, train.py's run options): the argument's name, what would
-be valid, and the value given. train.py prints these as they are, prefixed with the
-option's section (``model.lr must be a number > 0, got -1.0``)."""
+strategy, the LightningModule, the data module, train.py's run options): the argument's
+name, what would be valid, and the value given. A refusal of one argument is an
+``ArgumentValueError`` carrying that argument's name, so train.py says it of the option
+(``model.lr must be a number > 0, got -1.0``) from ``.argument``, not from the text."""
 from __future__ import annotations
 
 import math
 from typing import Any, Optional
+
+
+class ArgumentValueError(ValueError):
+    """One argument's value refused by the class that takes it. ``argument``: its name there
+    (dotted where nested: ``parallel.cp_attention``); the message is ``"{argument}
+    {complaint}"``, the same raised from Python as said by train.py of ``section.argument``."""
+
+    def __init__(self, argument: str, complaint: str) -> None:
+        super().__init__(f"{argument} {complaint}")
+        self.argument, self.complaint = argument, complaint
+
+    def __reduce__(self):  # pickled whole (a rank's error sent to the others), not from str()
+        return type(self), (self.argument, self.complaint)
+
+    def within(self, parent: str) -> ArgumentValueError:
+        """The same refusal said of the argument nested in ``parent`` (``parallel.cp_attention``)."""
+        return type(self)(f"{parent}.{self.argument}", self.complaint)
+
+
+class ArgumentPathError(ArgumentValueError, FileNotFoundError):
+    """An argument naming a path that does not exist (still a ``FileNotFoundError``)."""
 
 
 def check_number(name: str, value: Any, *, low: float, high: Optional[float] = None, low_open: bool = False,
@@ -22,16 +44,11 @@ def check_number(name: str, value: Any, *, low: float, high: Optional[float] = N
             bound = f"{'>' if low_open else '>='} {low}"
         else:
             bound = f"in {'(' if low_open else '['}{low}, {high}]"
-        raise ValueError(f"{name} must be {'an integer' if integer else 'a number'} {bound}{hint}, got {value!r}")
+        raise ArgumentValueError(name, f"must be {'an integer' if integer else 'a number'} {bound}{hint}, "
+                                       f"got {value!r}")
 
 
 def check_choice(name: str, value: Any, choices: tuple) -> None:
     """Refuse ``value`` unless it is one of ``choices`` (the values of the argument's ``Literal``)."""
     if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
-
-
-def qualified(prefix: str, names: Any, message: str) -> str:
-    """``message`` said of the option ``prefix.NAME`` where it starts with one of ``names``
-    (``parallel.cp_attention must be ...``), else of ``prefix`` as a whole."""
-    return f"{prefix}.{message}" if message.split(" ", 1)[0] in names else f"{prefix}: {message}"
+        raise ArgumentValueError(name, f"must be one of {', '.join(map(str, choices))}, got {value!r}")

@@ -26,6 +26,8 @@ from typing import Any, Union
 import numpy as np
 import torch
 
+from longctx.validation import ArgumentValueError
+
 from .config import GPTConfig
 from .gpt import GPT
 
@@ -70,11 +72,11 @@ def check_checkpoint_spec(name: str, spec: PathLike) -> None:
     a GGUF without the optional ``gguf`` package, a path that does not exist."""
     text = str(spec).lower()
     if (text.endswith(".gguf") or text in SMOLLM2_ALIASES) and importlib.util.find_spec("gguf") is None:
-        raise ValueError(f"{name} {spec} reads a GGUF file, which needs the optional 'gguf' package: "
-                         "pip install 'longctx[gguf]'")
+        raise ArgumentValueError(name, f"{spec} reads a GGUF file, which needs the optional 'gguf' package: "
+                                       "pip install 'longctx[gguf]'")
     if text not in SMOLLM2_ALIASES and not Path(spec).expanduser().exists():
-        raise ValueError(f"{name} {spec}: no such file or directory (a Hugging Face directory, a .gguf file "
-                         f"or {SMOLLM2_PACKAGE})")
+        raise ArgumentValueError(name, f"{spec}: no such file or directory (a Hugging Face directory, a .gguf "
+                                       f"file or {SMOLLM2_PACKAGE})")
 
 
 # ---- the entry points -----------------------------------------------------------------

@@ -38,7 +38,7 @@ from longctx.loss import TokenWeightedAccumulator
 from longctx.parallel import ParallelDims, ParallelPlan, parallelize
 from longctx.run_plan import balances_documents
 from longctx.sharding import document_position_ids, is_sharded
-from longctx.validation import check_choice, check_number, qualified
+from longctx.validation import ArgumentValueError, check_choice, check_number
 
 from .checkpoint_import import check_checkpoint_spec, load_pretrained
 from .config import GPTConfig
@@ -468,21 +468,25 @@ def _check_arguments(args: Mapping[str, Any]) -> None:
     betas = args["betas"]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
             isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
-        raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+        raise ArgumentValueError("betas", f"must be two numbers in [0, 1), got {betas!r}")
     check_number("warmup_steps", args["warmup_steps"], low=0, integer=True)
     check_number("decay_steps", args["decay_steps"], low=1, integer=True, optional=True,
                  hint=" (null: the Trainer's max_steps)")
     check_number("seq_len", args["seq_len"], low=1, integer=True, optional=True)
     try:
         ParallelPlan.from_dict(args["parallel"])
-    except ValueError as e:  # named as the option it came from: parallel.cp_attention
-        raise ValueError(qualified("parallel", ParallelPlan.__dataclass_fields__, str(e))) from None
+    except ArgumentValueError as e:  # named as the option it came from: parallel.cp_attention
+        raise e.within("parallel") from None
+    except ValueError as e:
+        raise ValueError(f"parallel: {e}") from None
     model, init_from, hf_model = args["model"], args["init_from"], args["hf_model"]
     if hf_model is not None:
         if model or init_from is not None:
-            raise ValueError("hf_model takes the model from its directory: give no `model` sizes or init_from")
+            raise ArgumentValueError("hf_model", "takes the model from its directory: give no `model` sizes or "
+                                                 "init_from")
         if not (Path(hf_model) / "config.json").is_file():
-            raise ValueError(f"hf_model {hf_model}: no config.json there (a local Hugging Face model directory)")
+            raise ArgumentValueError("hf_model", f"{hf_model}: no config.json there (a local Hugging Face model "
+                                                 "directory)")
     elif init_from is not None:
         check_checkpoint_spec("init_from", init_from)
     elif not isinstance(model, GPTConfig):

@@ -7,10 +7,13 @@ from datetime import timedelta
 import pytest
 from test_train_errors import _error, cache, train  # noqa: F401 (fixtures)
 
+from longctx.data import LongDocumentDataModule
 from longctx.layouts import check_seq_len
 from longctx.lightning import ContextParallelStrategy, NonFiniteGuard
+from longctx.lightning.cli import refused_as
 from longctx.lightning.training import RunOptions
 from longctx.models.lit_module import CausalLMModule
+from longctx.validation import ArgumentValueError
 
 # (class, its arguments, the option train.py says it of, the command line giving that value)
 CASES = [
@@ -58,6 +61,49 @@ def test_choices_said_alike(train, capsys, cache, build, kwargs, section, argv):
     with pytest.raises(ValueError) as refused:
         build(**kwargs)
     assert _error(train, argv, capsys, cache) == f"train.py: error: {section}.{refused.value}"
+
+
+# One refusal from each section's class: the class names the argument (``.argument``, dotted
+# where nested) and train.py says it of ``section.argument`` from that name alone.
+NAMED = [
+    (CausalLMModule.check_arguments, dict(betas=(0.9, 1.5)), "model", "betas", ["--model.betas", "[0.9, 1.5]"]),
+    (CausalLMModule.check_arguments, dict(parallel={"loss_chunk_size": 0}), "model", "parallel.loss_chunk_size",
+     ["--model.parallel.loss_chunk_size", "0"]),
+    (CausalLMModule.check_arguments, dict(hf_model="nowhere"), "model", "hf_model", ["--model.hf_model", "nowhere"]),
+    (ContextParallelStrategy, dict(timeout=timedelta(0)), "strategy", "timeout", ["--strategy.timeout", "0:00:00"]),
+    (LongDocumentDataModule, dict(val_fraction=1.5), "data", "val_fraction", ["--data.val_fraction", "1.5"]),
+    (LongDocumentDataModule, dict(tokenizer="no/such.model"), "data", "tokenizer", ["--tokenizer", "no/such.model"]),
+    (RunOptions, dict(val_batches=0), "run", "val_batches", ["--run.val_batches", "0"]),
+    (NonFiniteGuard, dict(max_skips=3), "nonfinite", "max_skips", ["--nonfinite.max_skips", "3"]),
+]
+
+
+@pytest.mark.parametrize("build,kwargs,section,argument,argv", NAMED, ids=[" ".join(c[4]) for c in NAMED])
+def test_sections_name_the_argument(train, capsys, cache, build, kwargs, section, argument, argv):  # noqa: F811
+    with pytest.raises(ArgumentValueError) as refused:
+        build(**kwargs)
+    assert refused.value.argument == argument
+    assert str(refused.value) == f"{argument} {refused.value.complaint}"
+    line = _error(train, argv, capsys, cache)
+    assert line == f"train.py: error: {section}.{argument} {refused.value.complaint}"
+
+
+def test_refusals_are_placed_by_argument_not_by_text():
+    options = {"lr": 1.0, "parallel": {}}
+    with pytest.raises(ValueError, match=r"^model\.lr must be > 0$"):
+        with refused_as("model", options):
+            raise ArgumentValueError("lr", "must be > 0")
+    with pytest.raises(ValueError, match=r"^model\.parallel\.cp_attention must be one of ring$"):
+        with refused_as("model", options):
+            raise ArgumentValueError("cp_attention", "must be one of ring").within("parallel")
+    # Words that read like an option are not one: the section is named as a whole.
+    with pytest.raises(ValueError, match=r"^model: lr must be > 0$"):
+        with refused_as("model", options):
+            raise ValueError("lr must be > 0")
+    # A callee's own argument, not one of the section's options: said of the section.
+    with pytest.raises(ValueError, match=r"^model: world_size must be >= 1$"):
+        with refused_as("model", options):
+            raise ArgumentValueError("world_size", "must be >= 1")
 
 
 def test_module_refuses_before_building_a_model():

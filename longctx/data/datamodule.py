@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..layouts import Layout, check_layout, check_seq_len
-from ..validation import check_choice
+from ..validation import ArgumentPathError, ArgumentValueError, check_choice
 from .cache import PathLike, default_cache_dir, read_json
 from .packing import PackedSequenceDataset, load_split, pack_corpus, packed_meta, tokenize_corpus
 from .sampler import ContextParallelSampler, ResumableDataLoader
@@ -45,7 +45,7 @@ TokenizerModelType = Literal["bpe", "unigram"]
 
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+        raise ArgumentValueError(name, f"must be a positive int, got {value!r}")
     return value
 
 
@@ -132,11 +132,11 @@ class LongDocumentDataModule(L.LightningDataModule):
         self.seq_len = _positive_int("seq_len", seq_len)
         self.batch_size = _positive_int("batch_size", batch_size)
         if not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
+            raise ArgumentValueError("val_fraction", f"must be in [0, 1), got {val_fraction!r}")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
+            raise ArgumentValueError("num_workers", f"must be an int >= 0, got {num_workers!r}")
         if not isinstance(text_column, str) or not text_column:
-            raise ValueError(f"text_column must be a non-empty string, got {text_column!r}")
+            raise ArgumentValueError("text_column", f"must be a non-empty string, got {text_column!r}")
         if max_documents is not None:
             _positive_int("max_documents", max_documents)
         if num_proc is not None:
@@ -146,13 +146,13 @@ class LongDocumentDataModule(L.LightningDataModule):
             check_seq_len(self.seq_len, context_parallel_size, layout)
         if tokenizer is None:
             if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_SPM_VOCAB:
-                raise ValueError(
-                    f"vocab_size must be an int >= {MIN_SPM_VOCAB} to train a tokenizer, got {vocab_size!r}"
+                raise ArgumentValueError(
+                    "vocab_size", f"must be an int >= {MIN_SPM_VOCAB} to train a tokenizer, got {vocab_size!r}"
                 )
             check_choice("tokenizer_model_type", tokenizer_model_type, get_args(TokenizerModelType))
             _positive_int("tokenizer_train_chars", tokenizer_train_chars)
         elif isinstance(tokenizer, (str, os.PathLike)) and not Path(tokenizer).exists():
-            raise FileNotFoundError(f"tokenizer path {str(tokenizer)!r} does not exist")
+            raise ArgumentPathError("tokenizer", f"path {str(tokenizer)!r} does not exist")
         elif not isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = as_text_tokenizer(tokenizer)  # TypeError now rather than after loading data
         self.data_path = data_path

@@ -30,18 +30,22 @@ TRAINER_DERIVED = (
 
 @contextmanager
 def refused_as(section: str, options: Any) -> Iterator[None]:
-    """A class's refusal, raised while building ``section``, said of that section's option:
-    ``section.ARGUMENT ...`` where the message names one of ``options`` (dotted for nested
-    ones), else ``section: message``."""
+    """A class's refusal, raised while building ``section``, said of that section's option
+    ``section.ARGUMENT`` where it refused one of its ``options`` (an ``ArgumentValueError``
+    naming it, or an argument nested in it: ``parallel.cp_attention``), else of the section
+    as a whole: ``section: message``."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-    from ..validation import qualified
+    from ..validation import ArgumentValueError
 
     try:
         yield
+    except ArgumentValueError as e:
+        # A callee's refusal of its own argument is not this section's option: said of the section.
+        option = f"{section}.{e.argument}" if e.argument.split(".", 1)[0] in options else None
+        raise ValueError(f"{option} {e.complaint}" if option else f"{section}: {e}") from None
     except (ValueError, TypeError, FileNotFoundError, MisconfigurationException) as e:
-        names = {*options, *flatten(options)} if isinstance(options, dict) else set(options)
-        raise ValueError(qualified(section, names, str(e))) from None
+        raise ValueError(f"{section}: {e}") from None
 
 
 def cli_class(description: str, short_flags: dict[str, str], default_config: Path):

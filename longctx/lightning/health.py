@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from ..validation import check_choice
+from ..validation import ArgumentValueError, check_choice
 
 Policy = Literal["skip", "stop"]
 POLICIES = get_args(Policy)
@@ -147,9 +147,9 @@ class NonFiniteGuard(Callback):
         check_choice("policy", policy, POLICIES)
         if max_skips is not None and (isinstance(max_skips, bool) or not isinstance(max_skips, int)
                                       or max_skips < 1):
-            raise ValueError(f"max_skips must be None or an int >= 1, got {max_skips!r}")
+            raise ArgumentValueError("max_skips", f"must be None or an int >= 1, got {max_skips!r}")
         if max_skips is not None and policy != "skip":
-            raise ValueError("max_skips only applies to policy='skip'")
+            raise ArgumentValueError("max_skips", "only applies to policy='skip'")
         self.policy, self.max_skips, self.group = policy, max_skips, group
         self.skips = 0  # total skipped optimizer steps
         self.consecutive = 0  # skipped steps since the last good one

@@ -71,7 +71,7 @@ from ..parallel import CPContext, ParallelDims, parallelize
 from ..ring_comm import new_ring_group
 from ..run_plan import World as RunWorld
 from ..run_plan import check_replica_fits, resolve_data_parallel
-from ..validation import check_choice, check_number
+from ..validation import ArgumentValueError, check_choice, check_number
 from .checkpoint_io import AtomicCheckpointIO, load_training_state, save_training_state
 from .dataloaders import DpSampling
 from .failures import RankFailures
@@ -86,8 +86,8 @@ DATA_PARALLEL = get_args(DataParallel)
 def _check_divisible(world_size: int, cp_size: int, devices: Optional[int] = None, nodes: Optional[int] = None) -> None:
     if world_size % cp_size != 0:
         how = f" ({devices} devices x {nodes} nodes)" if devices is not None else ""
-        raise ValueError(
-            f"context_parallel_size {cp_size} does not divide the world of {world_size} processes{how}; use a "
+        raise ArgumentValueError(
+            "context_parallel_size", f"{cp_size} does not divide the world of {world_size} processes{how}; use a "
             f"CP size that divides it, or a number of processes that is a multiple of {cp_size} "
             "(data-parallel size = world size / CP size)"
         )
@@ -143,7 +143,7 @@ class ContextParallelStrategy(ModelParallelStrategy):
         check_choice("data_parallel", data_parallel, DATA_PARALLEL)
         check_layout(layout)
         if timeout is not None and not timeout.total_seconds() > 0:
-            raise ValueError(f"timeout must be > 0 (h:mm:ss), got {timeout}")
+            raise ArgumentValueError("timeout", f"must be > 0 (h:mm:ss), got {timeout}")
         check_number("failure_timeout", failure_timeout, low=0, low_open=True, optional=True,
                      hint=" seconds (null: no watchdog)")
         check_number("stop_grace_period", stop_grace_period, low=0, low_open=True, hint=" seconds")
