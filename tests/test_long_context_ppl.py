@@ -1,5 +1,6 @@
-"""benchmarks/long_context_ppl.py on CPU: a tiny random GPT, a 512-piece SentencePiece model,
-two small stdlib packages (so windows cross document boundaries and some labels are ignored).
+"""benchmarks/long_context_ppl.py (its code: longctx.bench.long_context_ppl*) on CPU: a tiny
+random GPT, a 512-piece SentencePiece model, two small stdlib packages (so windows cross
+document boundaries and some labels are ignored).
 
 * world 1: the token-weighted perplexity equals a float64 reference computed from full
   logits of the same windows, and the position buckets add up to the total;
@@ -9,12 +10,10 @@ two small stdlib packages (so windows cross document boundaries and some labels 
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
 import pickle
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,22 +23,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from dist_harness import run_distributed
 
+from longctx.bench import long_context_ppl as cli
+from longctx.bench.long_context_ppl_eval import bucket_edges, evaluate, per_token_loss, window_indices
+from longctx.bench.long_context_ppl_inputs import load_checkpoint_model, load_eval_stream, tree_corpus
 from longctx.models import GPT, GPTConfig
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "long_context_ppl.py"
 DATA = "stdlib:json,tomllib"
 SEQ_LENS = [64, 128]
 EVAL = dict(max_sequences=3, edges=[16, 64], base_context=32, batch_tokens=256, loss_chunk=40)
-
-
-def _bench():
-    mod = sys.modules.get("long_context_ppl")
-    if mod is None:
-        spec = importlib.util.spec_from_file_location("long_context_ppl", SCRIPT)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["long_context_ppl"] = mod
-        spec.loader.exec_module(mod)
-    return mod
 
 
 def _tiny_model() -> GPT:
@@ -56,7 +47,7 @@ def assets(tmp_path_factory):
     texts = resolve_corpus(DATA).load()[0]["text"]
     tok = SentencePieceTokenizer.train(texts, vocab_size=512, max_chars=150_000)
     tok.save(tmp / "spm.model")
-    tokens, docs, info = _bench().load_eval_stream(DATA, tok, split="all", cache_dir=str(tmp / "cache"))
+    tokens, docs, info = load_eval_stream(DATA, tok, split="all", cache_dir=str(tmp / "cache"))
     assert info["documents"] == 2 and len(tokens) > 3 * 128 + 1
     # Document ids cut every 100 tokens: every window then holds boundaries whose labels are
     # ignored (the two real documents meet at one place no window need cover).
@@ -65,13 +56,12 @@ def assets(tmp_path_factory):
 
 
 def _eval_rank(rank: int, world: int, tokens: np.ndarray, docs: np.ndarray) -> list:
-    bench = _bench()
     from longctx import CPContext, ParallelDims, parallelize
 
     model = _tiny_model().eval()
     group = dist.group.WORLD if world > 1 else None
     parallelize(model, ParallelDims(cp=CPContext(group)))
-    return bench.evaluate(model, tokens, docs, SEQ_LENS, group=group, **EVAL)
+    return evaluate(model, tokens, docs, SEQ_LENS, group=group, **EVAL)
 
 
 def _reference(model: GPT, tokens, docs, seq_len: int, windows: list, edges: list) -> tuple:
@@ -100,14 +90,13 @@ def _rel(a: float, b: float) -> float:
 
 
 def test_single_rank_matches_reference_and_buckets_add_up(assets):
-    bench = _bench()
     model = _tiny_model().eval()
-    results = bench.evaluate(model, assets["tokens"], assets["docs_cut"], SEQ_LENS, **EVAL)
+    results = evaluate(model, assets["tokens"], assets["docs_cut"], SEQ_LENS, **EVAL)
     assert [r["seq_len"] for r in results] == SEQ_LENS
     for r in results:
         S = r["seq_len"]
         edges = [b["lo"] for b in r["buckets"]] + [S]
-        assert edges == bench.bucket_edges(S, EVAL["edges"], EVAL["base_context"])
+        assert edges == bucket_edges(S, EVAL["edges"], EVAL["base_context"])
         assert r["n_windows"] == 3 and len(set(r["window_indices"])) == 3
         assert r["loss"] is not None and math.isfinite(r["loss"]) and r["ppl"] > 1
         # Buckets (and the base-context split) add up, token-weighted, to the total.
@@ -134,7 +123,7 @@ def test_single_rank_matches_reference_and_buckets_add_up(assets):
     assert (s["labels"] == -100).any()
     with torch.no_grad():
         loss_sum, n_tok = model.loss(s["input_ids"][None], s["labels"][None], s["position_ids"][None])
-        mine = bench.per_token_loss(model.hidden_states(s["input_ids"][None], s["position_ids"][None]),
+        mine = per_token_loss(model.hidden_states(s["input_ids"][None], s["position_ids"][None]),
                                     model.lm_head_weight, s["labels"][None], 7)
     assert _rel(float(mine.sum()), float(loss_sum)) < 1e-5
 
@@ -152,7 +141,6 @@ def test_context_parallel_2_equals_1(assets):
 
 
 def test_cli_checkpoint_thetas_and_compare(assets, capsys):
-    bench = _bench()
     tmp = assets["tmp"]
     model = _tiny_model()
     # What CausalLMModule's Lightning checkpoint holds: the GPT under "model.", its config in
@@ -166,18 +154,18 @@ def test_cli_checkpoint_thetas_and_compare(assets, capsys):
     common = ["--tokenizer", str(tmp / "spm.model"), "--data", DATA, "--cache-dir", str(tmp / "cache"),
               "--seq-lens", "64,128", "--max-sequences", "3", "--bucket-edges", "16,64", "--base-context", "32",
               "--batch-tokens", "256", "--device", "cpu", "--out", str(out)]
-    assert bench.main(["--checkpoint", str(tmp / "last.ckpt"), "--rope-theta", "1e4,1e6", "--tag", "ft"] + common) == 0
+    assert cli.main(["--checkpoint", str(tmp / "last.ckpt"), "--rope-theta", "1e4,1e6", "--tag", "ft"] + common) == 0
     files = [out / "long_context_ppl_ft-theta1e4.json", out / "long_context_ppl_ft-theta1e6.json"]
     runs = [json.loads(f.read_text()) for f in files]
     assert runs[0]["rope_theta"] == 1e4 and runs[1]["rope_theta"] == 1e6
     assert runs[0]["model"]["global_step"] == 7 and runs[0]["model"]["ignored_keys"] == 1
     # theta 1e4 is the tiny preset's own: the same numbers as evaluating the model directly.
-    direct = bench.evaluate(_tiny_model().eval(), assets["tokens"], assets["docs"], SEQ_LENS, **EVAL)
+    direct = evaluate(_tiny_model().eval(), assets["tokens"], assets["docs"], SEQ_LENS, **EVAL)
     for a, b in zip(runs[0]["results"], direct):
         assert a["window_indices"] == b["window_indices"] and _rel(a["loss"], b["loss"]) < 1e-6
     assert runs[0]["results"][1]["loss"] != runs[1]["results"][1]["loss"]  # RoPE change took effect
 
-    assert bench.main(["--compare", str(files[0]), str(files[1]), "--out", str(out)]) == 0
+    assert cli.main(["--compare", str(files[0]), str(files[1]), "--out", str(out)]) == 0
     report = json.loads((out / "long_context_ppl_compare.json").read_text())
     assert (out / "long_context_ppl_compare.png").stat().st_size > 1000
     row = report["lengths"]["128"]["ft-theta1e6"]
@@ -195,7 +183,7 @@ def test_cli_checkpoint_thetas_and_compare(assets, capsys):
     del ckpt["state_dict"]["model.norm.weight"]
     torch.save(ckpt, tmp / "broken.ckpt")
     with pytest.raises(ValueError, match="norm.weight"):
-        bench.load_checkpoint_model(str(tmp / "broken.ckpt"), {})
+        load_checkpoint_model(str(tmp / "broken.ckpt"), {})
 
 
 class _Payload:
@@ -209,7 +197,6 @@ class _Payload:
 
 
 def test_checkpoint_with_pickled_code_is_refused_without_the_opt_in(tmp_path):
-    bench = _bench()
     model = _tiny_model()
     marker = tmp_path / "payload-ran"
     ckpt = {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
@@ -217,28 +204,27 @@ def test_checkpoint_with_pickled_code_is_refused_without_the_opt_in(tmp_path):
     torch.save(ckpt, tmp_path / "evil.ckpt")
     for argv in ([], ["--checkpoint", str(tmp_path / "evil.ckpt")]):
         if argv:  # through the CLI too: the flag defaults to off
-            args = bench.parse_args(argv + ["--seq-lens", "64"])
+            args = cli.parse_args(argv + ["--seq-lens", "64"])
             assert args.trust_checkpoint_code is False
-            call = lambda: bench.load_model(args, {})  # noqa: E731
+            call = lambda: cli.load_model(args, {})  # noqa: E731
         else:
-            call = lambda: bench.load_checkpoint_model(str(tmp_path / "evil.ckpt"), {})  # noqa: E731
+            call = lambda: load_checkpoint_model(str(tmp_path / "evil.ckpt"), {})  # noqa: E731
         with pytest.raises(pickle.UnpicklingError, match="evil.ckpt holds objects .* --trust-checkpoint-code"):
             call()
         assert not marker.exists()
     # The documented opt-in does unpickle it (the payload runs: that is what the flag means).
-    loaded, _ = bench.load_checkpoint_model(str(tmp_path / "evil.ckpt"), {}, trust_code=True)
+    loaded, _ = load_checkpoint_model(str(tmp_path / "evil.ckpt"), {}, trust_code=True)
     assert marker.exists()
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
 
 
 def test_tree_corpus_and_parsing():
-    bench = _bench()
-    ds, _ = bench.tree_corpus("tree:email").load()  # a package found without importing it
+    ds, _ = tree_corpus("tree:email").load()  # a package found without importing it
     assert len(ds) >= 2 and "# file: mime/text.py" in "".join(ds["text"])  # one document per subdir
     with pytest.raises(ValueError, match="neither a directory nor an installed package"):
-        bench.tree_corpus("tree:no_such_package_xyz")
-    assert bench.parse_sizes("8K,512,1m") == [8192, 512, 1 << 20]
+        tree_corpus("tree:no_such_package_xyz")
+    assert cli.parse_sizes("8K,512,1m") == [8192, 512, 1 << 20]
     with pytest.raises(ValueError, match="not a token count"):
-        bench.parse_size("8KB")
-    assert bench.window_indices(10, 3) == [0, 4, 9] and bench.window_indices(2, 5) == [0, 1]
-    assert bench.bucket_edges(64, [16, 64, 128], 32) == [0, 16, 32, 64]
+        cli.parse_size("8KB")
+    assert window_indices(10, 3) == [0, 4, 9] and window_indices(2, 5) == [0, 1]
+    assert bucket_edges(64, [16, 64, 128], 32) == [0, 16, 32, 64]
