@@ -13,7 +13,7 @@ Document masking: ``q_document_ids`` / ``k_document_ids`` (int tensors ``(B, Sq)
 ``(B, Sk)``, both or neither) restrict query i to keys j with the same id (and j <= i
 when ``causal``). A query row that sees no key in a block gets ``out = 0`` and
 ``lse = -inf`` (the ring's merge treats that as "no contribution"). Backends with ids:
-"fa4" (documents as varlen runs), "triton" (triton_document.py: tiles of no shared document
+"fa4" (documents as varlen runs), "triton" (triton_document*.py: tiles of no shared document
 are skipped, tiles inside one document run unmasked) and "torch"; "auto" picks fa4, else
 triton, on GPUs, and "cudnn"/"flash" fall back to triton with a warning (see
 select_backend). fa4 hands a block whose ids are not runs it can express to triton. Callers that

@@ -2,9 +2,10 @@
 absent, so the package still imports), the tile configs and their autotune wiring, and the
 @triton.jit tile load/store helpers.
 
-triton_attention.py (dense and causal blocks) and triton_document.py (document-masked
-blocks) both import from here, so neither reaches into the other: the document kernels use
-the same tiles, configs and helpers as the dense ones by construction.
+The dense kernels (triton_attention_{fwd,dkdv,dq}.py, launched by triton_attention.py) and
+the document-masked ones (triton_document_{fwd,dkdv,dq}.py) both import from here, so
+neither reaches into the other: the document kernels use the same tiles, configs and
+helpers as the dense ones by construction.
 
 Under TRITON_INTERPRET=1 (read when this module is imported: triton.jit picks interpreter
 or compiler at decoration time) the configs are one small fixed tile per kernel, which is
@@ -145,6 +146,9 @@ def _autotune(table, key, **kwargs):
     except TypeError:  # triton < 3.2 has no do_bench hook: default timing, slower tuning
         return _triton.autotune(configs=_all_configs(table), key=key, prune_configs_by=prune, **kwargs)
 
+
+# What the dense backward kernels are tuned for (the forward names the same list).
+_BWD_KEY = ["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "CAUSAL"]
 
 _EVEN_HEURISTICS = {
     "EVEN_M": lambda a: a["seqlen_q"] % a["BLOCK_M"] == 0,

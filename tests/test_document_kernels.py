@@ -1,4 +1,4 @@
-"""Document-masked Triton attention (kernels/triton_document.py) under the CPU interpreter
+"""Document-masked Triton attention (kernels/triton_document*.py) under the CPU interpreter
 vs the float64 "torch" backend with the same document ids, plus the block map on its own.
 
 As in test_triton_kernels.py, the interpreter must be chosen before the kernels are
