@@ -28,15 +28,13 @@ import torch
 from dist_harness import run_distributed
 
 from longctx.lightning.checkpoint_io import (
-    MANIFEST_NAME,
     AtomicCheckpointIO,
-    CorruptCheckpointError,
     consolidate_checkpoint,
     find_resume_checkpoint,
-    is_complete_checkpoint,
     load_sharded_checkpoint,
     save_sharded_checkpoint,
 )
+from longctx.lightning.checkpoint_verify import MANIFEST_NAME, CorruptCheckpointError, is_complete_checkpoint
 
 
 def _dead_pid() -> int:

@@ -14,6 +14,8 @@ Two kinds, both written so that a crash mid-save never leaves something a resume
 ``find_resume_checkpoint`` orders both kinds by the training step stored in them (never
 by file time) and takes the newest intact one, warning about each one it skips.
 Every pickle is read with ``weights_only=True`` or an allowlist: a checkpoint is data.
+The integrity checks and the data-only DCP readers (and the names and manifest format
+they read) are checkpoint_verify's.
 """
 from __future__ import annotations
 
@@ -24,35 +26,37 @@ import pickle
 import re
 import shutil
 import warnings
-import zipfile
 import zlib
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-MANIFEST_NAME = "manifest.json"
-METADATA_NAME = "metadata.pt"  # rank 0's ``metadata`` dict (trainer progress, hparams, step)
-_MANIFEST_FORMAT = "longctx-sharded-checkpoint"
-_DCP_METADATA_NAME = ".metadata"
+from .checkpoint_verify import (
+    _DCP_METADATA_NAME,
+    _MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    METADATA_NAME,
+    CorruptCheckpointError,
+    PathLike,
+    _read_dcp_metadata,
+    _read_manifest,
+    _SafeConsolidatePlanner,
+    _SafeFileSystemReader,
+    _SafeLoadPlanner,
+    _sharded_problem,
+    _size_and_crc32,
+    checkpoint_problem,
+)
+
 # Leftovers of interrupted saves: ``.NAME.tmp-PID`` (being written), ``.NAME.old-PID``
 # (the previous folder, moved aside while a sharded save replaces it).
 _LEFTOVER = re.compile(r"^\..+\.(?:tmp|old)-(\d+)$")
-_CHUNK = 1 << 23
-
-PathLike = Union[str, Path]
-
-
-class CorruptCheckpointError(RuntimeError):
-    """A checkpoint failed its integrity check; the message names the bad file."""
 
 
 # -- shared helpers ---------------------------------------------------------------------
@@ -67,15 +71,6 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
     except OSError:
         pass
-
-
-def _size_and_crc32(path: Path) -> tuple[int, int]:
-    size, crc = 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            size += len(chunk)
-            crc = zlib.crc32(chunk, crc)
-    return size, crc
 
 
 def _pid_alive(pid: int) -> bool:
@@ -171,60 +166,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return super().load_checkpoint(path, map_location=map_location, weights_only=True)
 
 
-def _file_problem(path: Path) -> Optional[str]:
-    try:
-        with zipfile.ZipFile(path) as archive:
-            if not any(n.endswith("data.pkl") for n in archive.namelist()):
-                return "not a torch.save archive (no data.pkl)"
-            bad_member = archive.testzip()
-    except Exception as exc:  # noqa: BLE001 - any way a damaged archive fails to parse
-        return f"unreadable archive ({type(exc).__name__}: {exc})"
-    if bad_member is not None:
-        return f"CRC mismatch in member {bad_member} (the data is corrupted)"
-    return None
-
-
 # -- sharded folders ------------------------------------------------------------------
-
-
-def _read_manifest(path: Path) -> dict:
-    manifest_file = path / MANIFEST_NAME
-    try:
-        manifest = json.loads(manifest_file.read_text())
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{manifest_file} is missing (the save did not finish)") from None
-    except (OSError, ValueError) as exc:
-        raise CorruptCheckpointError(f"{manifest_file} is unreadable ({exc})") from None
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if (manifest.get("format") != _MANIFEST_FORMAT or not isinstance(files, dict)
-            or not isinstance(manifest.get("global_step"), int)):
-        raise CorruptCheckpointError(f"{manifest_file} is not a {_MANIFEST_FORMAT} manifest")
-    for name in files:  # flat names only: a manifest must not point outside its folder
-        if Path(name).name != name or name in (".", ".."):
-            raise CorruptCheckpointError(f"{manifest_file} lists a file outside the folder: {name!r}")
-    for required in (_DCP_METADATA_NAME, METADATA_NAME):
-        if required not in files:
-            raise CorruptCheckpointError(f"{manifest_file} does not list {required}")
-    return manifest
-
-
-def _sharded_problem(path: Path, rank: int = 0, world_size: int = 1) -> Optional[str]:
-    """The first problem with ``path``'s files (this rank's share of them), or None."""
-    try:
-        files = _read_manifest(path)["files"]
-    except CorruptCheckpointError as exc:
-        return str(exc)
-    for name in sorted(files)[rank::world_size]:
-        expected, file = files[name], path / name
-        try:
-            size, crc = _size_and_crc32(file)
-        except OSError as exc:
-            return f"{file} is unreadable ({exc})"
-        if size != expected.get("size"):
-            return f"{file} has {size} bytes, the manifest says {expected.get('size')}"
-        if crc != expected.get("crc32"):
-            return f"{file} is corrupted (crc32 {crc:#010x}, the manifest says {expected.get('crc32'):#010x})"
-    return None
 
 
 def _rank_and_world(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
@@ -469,70 +411,6 @@ def consolidate_checkpoint(sharded_path: PathLike, out_file: PathLike, *,
         tmp.unlink(missing_ok=True)
 
 
-# DCP reads its ``.metadata`` with a bare pickle.load and non-tensor entries with
-# torch.load(weights_only=False); both would run code from a crafted checkpoint.
-_DCP_METADATA_GLOBALS = {
-    *(("torch.distributed.checkpoint.metadata", n) for n in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib._local", "PosixPath"),
-    ("pathlib._local", "WindowsPath"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _DCP_METADATA_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refers to {module}.{name}, which is not a checkpoint metadata type")
-
-
-def _read_dcp_metadata(path: Path) -> Any:
-    file = path / _DCP_METADATA_NAME
-    try:
-        with open(file, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except pickle.UnpicklingError as exc:
-        raise pickle.UnpicklingError(f"{file}: {exc}") from None
-    if getattr(metadata, "storage_meta", None) is None:
-        metadata.storage_meta = StorageMeta()
-    return metadata
-
-
-class _SafeFileSystemReader(dcp.FileSystemReader):
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        # Only the global metadata file: we always write it (no per-rank fallback).
-        metadata = _read_dcp_metadata(Path(self.path))
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _WeightsOnlyBytes:
-    """Mixin for DCP load planners: non-tensor entries through ``torch.load(weights_only=True)``."""
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
-        fqn = read_item.dest_index.fqn
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
-        else:
-            self.state_dict[fqn] = obj
-
-
-class _SafeLoadPlanner(_WeightsOnlyBytes, dcp.DefaultLoadPlanner):
-    pass
-
-
-# Fills an empty dict from the checkpoint's own metadata (what torch's dcp_to_torch_save
-# uses: the public dcp.load only fills the keys it is given).
-class _SafeConsolidatePlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
-    pass
-
-
 # -- choosing a checkpoint ------------------------------------------------------------
 
 
@@ -541,22 +419,6 @@ def _looks_like_checkpoint(path: Path) -> bool:
         return path.suffix == ".ckpt"
     return path.is_dir() and ((path / MANIFEST_NAME).exists() or (path / _DCP_METADATA_NAME).exists()
                               or path.suffix == ".ckpt")
-
-
-def checkpoint_problem(path: PathLike) -> Optional[str]:
-    """Why ``path`` (a checkpoint file or sharded folder) cannot be trusted, or None if intact.
-
-    Reads the whole checkpoint (every CRC).
-    """
-    path = Path(path)
-    if path.is_dir():
-        return _sharded_problem(path)
-    return _file_problem(path)
-
-
-def is_complete_checkpoint(path: PathLike) -> bool:
-    """True when ``path`` is an intact checkpoint file or sharded folder."""
-    return checkpoint_problem(path) is None
 
 
 def checkpoint_step(path: PathLike) -> int:

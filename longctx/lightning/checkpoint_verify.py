@@ -1,0 +1,174 @@
+"""What checkpoint_io uses so that a resume never trusts a checkpoint blindly: whether it is
+intact (single files: the zip CRC of every member, which ``torch.load`` never checks; sharded
+folders: the size and crc32 of every file against ``manifest.json``), and reading a sharded
+one as data only (DCP's ``.metadata`` and non-tensor entries through allowlists, where DCP
+itself would unpickle anything); with the file names and manifest format they read."""
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import zipfile
+import zlib
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+MANIFEST_NAME = "manifest.json"
+METADATA_NAME = "metadata.pt"  # rank 0's ``metadata`` dict (trainer progress, hparams, step)
+_MANIFEST_FORMAT = "longctx-sharded-checkpoint"
+_DCP_METADATA_NAME = ".metadata"
+_CHUNK = 1 << 23
+
+PathLike = Union[str, Path]
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint failed its integrity check; the message names the bad file."""
+
+
+def _size_and_crc32(path: Path) -> tuple[int, int]:
+    size, crc = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            size += len(chunk)
+            crc = zlib.crc32(chunk, crc)
+    return size, crc
+
+
+def _file_problem(path: Path) -> Optional[str]:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            if not any(n.endswith("data.pkl") for n in archive.namelist()):
+                return "not a torch.save archive (no data.pkl)"
+            bad_member = archive.testzip()
+    except Exception as exc:  # noqa: BLE001 - any way a damaged archive fails to parse
+        return f"unreadable archive ({type(exc).__name__}: {exc})"
+    if bad_member is not None:
+        return f"CRC mismatch in member {bad_member} (the data is corrupted)"
+    return None
+
+
+def _read_manifest(path: Path) -> dict:
+    manifest_file = path / MANIFEST_NAME
+    try:
+        manifest = json.loads(manifest_file.read_text())
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{manifest_file} is missing (the save did not finish)") from None
+    except (OSError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{manifest_file} is unreadable ({exc})") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if (manifest.get("format") != _MANIFEST_FORMAT or not isinstance(files, dict)
+            or not isinstance(manifest.get("global_step"), int)):
+        raise CorruptCheckpointError(f"{manifest_file} is not a {_MANIFEST_FORMAT} manifest")
+    for name in files:  # flat names only: a manifest must not point outside its folder
+        if Path(name).name != name or name in (".", ".."):
+            raise CorruptCheckpointError(f"{manifest_file} lists a file outside the folder: {name!r}")
+    for required in (_DCP_METADATA_NAME, METADATA_NAME):
+        if required not in files:
+            raise CorruptCheckpointError(f"{manifest_file} does not list {required}")
+    return manifest
+
+
+def _sharded_problem(path: Path, rank: int = 0, world_size: int = 1) -> Optional[str]:
+    """The first problem with ``path``'s files (this rank's share of them), or None."""
+    try:
+        files = _read_manifest(path)["files"]
+    except CorruptCheckpointError as exc:
+        return str(exc)
+    for name in sorted(files)[rank::world_size]:
+        expected, file = files[name], path / name
+        try:
+            size, crc = _size_and_crc32(file)
+        except OSError as exc:
+            return f"{file} is unreadable ({exc})"
+        if size != expected.get("size"):
+            return f"{file} has {size} bytes, the manifest says {expected.get('size')}"
+        if crc != expected.get("crc32"):
+            return f"{file} is corrupted (crc32 {crc:#010x}, the manifest says {expected.get('crc32'):#010x})"
+    return None
+
+
+def checkpoint_problem(path: PathLike) -> Optional[str]:
+    """Why ``path`` (a checkpoint file or sharded folder) cannot be trusted, or None if intact.
+
+    Reads the whole checkpoint (every CRC).
+    """
+    path = Path(path)
+    if path.is_dir():
+        return _sharded_problem(path)
+    return _file_problem(path)
+
+
+def is_complete_checkpoint(path: PathLike) -> bool:
+    """True when ``path`` is an intact checkpoint file or sharded folder."""
+    return checkpoint_problem(path) is None
+
+
+# DCP reads its ``.metadata`` with a bare pickle.load and non-tensor entries with
+# torch.load(weights_only=False); both would run code from a crafted checkpoint.
+_DCP_METADATA_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib._local", "PosixPath"),
+    ("pathlib._local", "WindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refers to {module}.{name}, which is not a checkpoint metadata type")
+
+
+def _read_dcp_metadata(path: Path) -> Any:
+    file = path / _DCP_METADATA_NAME
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as exc:
+        raise pickle.UnpicklingError(f"{file}: {exc}") from None
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    return metadata
+
+
+class _SafeFileSystemReader(dcp.FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        # Only the global metadata file: we always write it (no per-rank fallback).
+        metadata = _read_dcp_metadata(Path(self.path))
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _WeightsOnlyBytes:
+    """Mixin for DCP load planners: non-tensor entries through ``torch.load(weights_only=True)``."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        fqn = read_item.dest_index.fqn
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+class _SafeLoadPlanner(_WeightsOnlyBytes, dcp.DefaultLoadPlanner):
+    pass
+
+
+# Fills an empty dict from the checkpoint's own metadata (what torch's dcp_to_torch_save
+# uses: the public dcp.load only fills the keys it is given).
+class _SafeConsolidatePlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
+    pass
