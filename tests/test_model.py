@@ -222,7 +222,7 @@ def test_chunked_cross_entropy_equals_plain():
 def test_chunked_cross_entropy_with_the_final_norm_inside_float64():
     """norm=(fn, weight, eps): the norm runs per chunk inside the loss; loss and every
     gradient (input, norm gain, head) equal to norm-then-plain-loss in float64, NaN shows."""
-    from longctx.models.gpt import lean_rms_norm
+    from longctx.models.pointwise import lean_rms_norm
 
     g = torch.Generator().manual_seed(4)
     x = torch.randn(2, 23, 16, dtype=torch.float64, generator=g, requires_grad=True)
@@ -358,9 +358,9 @@ def test_selective_checkpointing_runs_the_ring_once(monkeypatch):
 def test_pointwise_fusion_matches_eager(monkeypatch, backend):
     """fuse_pointwise routes RMSNorm/RoPE/SwiGLU through torch.compile: same loss and grads,
     with activation checkpointing too (the compiled functions are re-run in the recompute)."""
-    import longctx.models.gpt as gpt_module
+    import longctx.models.pointwise as pointwise
 
-    monkeypatch.setattr(gpt_module, "COMPILE_BACKEND", backend)
+    monkeypatch.setattr(pointwise, "COMPILE_BACKEND", backend)
     torch.manual_seed(0)
     model = parallelize(GPT(small_config()), plan=small_plan())
     fused_model = GPT(small_config())
@@ -380,12 +380,12 @@ def test_pointwise_fusion_matches_eager(monkeypatch, backend):
 
 
 def test_pointwise_fusion_failure_names_the_setting(monkeypatch):
-    import longctx.models.gpt as gpt_module
+    import longctx.models.pointwise as pointwise
 
     def broken_backend(graph_module, example_inputs):
         raise RuntimeError("no C++ compiler here")
 
-    monkeypatch.setattr(gpt_module, "COMPILE_BACKEND", broken_backend)
+    monkeypatch.setattr(pointwise, "COMPILE_BACKEND", broken_backend)
     model = parallelize(GPT(small_config()), plan=small_plan(fuse_pointwise=True))
     input_ids, labels = make_batch(8, model.config.vocab_size, seed=3)
     with pytest.raises(RuntimeError, match="fuse_pointwise: false"):

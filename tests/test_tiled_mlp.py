@@ -59,9 +59,9 @@ def test_tiled_mlp_equals_untiled_float64(checkpointing, seq_len, tile):
 
 def test_tiled_mlp_with_pointwise_fusion(monkeypatch):
     """fuse_pointwise: the tiles run the compiled norm and gate, same loss and grads as untiled."""
-    import longctx.models.gpt as gpt_module
+    import longctx.models.pointwise as pointwise
 
-    monkeypatch.setattr(gpt_module, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(pointwise, "COMPILE_BACKEND", "aot_eager")
     torch.manual_seed(0)
     model = GPT(_config()).double()
     tiled = copy.deepcopy(model)
