@@ -8,12 +8,20 @@ every rank that talks to the rendezvous store, not to the process group:
 * it watches ONE peer (rank + 1): if that counter stops moving for ``timeout`` seconds,
   the peer is declared dead (a SIGKILL, an OOM kill, a hung host);
 * a rank that raises publishes the failure itself (``report_failure``), at once;
+* with ``collective_timeout`` (the process-group timeout) it also catches a *stalled*
+  peer, one that is alive (its heartbeat moves) but never joins the next collective: each
+  rank publishes how many collectives it has issued on the default group, and a watched
+  peer that stays behind this rank, without issuing any, for ``collective_timeout``
+  seconds is stalled: this rank's collective has waited that long for it. NCCL raises
+  nothing in Python then (the main thread stays blocked in CUDA until NCCL's own watchdog
+  aborts the process, 60 s later by default, naming no one), so this is what names it;
 * every rank polls one shared ``failure`` key; whoever sees it prints the message, which
   names the failed rank, and exits the process with ``os._exit``, which works even while
-  the main thread is stuck inside a C++ collective.
+  the main thread is stuck inside a C++ collective or a CUDA wait.
 
-Store traffic is three small operations per rank per interval, independent of the
-world size. Losing the store itself is also a failure, and so is a store that stops
+Store traffic is five small operations per rank per interval (one more when this rank
+issued collectives since the last), independent of the world size. Losing the store
+itself is also a failure, and so is a store that stops
 answering: under a plain launch it lives in rank 0's process, so a frozen rank 0
 (SIGSTOP, a hung host) never replies, and ``TCPStore.add`` has no timeout of its own.
 Every store operation therefore runs on a helper thread that callers wait for at most
@@ -97,7 +105,22 @@ class _BoundedStore:
         self._requests.put(None)
 
 
+def _default_group_collectives() -> Callable[[], int]:
+    if not dist.is_initialized():
+        raise ValueError("watchdog collective_timeout needs the default process group initialized first "
+                         "(or pass collectives=)")
+    group = dist.group.WORLD
+    # NCCL counts collectives only, gloo point-to-point operations on this group too.
+    return group._get_sequence_number_for_group
+
+
 class RankWatchdog:
+    """``timeout``: seconds without a heartbeat before a rank counts as dead; ``interval``:
+    seconds between polls; ``collective_timeout``: seconds a peer may stay behind this rank
+    in the default group's collectives before it counts as stalled (the process-group
+    timeout; ``None``: no stall check); ``collectives()``: how many collectives this rank
+    has issued (default: the default group's sequence number)."""
+
     def __init__(
         self,
         rank: int,
@@ -107,13 +130,22 @@ class RankWatchdog:
         interval: float = 1.0,
         store: Optional[dist.Store] = None,
         on_failure: Callable[[str], None] = hard_exit,
+        collective_timeout: Optional[float] = None,
+        collectives: Optional[Callable[[], int]] = None,
     ):
         _check_seconds("timeout", timeout)
         _check_seconds("interval", interval)
         if timeout <= interval:
             raise ValueError(f"watchdog timeout ({timeout}s) must exceed its interval ({interval}s)")
+        if collective_timeout is not None:
+            _check_seconds("collective_timeout", collective_timeout)
+            collectives = collectives or _default_group_collectives()
         self.rank, self.world_size = rank, world_size
         self.timeout, self.interval = timeout, interval
+        self.collective_timeout = collective_timeout
+        self._collectives = collectives if collective_timeout is not None else None
+        self._published = 0  # this rank's collective count as the store has it, plus one (0: none yet)
+        self._behind: Optional[tuple[int, float]] = None  # (the peer's published count, since when) while behind
         self.on_failure = on_failure
         self._store = _BoundedStore((lambda: store) if store is not None else self._connect)
         self._store_host = self._describe_store_host(store)
@@ -203,14 +235,18 @@ class RankWatchdog:
     def _run(self) -> None:
         last_count, last_change = None, time.monotonic()
         while not self._stop.wait(self.interval):
+            mine = self._collective_count()
             try:
                 self._call("add", f"hb/{self.rank}", 1)
+                if mine is not None and mine + 1 != self._published:  # published plus one: 0 is "none yet"
+                    self._published = self._call("add", f"coll/{self.rank}", mine + 1 - self._published)
                 if self._call("check", ["failure"]):
                     self._fail(self._call("get", "failure").decode(errors="replace"))
                     return
                 if self.world_size == 1 or self._call("check", [f"done/{self._watched}"]):
                     continue
                 count = self._call("add", f"hb/{self._watched}", 0)
+                theirs = self._call("add", f"coll/{self._watched}", 0) if mine is not None else 0
             except Exception as exc:  # noqa: BLE001
                 # Nobody can read a message from a dead store: no lingering.
                 self._fail(self._store_lost(exc), linger=False)
@@ -219,14 +255,49 @@ class RankWatchdog:
             if count != last_count:
                 last_count, last_change = count, now
             elif now - last_change > self.timeout:
-                message = (f"rank {self._watched} stopped responding (no heartbeat for "
-                           f"{now - last_change:.0f}s; killed or hung)")
-                try:
-                    self._call("compare_set", "failure", "", message)
-                except Exception:  # noqa: BLE001
-                    pass
-                self._fail(message)
+                self._declare(f"rank {self._watched} stopped responding (no heartbeat for "
+                              f"{now - last_change:.0f}s; killed or hung)")
                 return
+            # A peer whose heartbeat stopped is left to the check above (dead, not stalled).
+            stalled = self._stalled(mine, theirs, now) if now - last_change <= 3 * self.interval else None
+            if stalled:
+                self._declare(stalled)
+                return
+
+    def _collective_count(self) -> Optional[int]:
+        if self._collectives is None:
+            return None
+        try:
+            return int(self._collectives())
+        except Exception as exc:  # noqa: BLE001 - a backend without sequence numbers
+            self._collectives = None
+            sys.stderr.write(f"\n[longctx watchdog] rank {self.rank}: no collective counts ({type(exc).__name__}: "
+                             f"{str(exc)[:200]}); a stalled rank is left to the process-group timeout\n")
+            return None
+
+    def _stalled(self, mine: Optional[int], theirs: int, now: float) -> Optional[str]:
+        """The message if the watched peer has stayed behind this rank's collectives, without
+        issuing one, for ``collective_timeout`` seconds: this rank's next collective after
+        the peer's count has waited that long (its process-group timeout is up)."""
+        if mine is None or not 0 < theirs <= mine:  # not published yet, or level with / ahead of this rank
+            self._behind = None
+            return None
+        if self._behind is None or self._behind[0] != theirs:
+            self._behind = (theirs, now)
+            return None
+        if now - self._behind[1] <= self.collective_timeout:
+            return None
+        return (f"rank {self._watched} is stalled: alive (its heartbeat moves) but it has not joined collective "
+                f"#{theirs} of the default process group, which rank {self.rank} has waited in for over "
+                f"{self.collective_timeout:.0f}s (the process-group timeout)")
+
+    def _declare(self, message: str) -> None:
+        """Publish ``message`` as the job's failure (unless one is there already) and end."""
+        try:
+            self._call("compare_set", "failure", "", message)
+        except Exception:  # noqa: BLE001
+            pass
+        self._fail(message)
 
     def _fail(self, message: str, linger: bool = True) -> None:
         if self._stop.is_set():

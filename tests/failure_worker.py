@@ -1,10 +1,12 @@
 """One rank of a gloo job (3 ranks in most tests) in which one rank fails inside ring attention.
 
 Run: python failure_worker.py RANK WORLD PORT MODE [FAILING_RANK]
-MODE: raise | kill (SIGKILL) | stop (SIGSTOP: the process freezes); FAILING_RANK default 1.
+MODE: raise | kill (SIGKILL) | stop (SIGSTOP: the process freezes) | stall (sleeps 10 minutes
+in Python, alive: the watchdog's collective timeout is 3 s); FAILING_RANK default 1.
 Rank 0 hosts the rendezvous store (a plain launch, no torchrun agent), so a failing rank 0
 takes the store down with it.
-The process group timeout is 10 minutes on purpose: only the watchdog can end the job fast.
+The process group timeout is 10 minutes on purpose: only the watchdog can end the job fast
+(a stalled peer leaves the others blocked in gloo's C++ wait, as NCCL leaves them in CUDA).
 """
 import os
 import signal
@@ -24,7 +26,8 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 # Imports come first: a rank still importing when its watcher starts the clock would
 # look dead after the short timeout below on a busy machine.
 dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10))
-watchdog = RankWatchdog(rank, world, timeout=3.0, interval=0.25).start()
+watchdog = RankWatchdog(rank, world, timeout=3.0, interval=0.25,
+                        collective_timeout=3.0 if mode == "stall" else None).start()
 real_forward = ring.attention_forward
 calls = [0]
 
@@ -35,6 +38,8 @@ def failing_forward(*args, **kwargs):
         print(f"failing at {time.time()}", file=sys.stderr, flush=True)
         if mode == "raise":
             raise RuntimeError("injected failure inside ring attention")
+        if mode == "stall":
+            time.sleep(600)
         os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
     return real_forward(*args, **kwargs)
 

@@ -1,6 +1,6 @@
-"""A rank that raises, is SIGKILLed or freezes (SIGSTOP) inside ring attention ends the
-whole job quickly, and every surviving rank's message names the failed rank - also when
-the failed rank is rank 0, whose process hosts the rendezvous store."""
+"""A rank that raises, is SIGKILLed, freezes (SIGSTOP) or stalls (alive, sleeping) inside
+ring attention ends the whole job quickly, and every surviving rank's message names the
+failed rank - also when the failed rank is rank 0, whose process hosts the rendezvous store."""
 from __future__ import annotations
 
 import math
@@ -61,6 +61,47 @@ def test_rank_failure_ends_every_rank(mode):
         assert "injected failure" in outputs[1][1]
     else:
         assert procs[1].returncode == -9
+
+
+def test_stalled_rank_ends_every_rank_and_is_named():
+    """Rank 1 sleeps mid-ring, alive; the others wait for it in gloo's C++ (a 10-minute
+    process-group timeout: nothing raises in Python, as under NCCL). Each watchdog's
+    collective timeout is 3 s: rank 0 sees rank 1 stay behind its collectives that long,
+    and every rank, the sleeping one too, exits from its watchdog thread naming rank 1."""
+    procs, outputs, elapsed = _run_job("stall", failing_rank=1)
+    # 3 s collective timeout + ~2 polls to notice + 3 polls of lingering (0.25 s each)
+    assert elapsed < 20, f"the job took {elapsed:.0f}s to end after the stall"
+    for r, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 75, f"rank {r} exited {p.returncode}:\n{err[-3000:]}"
+        assert "finished" not in out
+        assert re.search(rf"\[longctx watchdog\] rank {r} stopping: rank 1 is stalled: alive .* has not joined "
+                         r"collective #\d+ of the default process group, which rank 0 has waited in for over 3s",
+                         err), err[-3000:]
+
+
+def test_stall_needs_the_peer_behind_without_progress_for_the_whole_timeout():
+    """The stall check alone: a peer behind this rank's collective count is stalled only once
+    it has stayed at the same count for ``collective_timeout``; level, ahead or moving is not."""
+    watchdog = RankWatchdog(0, 2, timeout=5.0, interval=0.1, store=dist.HashStore(), collective_timeout=30.0,
+                            collectives=lambda: 0)
+    # Counts as published: the peer's count plus one (0: not published yet).
+    assert watchdog._stalled(mine=850, theirs=0, now=0.0) is None  # the peer has not published yet
+    assert watchdog._stalled(mine=850, theirs=851, now=1.0) is None  # level
+    assert watchdog._stalled(mine=850, theirs=900, now=2.0) is None  # the peer is ahead
+    assert watchdog._stalled(mine=850, theirs=850, now=3.0) is None  # behind: the clock starts
+    assert watchdog._stalled(mine=851, theirs=850, now=33.0) is None  # 30 s: not over yet
+    assert watchdog._stalled(mine=851, theirs=851, now=34.0) is None  # it joined #850: the clock restarts
+    assert watchdog._stalled(mine=851, theirs=852, now=35.0) is None  # level again: cleared
+    assert watchdog._stalled(mine=860, theirs=855, now=40.0) is None  # behind again, from here
+    assert watchdog._stalled(mine=860, theirs=857, now=69.0) is None  # it moved: the clock restarts
+    message = watchdog._stalled(mine=860, theirs=857, now=99.5)
+    assert message == ("rank 1 is stalled: alive (its heartbeat moves) but it has not joined collective #857 of the "
+                       "default process group, which rank 0 has waited in for over 30s (the process-group timeout)")
+    with pytest.raises(ValueError, match="collective_timeout must be a finite number of seconds"):
+        RankWatchdog(0, 2, timeout=5.0, store=dist.HashStore(), collective_timeout=math.nan, collectives=lambda: 0)
+    if not dist.is_initialized():
+        with pytest.raises(ValueError, match="collective_timeout needs the default process group initialized"):
+            RankWatchdog(0, 2, timeout=5.0, store=dist.HashStore(), collective_timeout=30.0)
 
 
 @pytest.mark.parametrize("mode", ["kill", "stop"])
