@@ -3,12 +3,22 @@
 ``RankFailures`` runs the strategy's ``longctx.watchdog.RankWatchdog`` for one fit: a rank
 that raises tells the others at once (instead of leaving them blocked in their next
 collective until the process-group timeout), a rank silent for ``failure_timeout`` seconds
-is declared dead, and every rank exits naming it. An out-of-memory error also says what to
-try first. At the end of a fit no rank stops watching (and exits, maybe taking rank 0's
-store with it) while another is still working.
+is declared dead, a rank that leaves the others waiting in a collective for the
+process-group timeout is declared stalled, and every rank exits naming it. An
+out-of-memory error also says what to try first. At the end of a fit no rank stops
+watching (and exits, maybe taking rank 0's store with it) while another is still working.
+
+Under NCCL a collective that times out raises nothing in Python: NCCL's own watchdog
+thread tears the process down, after sleeping 4 x ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``
+(15 s by default) for its flight-recorder dump, and names no one. ``nccl_env`` shortens
+that sleep, where the user has not set it, so that this backstop (for a stall the
+watchdog cannot see, e.g. one between point-to-point operations) lands within
+``failure_timeout`` + 5 polls of the process-group timeout, after the watchdog's own
+message (about 5 polls after it).
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional
 
 import torch
@@ -25,6 +35,29 @@ def out_of_memory_hint(data_parallel: str) -> str:
             "--context-parallel, or cpu_offload=True (--strategy.cpu_offload true)")
 
 
+NCCL_DUMP_WAIT_ENV = "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"
+NCCL_DUMP_WAIT_DEFAULT_MS = 15_000  # torch's default: NCCL tears a timed-out rank down 60 s after the timeout
+_set_here: dict[str, str] = {}  # what nccl_env set in this process (a later fit may change it, a user may not)
+
+
+def nccl_env(failure_timeout: Optional[float], backend: str) -> dict[str, str]:
+    """Set NCCL's dump wait for the watchdog's ``failure_timeout`` before a ``backend``
+    process group is created (see the module doc): only under NCCL with a watchdog, only
+    where it shortens torch's default, never over a user's value. Returns what it set."""
+    if backend != "nccl" or failure_timeout is None:
+        return {}
+    wait_ms = round(1000 * (failure_timeout + 5 * _interval(failure_timeout)) / 4)
+    current = os.environ.get(NCCL_DUMP_WAIT_ENV)
+    if wait_ms >= NCCL_DUMP_WAIT_DEFAULT_MS or current not in (None, _set_here.get(NCCL_DUMP_WAIT_ENV)):
+        return {}
+    os.environ[NCCL_DUMP_WAIT_ENV] = _set_here[NCCL_DUMP_WAIT_ENV] = str(wait_ms)
+    return {NCCL_DUMP_WAIT_ENV: str(wait_ms)}
+
+
+def _interval(failure_timeout: float) -> float:
+    return min(1.0, failure_timeout / 4)
+
+
 class RankFailures:
     """``failure_timeout``: seconds without a heartbeat before a rank counts as dead (None: no
     watchdog); ``on_failure(message)``: how this rank ends when another failed."""
@@ -35,11 +68,16 @@ class RankFailures:
         self._watchdog: Optional[RankWatchdog] = None
         self._failed = False
 
-    def start(self, rank: int, world_size: int) -> None:
+    def before_process_group(self, backend: str) -> None:
+        nccl_env(self.failure_timeout, backend)
+
+    def start(self, rank: int, world_size: int, collective_timeout: Optional[float] = None) -> None:
+        """Watch the ranks; ``collective_timeout`` (the process-group timeout, seconds) also
+        catches a stalled rank (the default group must exist)."""
         if self.failure_timeout is not None and world_size > 1:
-            interval = min(1.0, self.failure_timeout / 4)
-            self._watchdog = RankWatchdog(rank, world_size, timeout=self.failure_timeout, interval=interval,
-                                          on_failure=self._on_failure).start()
+            self._watchdog = RankWatchdog(rank, world_size, timeout=self.failure_timeout,
+                                          interval=_interval(self.failure_timeout), on_failure=self._on_failure,
+                                          collective_timeout=collective_timeout).start()
 
     def failed(self, exception: BaseException, *, rank: int, data_parallel: str, tell_others: bool = True) -> None:
         """This rank raised ``exception``; ``tell_others=False`` where a stop by signal is under

@@ -45,7 +45,9 @@ Ending a job: under a plain launch rank 0 ends every process it started and each
 dies with rank 0 (``longctx.lightning.launcher``); SIGTERM stops every rank at the same
 step, with a checkpoint if it fits in ``stop_grace_period`` seconds, and exits with
 128 + 15 (``longctx.lightning.preemption``); a rank that fails or goes silent ends every rank
-within ``failure_timeout``, naming it (``longctx.lightning.failures``).
+within ``failure_timeout``, naming it, and one that stalls (alive, but leaving the others
+waiting in a collective) within a few seconds of the process-group timeout, also under NCCL,
+where the timeout raises nothing in Python (``longctx.lightning.failures``).
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.strategy import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.distributed import constants as dist_constants
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
@@ -110,8 +113,9 @@ class ContextParallelStrategy(ModelParallelStrategy):
         cpu_offload: with FSDP, keep the sharded parameters, gradients and optimizer
             state in host memory (FSDP2's ``CPUOffloadPolicy``).
         timeout: process-group timeout for the default group and the CP groups.
-            Default 5 minutes: a failed rank ends the job in bounded time. (In a config or
-            on the command line: ``h:mm:ss``.)
+            Default 5 minutes: a failed rank ends the job in bounded time; a rank that
+            leaves the others waiting in a collective this long is named as stalled by the
+            watchdog. (In a config or on the command line: ``h:mm:ss``.)
         failure_timeout: seconds without a heartbeat after which a rank is declared dead
             and every rank exits, naming it (``longctx.watchdog``); a rank that raises
             tells the others at once. ``None`` disables the watchdog.
@@ -255,12 +259,21 @@ class ContextParallelStrategy(ModelParallelStrategy):
                                                    is_stopping=lambda: self.received_signal is not None)
 
     def setup_environment(self) -> None:
+        # Every launch path (ours, torchrun, SLURM) passes here in each rank's process, before NCCL reads its env.
+        self._failures.before_process_group(self._get_process_group_backend())
         self._setup_distributed()  # device, ranks, the default process group (our timeout)
         self._build_groups()
         # As ModelParallelStrategy: a user's configure_model can read the mesh.
         self.lightning_module._device_mesh = self._device_mesh
-        self._failures.start(self.global_rank, self.world_size)
+        self._failures.start(self.global_rank, self.world_size, collective_timeout=self._collective_timeout())
         self._signal_stop.install(self.lightning_module.trainer, self.global_rank)
+
+    def _collective_timeout(self) -> float:
+        """Seconds a collective may wait: ours, else torch's default for the backend."""
+        if self._timeout is not None:
+            return self._timeout.total_seconds()
+        nccl = dist.get_backend() == "nccl"
+        return (dist_constants.default_pg_nccl_timeout if nccl else dist_constants.default_pg_timeout).total_seconds()
 
     # -- ending the job: signals, children, failures --------------------------------------
 
