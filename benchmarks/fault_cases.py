@@ -218,28 +218,34 @@ def sigkill(target: str, launcher: str = "plain") -> Callable[[Settings], Row]:
     return case
 
 
-def stall(s: Settings) -> Row:
-    name = "stall_rank1"
-    row = Row(name, f"rank 1 sleeps inside a ring step (process-group timeout {s.stall_pg_timeout}s)")
-    run = s.run(name, ["--strategy.timeout", f"0:00:{s.stall_pg_timeout:02d}"],
-                fault={"kind": "stall", "rank": 1, "step": s.signal_step, "seconds": 3600})
-    try:
-        run.wait_for(lambda: (run.probe / "rank1.fault").exists(), s.startup_s, "the stall")
-        since = time.monotonic()
-        limit = s.stall_pg_timeout + s.failure_timeout + 20
-        rc = _end(s, run, row, since, limit)
-    finally:
-        run.finish()
-    log = run.log()
-    row["message"] = find_line(log, rf"{WATCHDOG_LINE}.*stalled", WATCHDOG_LINE, r"[Tt]imed? ?out", r"Watchdog caught")
-    row.check(rc is not None and rc != 0, f"exit code {rc}")
-    row.check(row["seconds"] is not None and row["seconds"] <= limit, f"took {row['seconds']}s > {limit:.0f}s")
-    # gloo raises the timeout in Python (the watchdog then reports the stall); NCCL's own
-    # watchdog aborts the process that timed out, naming the collective.
-    row.check(bool(re.search(r"stalled|timed? ?out|timeout", row["message"], re.I)),
-              "the message says neither a stall nor a timeout")
-    _work_lost(run, s.workdir / name, row)
-    return row
+def stall(launcher: str = "plain") -> Callable[[Settings], Row]:
+    def case(s: Settings) -> Row:
+        name = "stall_rank1" + ("_torchrun" if launcher == "torchrun" else "")
+        under = ", under torchrun" if launcher == "torchrun" else ""
+        row = Row(name, f"rank 1 sleeps inside a ring step (process-group timeout {s.stall_pg_timeout}s{under})")
+        run = s.run(name, ["--strategy.timeout", f"0:00:{s.stall_pg_timeout:02d}"], launcher=launcher,
+                    fault={"kind": "stall", "rank": 1, "step": s.signal_step, "seconds": 3600})
+        # Bound: rank 0's next collective waits the process-group timeout for rank 1, then the
+        # watchdog names rank 1 and every rank exits within ~5 polls (both backends: under NCCL
+        # the timeout raises nothing in Python); NCCL's own teardown of rank 0, the backstop,
+        # comes at the timeout + the failure timeout + 5 polls (longctx.lightning.failures).
+        limit = s.stall_pg_timeout + s.failure_timeout + 10
+        try:
+            run.wait_for(lambda: (run.probe / "rank1.fault").exists(), s.startup_s, "the stall")
+            since = time.monotonic()
+            rc = _end(s, run, row, since, limit)
+        finally:
+            run.finish()
+        row["message"] = find_line(run.log(), rf"{WATCHDOG_LINE}.*rank 1 is stalled", WATCHDOG_LINE,
+                                   r"[Tt]imed? ?out", r"Watchdog caught")
+        row.check(rc is not None and rc != 0, f"exit code {rc}")
+        row.check(row["seconds"] is not None and row["seconds"] <= limit, f"took {row['seconds']}s > {limit:.0f}s")
+        row.check("rank 1 is stalled" in row["message"], "no watchdog line names rank 1 as stalled")
+        _work_lost(run, s.workdir / name, row)
+        return row
+
+    case.__name__ = "stall_rank1" + ("_torchrun" if launcher == "torchrun" else "")
+    return case
 
 
 def store_lost(when: str) -> Callable[[Settings], Row]:
@@ -378,7 +384,8 @@ CASES: dict[str, Callable[[Settings], Row]] = {
     "sigkill_rank1": sigkill("rank1"),
     "sigkill_rank0": sigkill("rank0"),
     "sigkill_rank0_torchrun": sigkill("rank0", "torchrun"),
-    "stall_rank1": stall,
+    "stall_rank1": stall(),
+    "stall_rank1_torchrun": stall("torchrun"),
     "store_lost_before": store_lost("before"),
     "store_lost_during": store_lost("during"),
     "nan_rank1": nan_gradient,
