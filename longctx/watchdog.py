@@ -20,7 +20,8 @@ every rank that talks to the rendezvous store, not to the process group:
   the main thread is stuck inside a C++ collective or a CUDA wait.
 
 Store traffic is five small operations per rank per interval (one more when this rank
-issued collectives since the last), independent of the world size. Losing the store
+issued collectives since the last), independent of the world size; a count is read with
+``add(key, 0)``, which answers 0 for a key not yet written instead of waiting for it. Losing the store
 itself is also a failure, and so is a store that stops
 answering: under a plain launch it lives in rank 0's process, so a frozen rank 0
 (SIGSTOP, a hung host) never replies, and ``TCPStore.add`` has no timeout of its own.
@@ -238,8 +239,10 @@ class RankWatchdog:
             mine = self._collective_count()
             try:
                 self._call("add", f"hb/{self.rank}", 1)
-                if mine is not None and mine + 1 != self._published:  # published plus one: 0 is "none yet"
-                    self._published = self._call("add", f"coll/{self.rank}", mine + 1 - self._published)
+                if mine is not None and mine + 1 != self._published:  # plus one: 0 is "none yet"
+                    # set, not add: a watchdog of an earlier fit may have left a count here
+                    self._call("set", f"coll/{self.rank}", str(mine + 1))
+                    self._published = mine + 1
                 if self._call("check", ["failure"]):
                     self._fail(self._call("get", "failure").decode(errors="replace"))
                     return
