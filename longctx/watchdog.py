@@ -21,8 +21,8 @@ every rank that talks to the rendezvous store, not to the process group:
 
 Store traffic is five small operations per rank per interval (one more when this rank
 issued collectives since the last), independent of the world size; a count is read with
-``add(key, 0)``, which answers 0 for a key not yet written instead of waiting for it. Losing the store
-itself is also a failure, and so is a store that stops
+``add(key, 0)``, which answers 0 for a key not yet written instead of waiting for it.
+Losing the store itself is also a failure, and so is a store that stops
 answering: under a plain launch it lives in rank 0's process, so a frozen rank 0
 (SIGSTOP, a hung host) never replies, and ``TCPStore.add`` has no timeout of its own.
 Every store operation therefore runs on a helper thread that callers wait for at most
@@ -295,9 +295,10 @@ class RankWatchdog:
                 f"{self.collective_timeout:.0f}s (the process-group timeout)")
 
     def _declare(self, message: str) -> None:
-        """Publish ``message`` as the job's failure (unless one is there already) and end."""
+        """Publish ``message`` as the job's failure and end, naming the job's first failure
+        (another rank may have published one meanwhile)."""
         try:
-            self._call("compare_set", "failure", "", message)
+            message = self._call("compare_set", "failure", "", message).decode(errors="replace")
         except Exception:  # noqa: BLE001
             pass
         self._fail(message)
