@@ -10,7 +10,7 @@ frozen ``RunPlan`` of two parts kept apart:
   pointwise fusion, document balancing;
 * ``memory`` (``MemoryChoices``): activation checkpointing, MLP tiling, attention head chunks,
   offloaded blocks, loss chunk: the requested settings, escalated where the memory model
-  (``longctx.memory``, one ladder: ``fitting_plan``) predicts they do not fit the GPU.
+  (``longctx.memory``; one ladder: ``longctx.memory_fit.fitting_plan``) predicts they do not fit the GPU.
 
 ``RunPlan.model_plan()`` is the ``ParallelPlan`` ``parallelize`` applies (once, kernels named:
 the layers run what the plan says, nothing re-resolves "auto"); ``config_entries()`` the options
@@ -185,14 +185,14 @@ def resolve_run(config: Any, world: World, device: Any, *,
     call by the kernels, and the memory is not planned). ``documents``: document-masked
     attention. ``n_params`` / ``parallelizes``: for ``resolve_data_parallel``.
     ``memory_check``: on a GPU, escalate the memory settings the plan leaves at their
-    defaults to the cheapest that fit (``longctx.memory.fitting_plan``) and raise
+    defaults to the cheapest that fit (``longctx.memory_fit.fitting_plan``) and raise
     ``PredictedOutOfMemory`` (one line) where nothing does.
     """
     import torch
 
     from longctx.kernels import select_backend
 
-    from . import memory
+    from . import memory, memory_fit
 
     plan = ParallelPlan.from_dict(requested)
     device = torch.device(device)
@@ -229,13 +229,13 @@ def resolve_run(config: Any, world: World, device: Any, *,
             memory_kw = None  # a model shape the memory model cannot read: no prediction, no check
     if memory_kw is not None and on_gpu and gpu_total is not None:
         host = None if host_total is None else host_total // world.local_ranks
-        fitted = memory.fitting_plan(config, seq_len, plan=plan, gpu_total=gpu_total, host_total=host, **memory_kw)
+        fitted = memory_fit.fitting_plan(config, seq_len, plan=plan, gpu_total=gpu_total, host_total=host, **memory_kw)
         if fitted is not None and fitted != plan:
             notes = (f"memory: {estimate.gpu_bytes / memory.GiB:.1f} GiB predicted does not fit; running with "
                      f"mlp_tile_size={fitted.mlp_tile_size}, attention_head_chunks={fitted.attention_head_chunks}, "
                      f"offload_activations={fitted.offload_activations}",)
             plan = fitted
-        estimate = memory.check_fits(config, seq_len, plan=plan, **memory_kw, gpu_total=gpu_total,
+        estimate = memory_fit.check_fits(config, seq_len, plan=plan, **memory_kw, gpu_total=gpu_total,
                                      host_total=host_total, host_ranks=world.local_ranks)
 
     parallel = ParallelChoices(
@@ -266,7 +266,7 @@ def check_memory(config: Any, run: RunPlan, seq_len: int, *, batch_size: int, pr
     whose shapes were unknown when the plan was made, checked on the first batch. Raises
     ``PredictedOutOfMemory`` (one line, naming the change) where it exceeds ``gpu_total`` /
     ``host_total`` (None: not checked); None where the model's shape cannot be read."""
-    from . import memory
+    from . import memory, memory_fit
 
     p = run.parallel
     world = World(cp=p.cp, dp=p.dp, layout=p.layout, data_parallel=p.data_parallel, cpu_offload=p.cpu_offload,
@@ -277,5 +277,5 @@ def check_memory(config: Any, run: RunPlan, seq_len: int, *, batch_size: int, pr
         memory.estimate(config, seq_len, plan=plan, **kw)
     except (ValueError, AttributeError, TypeError):
         return None
-    return memory.check_fits(config, seq_len, plan=plan, **kw, gpu_total=gpu_total, host_total=host_total,
+    return memory_fit.check_fits(config, seq_len, plan=plan, **kw, gpu_total=gpu_total, host_total=host_total,
                              host_ranks=local_ranks)

@@ -133,7 +133,7 @@ class CausalLMModule(L.LightningModule):
             (``longctx.memory.estimate``) and print it (one line, rank 0). Where it would not
             fit the GPU and the plan leaves the MLP untiled and nothing offloaded, the MLP is
             tiled and the saved inputs of the fewest blocks predicted to fit go to host memory
-            (``longctx.memory.fitting_plan``; printed); what still cannot fit raises a
+            (``longctx.memory_fit.fitting_plan``; printed); what still cannot fit raises a
             one-line ``ValueError`` naming what to change. On CPU only the prediction is
             printed. The plan taken is ``hparams["parallel"]`` (train.py's config.yaml too).
             Data whose shapes are unknown before the fit is only checked, on the first batch
@@ -510,7 +510,7 @@ def _document_report(plan, document_ids: torch.Tensor) -> str:
 
 def _memory_totals(device: torch.device) -> dict:
     """The GPU's and the host's total memory for the memory model (none off CUDA)."""
-    from longctx.memory import host_memory_bytes
+    from longctx.memory_fit import host_memory_bytes
 
     if device.type != "cuda":
         return {}

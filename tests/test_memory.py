@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from longctx import ParallelPlan
-from longctx.memory import GiB, check_fits, estimate, host_memory_bytes, max_seq_len
+from longctx.memory import GiB, estimate
+from longctx.memory_fit import check_fits, host_memory_bytes, max_seq_len
 from longctx.models import GPTConfig
 
 K = 1024
@@ -126,7 +127,7 @@ def test_train_fit_renders_a_refused_run_as_one_line_rc2(capsys):
     import types
 
     from longctx.lightning.training import fit
-    from longctx.memory import PredictedOutOfMemory
+    from longctx.memory_fit import PredictedOutOfMemory
 
     def refuse(*args, **kwargs):
         raise PredictedOutOfMemory("predicted not to fit: 1,048,576 tokens at cp=1 need GPU 200.0 GiB > 139.8 GiB")
@@ -142,7 +143,8 @@ def test_fitting_plan_takes_the_cheapest_change_that_fits():
     then the most chunks and the fewest offloaded blocks; None where nothing fits; settings
     the user chose are not changed."""
     from longctx import ParallelPlan
-    from longctx.memory import GiB, estimate, fitting_plan
+    from longctx.memory import GiB, estimate
+    from longctx.memory_fit import fitting_plan
     from longctx.models import GPTConfig
 
     cfg = GPTConfig.from_dict(dict(preset="llama3.2-1b"))

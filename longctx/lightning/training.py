@@ -127,7 +127,7 @@ def fit(trainer: Any, module: Any, datamodule: Any, resume: Optional[Path]) -> t
     """``trainer.fit``; a SIGTERM stop is an outcome, not an error: (the ``StoppedBySignal``
     or None, None), or (None, exit code) where another rank left first during the stop, or
     (None, 2) with one line printed where the memory model refused the run before step 1."""
-    from longctx.memory import PredictedOutOfMemory
+    from longctx.memory_fit import PredictedOutOfMemory
 
     from .preemption import StoppedBySignal, signal_name
 

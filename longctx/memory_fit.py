@@ -1,0 +1,171 @@
+"""What fits one GPU, on ``longctx.memory``'s per-rank estimate.
+
+``max_seq_len(config, gpu_bytes, plan=..., cp=...)`` is the longest sequence (a multiple
+of ``2 x cp``) whose estimate fits. One escalation ladder, ``fitting_plan``: the MLP tiled,
+then the fewest attention head chunks, then the fewest blocks offloaded; a run takes it
+(``longctx.run_plan``), and ``check_fits`` raises ``PredictedOutOfMemory`` (a ``ValueError``)
+with one line naming where the same ladder, from full activation checkpointing, ends (or the
+CP size that fits).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional
+
+from .memory import GiB, MemoryEstimate, _plan, estimate, model_shape
+
+
+def max_seq_len(config: Any, gpu_bytes: int, *, plan=None, cp: int = 1, dp: int = 1, data_parallel: str = "fsdp",
+                cpu_offload: bool = False, batch_size: int = 1, precision: str = "bf16-mixed",
+                host_bytes: Optional[int] = None, multiple: Optional[int] = None,
+                limit: int = 1 << 30) -> int:
+    """Longest sequence (a multiple of ``multiple``, default ``2 x cp``: zigzag) whose
+    estimate fits ``gpu_bytes`` per GPU (and ``host_bytes`` per rank, when given); 0 if
+    none does."""
+    step = multiple or 2 * cp
+    kw = dict(plan=plan, cp=cp, dp=dp, data_parallel=data_parallel, cpu_offload=cpu_offload,
+              batch_size=batch_size, precision=precision)
+
+    def fits(n: int) -> bool:
+        e = estimate(config, n * step, **kw)
+        return e.gpu_bytes <= gpu_bytes and (host_bytes is None or e.host_bytes <= host_bytes)
+
+    lo, hi = 0, 1  # fits(lo) (0: nothing), find hi that does not fit
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi * step > limit:
+            return lo * step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo * step
+
+
+# ---- the check before the first step -------------------------------------------------------
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this machine."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read the machine's memory size")
+
+
+def _changes(before, after) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in after.to_dict().items() if getattr(before, k) != v)
+
+
+def _fix(config, seq_len, kw, plan, gpu_total, host_total) -> str:
+    """The cheapest change predicted to make the step fit, named: the one ladder
+    (``fitting_plan``) from the plan with full activation checkpointing (the first rung), then
+    with a larger CP size."""
+    full = dataclasses.replace(plan, activation_checkpointing="full")
+
+    def fitted(**over):
+        return fitting_plan(config, seq_len, plan=full, gpu_total=gpu_total, host_total=host_total, **{**kw, **over})
+
+    def predicted(p, **over) -> str:
+        e = estimate(config, seq_len, plan=p, **{**kw, **over})
+        return f"predicted {e.gpu_bytes / GiB:.1f} GiB" + (f" GPU, {e.host_bytes / GiB:.1f} GiB host"
+                                                            if p.offload_activations else "")
+
+    p = fitted()
+    if p is not None:
+        return f"set ParallelPlan({_changes(plan, p)}) ({predicted(p)})"
+    cp = kw["cp"]
+    for bigger in (2 * cp, 4 * cp, 8 * cp, 16 * cp, 32 * cp):
+        p = fitted(cp=bigger)
+        if p is not None:
+            settings = _changes(plan, p)
+            return (f"use a context-parallel size of {bigger}" + (f" (with {settings})" if settings else "")
+                    + f" ({predicted(p, cp=bigger)} per GPU)")
+    return "shorten the sequence or use more GPUs"
+
+
+DEFAULT_MLP_TILE = 8192  # tokens per MLP tile where tiling is switched on for memory
+
+
+def fitting_plan(config: Any, seq_len: int, *, plan=None, gpu_total: int, host_total: Optional[int] = None,
+                 **kw) -> Optional[Any]:
+    """The cheapest plan predicted to fit: ``plan`` itself, else with the MLP tiled
+    (``DEFAULT_MLP_TILE``), else also with the fewest attention head chunks that fit (ring
+    attention only), else with the most chunks and the saved inputs of the first n blocks
+    offloaded to host memory for the smallest such n. Only settings ``plan`` leaves at
+    their defaults (untiled, one chunk, no offload) are changed; None where even every
+    block offloaded does not fit. ``kw``: the rest of ``estimate``'s arguments (cp, dp,
+    data_parallel, ...)."""
+    plan = _plan(plan)
+
+    def gpu_ok(p):
+        return estimate(config, seq_len, plan=p, **kw).gpu_bytes <= gpu_total
+
+    def fits(p):
+        e = estimate(config, seq_len, plan=p, **kw)
+        return e.gpu_bytes <= gpu_total and (host_total is None or e.host_bytes <= host_total)
+
+    if fits(plan):
+        return plan
+    tiled = plan if plan.mlp_tile_size is not None else dataclasses.replace(plan, mlp_tile_size=DEFAULT_MLP_TILE)
+    if tiled is not plan and fits(tiled):
+        return tiled
+    if plan.attention_head_chunks == 1 and plan.cp_attention == "ring":
+        n_kv = model_shape(config).hkv
+        for chunks in (c for c in range(2, n_kv + 1) if n_kv % c == 0):
+            tiled = dataclasses.replace(tiled, attention_head_chunks=chunks)
+            if fits(tiled):
+                return tiled
+    if plan.offload_activations is not False:
+        return None  # the user chose how much to offload
+    n_layer = model_shape(config).L
+    if not gpu_ok(dataclasses.replace(tiled, offload_activations=n_layer)):
+        return None
+    # GPU bytes fall as n grows (host bytes rise): the smallest n whose GPU side fits, by
+    # bisection, then its host side.
+    low, high = 1, n_layer
+    while low < high:
+        mid = (low + high) // 2
+        if gpu_ok(dataclasses.replace(tiled, offload_activations=mid)):
+            high = mid
+        else:
+            low = mid + 1
+    chosen = dataclasses.replace(tiled, offload_activations=low)
+    return chosen if fits(chosen) else None
+
+
+class PredictedOutOfMemory(ValueError):
+    """A run the memory model predicts not to fit (train.py prints it as one line, exit code 2)."""
+
+
+def check_fits(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, data_parallel: str = "fsdp",
+               cpu_offload: bool = False, batch_size: int = 1, precision: str = "bf16-mixed",
+               attention_kernel: str = "auto", gpu_total: Optional[int] = None, host_total: Optional[int] = None,
+               host_ranks: int = 1) -> MemoryEstimate:
+    """Estimate, then raise ``PredictedOutOfMemory`` (a ValueError: one line, naming what to change) when the
+    prediction exceeds ``gpu_total`` bytes per GPU or ``host_total`` bytes of host memory
+    shared by ``host_ranks`` ranks. A total of None is not checked (e.g. no GPU)."""
+    plan = _plan(plan)
+    kw = dict(cp=cp, dp=dp, data_parallel=data_parallel, cpu_offload=cpu_offload, batch_size=batch_size,
+              precision=precision, attention_kernel=attention_kernel)
+    est = estimate(config, seq_len, plan=plan, **kw)
+    per_rank_host = None if host_total is None else host_total // max(host_ranks, 1)
+    too_big = []
+    if gpu_total is not None and est.gpu_bytes > gpu_total:
+        too_big.append(f"GPU {est.gpu_bytes / GiB:.1f} GiB > {gpu_total / GiB:.1f} GiB")
+    if per_rank_host is not None and est.host_bytes > per_rank_host:
+        too_big.append(f"host {est.host_bytes / GiB:.1f} GiB > {per_rank_host / GiB:.1f} GiB per rank")
+    if too_big:
+        fix = _fix(config, seq_len, kw, plan, gpu_total if gpu_total is not None else float("inf"), per_rank_host)
+        raise PredictedOutOfMemory(
+            f"predicted not to fit: {seq_len:,} tokens at cp={cp} need {' and '.join(too_big)} "
+            f"(peak at {est.phase}); {fix}, or pass memory_check=False to try anyway"
+        )
+    return est
