@@ -1,4 +1,4 @@
-"""Per-rank memory model: how many tokens one GPU holds, and the check before the first step.
+"""Per-rank memory model: the peak GPU and host bytes of one training step, itemised.
 
 ``estimate(config, seq_len, plan=..., cp=..., dp=...)`` predicts the peak GPU bytes
 (``torch.cuda.max_memory_allocated`` plus what the allocator does not count) and the host
@@ -24,7 +24,9 @@ attention output, fp32 LSE; + 2a·kv for the ring's kept K/V shard when cp > 1);
 everything the block's autograd saves (the norms' fp32 rstd, the projections' bf16 inputs,
 attention, and 4aF for the SwiGLU's gate, up, silu(gate), product; 3aF fused); with
 ``mlp_tile_size`` the norms, q/k/v projections and MLP run over tiles and save only the
-residual stream.
+residual stream. ``hf_modules`` (transformers' eager Llama blocks): each RMSNorm keeps an fp32
+copy of its input and the normalised tensor before the gain, (4 + a)d, instead of its bf16
+input (twice a layer, and the final norm's before the loss).
 ``offload_activations`` moves the first n layers' share to (pinned) host memory and keeps
 one layer in flight on the GPU.
 
@@ -32,13 +34,19 @@ The largest transient is one layer being recomputed and differentiated, at the l
 two moments: the MLP's backward (the layer's "none" tensors, the residual gradient and the
 new tensor its two paths sum into, 2aF for the MLP's gradients or per tile with
 ``mlp_tile_size``) and the attention's (the MLP's tensors and saved input freed by then;
-dO, the kernels' dQ/dK/dV and accumulators, GQA expansion for cuDNN, the ring's fp32 dQ,
+dO, the kernels' dQ/dK/dV and accumulators (FlashAttention-4: fp32 dQ, and fp32 dK/dV
+under GQA, 4q + 8kv), GQA expansion for cuDNN, the ring's fp32 dQ,
 dK/dV accumulators and 0/1/2 K/V receive buffers at cp = 2/3/>=4, the kernels' and the
 ring's buffers divided by ``attention_head_chunks``), or one loss chunk: 12 bytes x V per token
 of ``loss_chunk_size`` (fp32 log-softmax, its gradient, the input gradient) plus the head's
 weight gradient. The peak is the largest of these moments: the loss backward, the last
 layer's backward (all saved inputs, few gradients), the first layer's (all gradients, one saved
-input), an untied embedding's backward under FSDP2, the optimizer step.
+input, and an untied embedding's table prefetched), an untied embedding's backward under
+FSDP2, the optimizer step. The forward is never the peak: its largest transient (one layer's,
+checkpointed) is below the backward's, and the previous step's gradients are gone by then
+(``CausalLMModule`` frees them right after the optimizer step; Lightning alone would free
+them only after the next forward, 4N/s more through it: the 8B at 128K over 2 ranks peaked
+at 84.5 GiB that way, in the last block's forward, which counts up to 84.4 GiB with them).
 Not in ``max_memory_allocated`` but on the device: CUDA context, cuDNN/NCCL workspaces
 (``cuda_context``, 1.5 GiB) and fragmentation (``allocator_slack``, 3% of the rest).
 
@@ -164,7 +172,7 @@ def auto_attention_kernel(head_dim: int = 128, seq_len: int = 128 * 1024) -> str
 
 def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, data_parallel: str = "fsdp",
              cpu_offload: bool = False, batch_size: int = 1, precision: str = "bf16-mixed",
-             attention_kernel: str = "auto") -> MemoryEstimate:
+             attention_kernel: str = "auto", hf_modules: bool = False) -> MemoryEstimate:
     """Predicted peak GPU and host bytes of one rank for one training step (forward,
     backward, AdamW step) of ``batch_size`` sequences of ``seq_len`` tokens.
 
@@ -176,6 +184,8 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     ``"triton"`` take GQA natively; ``"auto"``: the plan's ``attention_backend`` (a run's
     resolved plan names it: ``longctx.run_plan``), and where that is "auto" too, what the
     kernels pick here for this head dim and shard length (``auto_attention_kernel``).
+    ``hf_modules``: the blocks are transformers' eager Llama-family modules (``--hf-model``),
+    which keep more than ``longctx.models.GPT``'s (see the terms below); never fused.
     """
     for name, value in (("seq_len", seq_len), ("cp", cp), ("dp", dp), ("batch_size", batch_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -201,7 +211,7 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     a = 2 if mixed else 4
     r = 2 if (mixed and fsdp) else 4
     d, q, kv, F, V, hq = s.d, s.q, s.kv, s.F, s.V, s.hq
-    fused = bool(plan.fuse_pointwise)
+    fused = bool(plan.fuse_pointwise) and not hf_modules
     tile = plan.mlp_tile_size
     tiled = tile is not None and tile < T
     ckpt = plan.activation_checkpointing
@@ -211,6 +221,8 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
 
     # ---- one layer's tensors saved for the backward when nothing is checkpointed (per token)
     norm = 4 if not fused else 0  # RMSNorm saves its input (alive anyway) and an fp32 rstd
+    if hf_modules:  # transformers' LlamaRMSNorm: the fp32 copy of its input and the normalised
+        norm += 4 * d + a * d  # tensor before the gain (not the bf16 input: residual_mid is 0)
     casts_attn = 3 * 2 * d if (r == 4 and a == 2) else r * d  # each linear saves its own bf16 cast
     casts_mlp = 2 * 2 * d if (r == 4 and a == 2) else r * d
     rope = 0  # RoPE's products save only the (shared) cos/sin tables
@@ -223,7 +235,7 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     else:
         mlp = (3 if fused else 4) * a * F
     block_input = r * d
-    residual_mid = r * d
+    residual_mid = 0 if hf_modules else r * d
     none_layer = (block_input + norm + casts_attn + rope + attn + ring_kept + residual_mid + mlp_norm
                   + casts_mlp + mlp)
     mlp_part = mlp_norm + casts_mlp + mlp  # freed once the MLP's backward is done
@@ -245,8 +257,11 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     group = hq // s.hkv
     if mixed and group > 1 and attention_kernel == "cudnn":  # cuDNN takes no GQA: K/V expanded
         kernel = 2 * a * q + 2 * a * q + 8 * q + 8 * kv
-    elif attention_kernel == "fa4":  # dQ, dK, dV and FlashAttention-4's fp32 dQ accumulator
-        kernel = a * q + 2 * a * kv + 4 * q
+    elif attention_kernel == "fa4":
+        # dQ, dK, dV, FlashAttention-4's fp32 dQ accumulator and two fp32 values per query row
+        # and head (dpsum, lse_log2); where query heads share K/V (GQA) also fp32 dK/dV
+        # accumulators (flash_attn.cute.interface._flash_attn_bwd: dk_accum, dv_accum)
+        kernel = a * q + 2 * a * kv + 4 * q + 8 * hq + (8 * kv if group > 1 else 0)
     else:
         kernel = 2 * a * q + 4 * q + 8 * kv
     if cp > 1:
@@ -283,6 +298,8 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     head_grad_tmp = (a + 4) * V * d if mixed else 4 * V * d
     loss_chunk = 12 * V * c + a * V * c + head_grad_tmp
     hidden = 2 * r * d * T  # the last block's output and its gradient (the final norm runs per loss chunk)
+    if hf_modules:  # transformers' final norm runs before the loss and keeps its own two (see norm)
+        hidden += (4 + a) * d * T
 
     # ---- static
     params_b = 4 * N // shard
@@ -297,12 +314,14 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
         root = 2 * (V * d + d)  # unsharded bf16 head (or tied table) and final norm
         work_fwd_end = root + 2 * in_flight_blocks * Nl  # + current and prefetched block
         work_bwd = work_fwd_end + in_flight_blocks * (2 + 4) * Nl  # + their gradients (bf16 -> fp32)
+        # Block 0's backward prefetches the unit used before it: an untied embedding's table.
+        work_first = work_bwd + (2 * V * d if own_embedding else 0)
     elif mixed:
         mm = N - head_params + V * d  # matmul weights (the tied head is cast once)
         work_fwd_end = 2 * mm
-        work_bwd = 2 * mm if ckpt == "none" else 2 * (Nl + V * d)
+        work_bwd = work_first = 2 * mm if ckpt == "none" else 2 * (Nl + V * d)
     else:
-        work_bwd = work_fwd_end = 0
+        work_bwd = work_first = work_fwd_end = 0
     ddp_buckets = 4 * N if (data_parallel == "ddp" and world > 1) else 0
     # The head's (the tied embedding's) gradient exists from the loss backward on (FSDP2:
     # unsharded, in the compute dtype, reduced at the end of the backward; else the fp32 .grad).
@@ -310,10 +329,12 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     gpu_head_grad = (2 if mixed else 4) * (V * d + d) if fsdp else 4 * head_params
     if cpu_offload:
         gpu_static = {}
-        gpu_grads_all = gpu_head_grad
+        gpu_grads_all = gpu_grads_first = gpu_head_grad
     else:
         gpu_static = {"params": params_b, "adamw_states": adam_b}
         gpu_grads_all = (4 * s.L * Nl // shard + gpu_head_grad) if fsdp else grads_b
+        # block 0's own gradient is reduced to its shard only after its backward
+        gpu_grads_first = (4 * (s.L - 1) * Nl // shard + gpu_head_grad) if fsdp else grads_b
     if ddp_buckets:
         gpu_static["ddp_buckets"] = ddp_buckets
 
@@ -334,7 +355,7 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
               {"final_hidden": hidden}),
         phase("the last layer's backward", last_layers, gpu_head_grad, work_bwd, "layer_recompute_backward",
               layer_live, {"residual_grad": r * d * T}),
-        phase("the first layer's backward", first_layers, gpu_grads_all, work_bwd, "layer_recompute_backward",
+        phase("the first layer's backward", first_layers, gpu_grads_first, work_first, "layer_recompute_backward",
               layer_live, {"residual_grad": r * d * T}),
     ]
     if own_embedding and mixed:  # the embedding gathered again, its unsharded gradient (bf16 -> fp32)

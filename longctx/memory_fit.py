@@ -148,13 +148,13 @@ class PredictedOutOfMemory(ValueError):
 def check_fits(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, data_parallel: str = "fsdp",
                cpu_offload: bool = False, batch_size: int = 1, precision: str = "bf16-mixed",
                attention_kernel: str = "auto", gpu_total: Optional[int] = None, host_total: Optional[int] = None,
-               host_ranks: int = 1) -> MemoryEstimate:
+               host_ranks: int = 1, hf_modules: bool = False) -> MemoryEstimate:
     """Estimate, then raise ``PredictedOutOfMemory`` (a ValueError: one line, naming what to change) when the
     prediction exceeds ``gpu_total`` bytes per GPU or ``host_total`` bytes of host memory
     shared by ``host_ranks`` ranks. A total of None is not checked (e.g. no GPU)."""
     plan = _plan(plan)
     kw = dict(cp=cp, dp=dp, data_parallel=data_parallel, cpu_offload=cpu_offload, batch_size=batch_size,
-              precision=precision, attention_kernel=attention_kernel)
+              precision=precision, attention_kernel=attention_kernel, hf_modules=hf_modules)
     est = estimate(config, seq_len, plan=plan, **kw)
     per_rank_host = None if host_total is None else host_total // max(host_ranks, 1)
     too_big = []

@@ -174,7 +174,7 @@ def resolve_run(config: Any, world: World, device: Any, *,
                 seq_len: Optional[int] = None, batch_size: Optional[int] = None, documents: bool = True,
                 load_balance: Optional[bool] = None, n_params: int = 0, parallelizes: bool = True,
                 memory_check: bool = True, gpu_total: Optional[int] = None,
-                host_total: Optional[int] = None) -> RunPlan:
+                host_total: Optional[int] = None, hf_modules: bool = False) -> RunPlan:
     """Every "auto" of the run, resolved once (see the module doc).
 
     ``config``: the model's shape (``GPTConfig`` or a Hugging Face config; read duck-typed).
@@ -186,7 +186,8 @@ def resolve_run(config: Any, world: World, device: Any, *,
     attention. ``n_params`` / ``parallelizes``: for ``resolve_data_parallel``.
     ``memory_check``: on a GPU, escalate the memory settings the plan leaves at their
     defaults to the cheapest that fit (``longctx.memory_fit.fitting_plan``) and raise
-    ``PredictedOutOfMemory`` (one line) where nothing does.
+    ``PredictedOutOfMemory`` (one line) where nothing does. ``hf_modules``: the model is
+    transformers' (``--hf-model``), whose eager blocks keep more (``longctx.memory.estimate``).
     """
     import torch
 
@@ -222,7 +223,8 @@ def resolve_run(config: Any, world: World, device: Any, *,
     estimate, notes = None, ()
     memory_kw = None
     if memory_check and seq_len and batch_size and head_dim is not None:
-        memory_kw = _memory_kw(mode, world, plan, precision=precision, batch_size=batch_size, documents=documents)
+        memory_kw = _memory_kw(mode, world, plan, precision=precision, batch_size=batch_size, documents=documents,
+                               hf_modules=hf_modules)
         try:
             estimate = memory.estimate(config, seq_len, plan=plan, **memory_kw)
         except (ValueError, AttributeError, TypeError):
@@ -249,7 +251,7 @@ def resolve_run(config: Any, world: World, device: Any, *,
 
 
 def _memory_kw(data_parallel: str, world: World, plan: ParallelPlan, *, precision: str, batch_size: int,
-               documents: bool) -> dict:
+               documents: bool, hf_modules: bool = False) -> dict:
     """``longctx.memory.estimate``'s arguments for a resolved plan: the memory model counts the
     kernel the layers run (the document-masked one with documents)."""
     from . import memory
@@ -257,11 +259,13 @@ def _memory_kw(data_parallel: str, world: World, plan: ParallelPlan, *, precisio
     kernel = plan.document_backend if documents else plan.attention_backend
     return dict(cp=world.cp, dp=world.dp, data_parallel=data_parallel, cpu_offload=world.cpu_offload,
                 batch_size=batch_size, precision="32-true" if str(precision)[:2] in ("32", "64") else "bf16-mixed",
-                attention_kernel="auto" if kernel in (None, "auto") else memory.kernel_family(kernel))
+                attention_kernel="auto" if kernel in (None, "auto") else memory.kernel_family(kernel),
+                hf_modules=hf_modules)
 
 
 def check_memory(config: Any, run: RunPlan, seq_len: int, *, batch_size: int, precision: str, documents: bool,
-                 local_ranks: int = 1, gpu_total: Optional[int] = None, host_total: Optional[int] = None):
+                 local_ranks: int = 1, gpu_total: Optional[int] = None, host_total: Optional[int] = None,
+                 hf_modules: bool = False):
     """The memory model's prediction for a resolved ``run`` (which it does not change): for data
     whose shapes were unknown when the plan was made, checked on the first batch. Raises
     ``PredictedOutOfMemory`` (one line, naming the change) where it exceeds ``gpu_total`` /
@@ -272,10 +276,11 @@ def check_memory(config: Any, run: RunPlan, seq_len: int, *, batch_size: int, pr
     world = World(cp=p.cp, dp=p.dp, layout=p.layout, data_parallel=p.data_parallel, cpu_offload=p.cpu_offload,
                   local_ranks=local_ranks)
     plan = run.model_plan()
-    kw = _memory_kw(p.data_parallel, world, plan, precision=precision, batch_size=batch_size, documents=documents)
+    kw = _memory_kw(p.data_parallel, world, plan, precision=precision, batch_size=batch_size, documents=documents,
+                    hf_modules=hf_modules)
     try:
         memory.estimate(config, seq_len, plan=plan, **kw)
     except (ValueError, AttributeError, TypeError):
         return None
     return memory_fit.check_fits(config, seq_len, plan=plan, **kw, gpu_total=gpu_total, host_total=host_total,
-                             host_ranks=local_ranks)
+                                 host_ranks=local_ranks)

@@ -8,9 +8,12 @@ the strategy shards every batch. What this module adds:
 * the loss: ``GPT.loss`` gives (summed token loss, token count) of this rank's shard;
   ``longctx.loss.TokenWeightedAccumulator`` turns it into the exact gradient of the token
   mean over the whole global batch (dp x cp ranks x accumulated micro-batches);
-* AdamW (weight decay on matrices only) with linear warmup + cosine decay, per step;
+* AdamW (weight decay on matrices only) with linear warmup + cosine decay, per step; the
+  gradients freed right after each optimizer step (not through the next forward);
 * logging: ``train_loss`` (the true global mean, identical on every rank), ``train_ppl``,
-  ``lr``, ``tokens_per_s``, ``mfu`` (GPU), peak memory; ``val_loss`` / ``val_ppl``
+  ``lr``, ``tokens_per_s``, ``mfu`` (GPU), ``step_s`` (the step's forward and backward; the
+  first step's includes the kernels' compiles), peak memory (GPU: ``max_memory_allocated``
+  of the fullest rank); ``val_loss`` / ``val_ppl``
   token-weighted over all ranks (torchmetrics).
 
 Non-finite losses/gradients are not handled here: ``longctx.lightning.health.NonFiniteGuard`` (a
@@ -199,6 +202,7 @@ class CausalLMModule(L.LightningModule):
         self._step_tokens = 0
         self._step_pairs = 0.0  # visible (query, key) pairs of the step's tokens, for MFU
         self._last_step_end: Optional[float] = None
+        self._step_start: Optional[float] = None  # the step's first micro-batch began (step_s)
 
     @classmethod
     def check_arguments(cls, *, device: Optional[Any] = None, **kwargs: Any) -> None:
@@ -308,9 +312,12 @@ class CausalLMModule(L.LightningModule):
                            seq_len=int(seq_len) if seq_len else None,
                            batch_size=int(batch_size) if batch_size else None,
                            documents=self.attention == "document", load_balance=self.load_balance,
-                           n_params=sum(p.numel() for p in self.parameters()), memory_check=memory_check, **totals)
+                           n_params=sum(p.numel() for p in self.parameters()), memory_check=memory_check,
+                           hf_modules=self.hparams.get("hf_model") is not None, **totals)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._step_start is None:
+            self._step_start = time.perf_counter()
         # Data whose sequence length was unknown before the fit: the memory is checked (not
         # planned: the model is built) on the first batch.
         if self._check_first_batch and isinstance(batch, Mapping) and "input_ids" in batch:
@@ -323,7 +330,8 @@ class CausalLMModule(L.LightningModule):
             est = check_memory(self.config, self.run_plan, int(ids.shape[1]) * _cp_size(self.trainer),
                                batch_size=int(ids.shape[0]), precision=str(self.trainer.precision),
                                documents=self.attention == "document",
-                               local_ranks=max(int(self.trainer.num_devices), 1), **totals)
+                               local_ranks=max(int(self.trainer.num_devices), 1),
+                               hf_modules=self.hparams.get("hf_model") is not None, **totals)
             if est is not None and self.trainer.global_rank == 0:
                 print(est.summary(), flush=True)
 
@@ -369,8 +377,14 @@ class CausalLMModule(L.LightningModule):
                 keys = self._step_pairs / self._step_tokens if self._step_tokens else None
                 flops = self.config.flops_per_token(self.seq_len, keys_per_token=keys) * tps
                 metrics["mfu"] = torch.tensor(flops / (peak * self.trainer.world_size))
+        if self._step_start is not None:
+            metrics["step_s"] = torch.tensor(now - self._step_start)
+            self._step_start = None
         if self.device.type == "cuda":
-            metrics["peak_mem_gib"] = torch.tensor(torch.cuda.max_memory_allocated(self.device) / 2**30)
+            peak = torch.tensor(float(torch.cuda.max_memory_allocated(self.device)), device=self.device)
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)  # the fullest rank's
+            metrics["peak_mem_gib"] = peak / 2**30
         else:
             # ru_maxrss is KiB on Linux: the process's resident-set high-water mark.
             metrics["peak_rss_gib"] = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
@@ -380,6 +394,14 @@ class CausalLMModule(L.LightningModule):
         self._step_tokens = 0
         self._step_pairs = 0.0  # visible (query, key) pairs of the step's tokens, for MFU
         self._last_step_end = now
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        # Lightning sets gradients to None only inside the next step's closure, after its
+        # forward: the gradients (4 bytes a parameter, over the FSDP2 shards: 15 GiB a rank for
+        # an 8B model on 2) would sit through that forward, its peak. Freed here instead, as
+        # longctx.memory counts the step.
+        optimizer.zero_grad(set_to_none=True)
 
     def _report_kernel_compile(self) -> None:
         """After the first step: what FlashAttention-4's first-call compiles (or loads from its

@@ -233,3 +233,89 @@ def test_the_fitting_plan_is_decided_before_the_model_is_built(monkeypatch, caps
     again = run(module.hparams["parallel"])  # the run's config.yaml / checkpoint, loaded back
     assert again.plan == module.plan and "does not fit" not in capsys.readouterr().out
     assert again.run_plan == module.run_plan
+
+
+def test_gradients_are_freed_right_after_the_optimizer_step(tmp_path):
+    """The memory model counts no gradients in the forward: CausalLMModule frees them after
+    each optimizer step (Lightning alone would keep them through the next step's forward),
+    still accumulating across the micro-batches of one step; it logs each step's time."""
+    import csv
+
+    import lightning as L
+    import torch
+    from lightning.pytorch.loggers import CSVLogger
+
+    from longctx.models.lit_module import CausalLMModule
+
+    class Recording(CausalLMModule):
+        def training_step(self, batch, batch_idx):
+            self.grads_at_forward.append(any(p.grad is not None for p in self.parameters()))
+            return super().training_step(batch, batch_idx)
+
+    data = [{"input_ids": t[:-1], "labels": t[1:]} for t in torch.randint(0, 256, (4, 65))]
+    module = Recording(dict(preset="tiny", vocab_size=256), parallel={"attention_backend": "torch"},
+                       attention="causal", warmup_steps=1, memory_check=False)
+    module.grads_at_forward = []
+    L.Trainer(accelerator="cpu", devices=1, max_steps=2, accumulate_grad_batches=2, logger=CSVLogger(tmp_path),
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+              log_every_n_steps=1).fit(module, torch.utils.data.DataLoader(data, batch_size=1))
+    assert module.grads_at_forward == [False, True, False, True]
+    assert all(p.grad is None for p in module.parameters())
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    steps = [float(r["step_s"]) for r in rows if r.get("step_s")]
+    assert len(steps) == 2 and all(s > 0 for s in steps)
+
+
+def _saved_bytes(run, exclude) -> int:
+    """Bytes of the distinct storages autograd saves while ``run()`` runs, less ``exclude``'s."""
+    import torch
+
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in exclude:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(seen.values())
+
+
+def test_one_layers_saved_tensors_are_the_models_count():
+    """What one block saves for its backward (bf16 weights as FSDP2 gathers them, no
+    checkpointing), measured on the CPU, against the model's per-layer term: our GPT's
+    block exactly; transformers' Llama layer (``hf_modules``: its RMSNorms keep an fp32 copy
+    of their input and the normalised tensor before the gain) exactly, less the bf16 block
+    input, which it does not keep (the checkpoint of a "full" run does)."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    import longctx.hf  # noqa: F401 - registers the longctx attention for transformers
+    from longctx import parallelize
+    from longctx.models import GPT
+    from longctx.models.gpt import rope_cos_sin
+
+    cfg = GPTConfig(vocab_size=64, n_layer=1, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=96, head_dim=16)
+    T = 256
+    per_layer = {hf: estimate(cfg, T, plan=ParallelPlan(activation_checkpointing="none"), attention_kernel="triton",
+                              hf_modules=hf).items["saved_block_inputs"] for hf in (False, True)}
+    torch.manual_seed(0)
+    x = torch.randn(1, T, cfg.n_embd, dtype=torch.bfloat16, requires_grad=True)
+
+    gpt = parallelize(GPT(cfg), plan=ParallelPlan(attention_backend="torch")).to(torch.bfloat16)
+    rope = rope_cos_sin(torch.arange(T)[None], cfg.head_dim, cfg.rope_theta)
+    shared = {t.untyped_storage().data_ptr() for t in (*gpt.parameters(), *rope)}
+    assert _saved_bytes(lambda: gpt.blocks[0](x, rope=rope), shared) == per_layer[False]
+
+    hc = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  attn_implementation="longctx_ring")
+    hf = transformers.LlamaForCausalLM(hc).to(torch.bfloat16)
+    pos = torch.arange(T)[None]
+    cos, sin = hf.model.rotary_emb(x, pos)
+    shared = {t.untyped_storage().data_ptr() for t in (*hf.parameters(), cos, sin)}
+    got = _saved_bytes(lambda: hf.model.layers[0](x, attention_mask=None, position_ids=pos,
+                                                  position_embeddings=(cos, sin)), shared)
+    assert got == per_layer[True] - 2 * cfg.n_embd * T
