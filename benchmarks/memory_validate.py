@@ -321,7 +321,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3, help="timed steps per A/B variant")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--recheck", nargs="+", metavar="JSON",
-                    help="no GPU: stored results against the memory model as it is now (FlashAttention-4 runs)")
+                    help="no GPU: stored results (memory_validate*.json; device_memory_full.sh's "
+                         "memory_full*.json) against the memory model as it is now (FlashAttention-4 runs)")
     args = ap.parse_args(argv)
     # Before the first CUDA allocation (the allocator reads it then); the memory model's slack
     # term was measured with it.

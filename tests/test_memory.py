@@ -1,6 +1,9 @@
 """longctx.memory: the per-rank memory model, max_seq_len and the fit check (pure arithmetic)."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from longctx import ParallelPlan
@@ -10,6 +13,8 @@ from longctx.models import GPTConfig
 
 K = 1024
 ONE_B = GPTConfig.from_preset("llama3.2-1b")
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
 
 
 def test_items_add_up_and_the_config_is_duck_typed():
@@ -180,17 +185,16 @@ def test_fitting_plan_takes_the_cheapest_change_that_fits():
 
 
 @pytest.mark.parametrize("results", ["memory_validate_h200.json", "memory_validate_cp2_h100x2.json",
-                                     "memory_validate_periods_h100.json"])
+                                     "memory_validate_periods_h100.json",
+                                     *sorted(p.name for p in RESULTS.glob("memory_full*.json"))])
 def test_the_model_bounds_the_committed_measurements(results):
     """Every GPU measurement committed under benchmarks/results/ (one H200; CP=2 over two
-    H100s; FlashAttention-4 blocks) lies within 10% below the model's prediction as the
-    model is now: a change to the model that stops predicting them fails here."""
-    from pathlib import Path
-
+    H100s; FlashAttention-4 blocks; the full-depth train.py runs of device_memory_full.sh)
+    lies within 10% below the model's prediction as the model is now: a change to the model
+    that stops predicting them fails here."""
     from longctx.bench.memory_recheck import recheck
 
-    root = Path(__file__).resolve().parents[1]
-    rows = recheck(root / "benchmarks" / "results" / results, "fa4")
+    rows = recheck(RESULTS / results, "fa4")
     assert len(rows) >= 2
     for r in rows:
         assert 0.9 <= r["ratio"] <= 1.0, r
@@ -319,3 +323,68 @@ def test_one_layers_saved_tensors_are_the_models_count():
     got = _saved_bytes(lambda: hf.model.layers[0](x, attention_mask=None, position_ids=pos,
                                                   position_embeddings=(cos, sin)), shared)
     assert got == per_layer[True] - 2 * cfg.n_embd * T
+
+
+def _device_cases() -> dict:
+    """benchmarks/device_memory_full.sh's cases: name -> (time limit, train.py arguments)."""
+    script = (REPO / "benchmarks" / "device_memory_full.sh").read_text()
+    return {m[1]: (int(m[2]), m[3].split()) for m in re.finditer(r'^CASE_(\w+)="(\d+) (.*)"$', script, re.M)}
+
+
+def test_device_memory_full_commands_pass_train_checks_and_tabulate(tmp_path, monkeypatch):
+    """Each train.py command of benchmarks/device_memory_full.sh passes train.py's checks (as
+    the GPU machine would run it); their limits fit the device tool's 540 s; each run's
+    config.yaml (as train.py writes it, the kernels resolved to FlashAttention-4) and a
+    metrics.csv become a row of memory_full_table.py's JSON whose prediction is the model's,
+    and ``recheck`` (memory_validate.py --recheck) reads that JSON back to the same numbers."""
+    import importlib.util
+    import json
+    import sys
+
+    from longctx.bench.memory_recheck import recheck
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from train_script import load_train
+
+    train = load_train("train_memory_full")
+    cases = _device_cases()
+    assert set(cases) == {"8b_128k", "hf_1b_128k", "1b_1m", "8b_512k"}
+    script = (REPO / "benchmarks" / "device_memory_full.sh").read_text()
+    budget = int(re.search(r"BUDGET=\$\{BUDGET:-(\d+)\}", script)[1])
+    assert sum(limit for limit, _ in cases.values()) + 15 <= budget <= 540
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
+    for name, (_, args) in cases.items():
+        run = tmp_path / "runs" / name / "run"
+        argv = [a.replace("STEPS", "3") for a in args] + [
+            "--output-dir", str(run), "--checkpoint-every", "0", "--trainer.enable_progress_bar", "false"]
+        assert train.prepare(argv, device_checks=False).trainer is None
+        resolved = train.resolve_config(argv)
+        resolved.config.model.parallel.attention_backend = "fa4"
+        resolved.config.model.parallel.document_backend = "fa4"
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text(resolved.dump())
+        (run.parent / "train.log").write_text("run plan: parallel(data_parallel=fsdp, cp=2, dp=1)\n")
+        (run.parent / "rc").write_text("0\n")
+    spec = importlib.util.spec_from_file_location("memory_full_table", REPO / "benchmarks" / "memory_full_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    out = tmp_path / "memory_full.json"
+    table.main([str(tmp_path / "runs"), "--out", str(out), "--cases", " ".join(cases)])
+    rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
+    assert abs(rows["8b_128k"]["predicted_gpu"] / GiB - 79.37) < 0.01  # fused, FA4, CP 2, FSDP2 over 2
+    assert rows["hf_1b_128k"]["hf_modules"] and rows["hf_1b_128k"]["model"]["n_layer"] == 16
+    assert rows["8b_512k"]["attention"] == "document" and rows["8b_512k"]["seq_len"] == 512 * K
+    assert {r["cp"] for r in rows.values()} == {2} and {r["attention_kernel"] for r in rows.values()} == {"fa4"}
+    for name, r in rows.items():  # measured 5% under the prediction, over the steps
+        steps = 3 if "128k" in name else 1
+        peaks = [r["predicted_gpu"] * 0.95 * (i + 1) / steps / GiB for i in range(steps)]
+        lines = ["step,peak_mem_gib,train_loss,tokens_per_s,mfu,step_s"]
+        lines += [f"{i},{p},{10.0 - i},{1000.0 * (i + 1)},0.4,{2.0 + i}" for i, p in enumerate(peaks)]
+        (tmp_path / "runs" / name / "run" / "metrics.csv").write_text("\n".join(lines) + "\n")
+    table.main([str(tmp_path / "runs"), "--out", str(out), "--cases", " ".join(cases), "--readme"])
+    rows = json.loads(out.read_text())["rows"]
+    assert all(r["passed"] and r["loss_finite"] and abs(r["ratio"] - 0.95) < 1e-6 for r in rows)
+    assert rows[0]["tokens_per_s"] == 3000.0 and len(rows[0]["measured_steps_gib"]) == 3
+    again = {r["case"]: r for r in recheck(out, "fa4")}
+    assert {name: again[name]["predicted"] for name in cases} == {r["case"]: r["predicted_gpu"] for r in rows}

@@ -1,0 +1,131 @@
+"""train.py runs as rows of predicted vs measured memory (benchmarks/device_memory_full.sh,
+benchmarks/memory_full_table.py).
+
+A case folder holds ``train.log`` (the run's output), ``rc`` (its exit status), ``wall_s``
+and ``run/`` (train.py's output dir: ``config.yaml``, ``metrics.csv``). The prediction is
+recomputed from the run's own config.yaml, which records the plan the run resolved (kernels,
+and what ``fitting_plan`` escalated); the measurement is ``metrics.csv``'s ``peak_mem_gib``:
+``torch.cuda.max_memory_allocated`` of the fullest rank, cumulative, logged before each
+optimizer step (so a step's row also covers the previous step's optimizer step).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional
+
+import yaml
+
+from longctx.memory import GiB, kernel_family
+from longctx.models import GPTConfig
+
+from .memory_recheck import predict
+
+UPPER = 1.10  # a prediction passes at or above the measurement and at most 10% above it
+
+
+def _config_sizes(model: dict) -> tuple[dict, bool]:
+    """(GPTConfig sizes, hf_modules) of a run's ``model`` section."""
+    if model.get("hf_model"):
+        from longctx.models.hf_lm import sizes_config
+
+        hf = json.loads((Path(model["hf_model"]) / "config.json").read_text())
+        return sizes_config(SimpleNamespace(**hf)).to_dict(), True
+    return GPTConfig.from_dict(model["model"]).to_dict(), False
+
+
+def _metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    rows = []
+    for r in csv.DictReader(path.open()):
+        rows.append({k: float(v) for k, v in r.items() if v not in ("", None)})
+    return rows
+
+
+def _printed(log: str, prefix: str) -> Optional[str]:
+    return next((line.strip() for line in log.splitlines() if line.startswith(prefix)), None)
+
+
+def run_row(folder) -> dict:
+    """One case folder as a row: the run's shape and plan, measured and predicted bytes."""
+    folder = Path(folder)
+    log = (folder / "train.log").read_text(errors="replace") if (folder / "train.log").is_file() else ""
+    row: dict = dict(case=folder.name, rc=_int(folder / "rc"), wall_s=_int(folder / "wall_s"))
+    config_path = folder / "run" / "config.yaml"
+    if not config_path.is_file():
+        return dict(row, error="no config.yaml (the run did not start)", log_tail=log[-2000:])
+    cfg = yaml.safe_load(config_path.read_text())
+    model, plan = cfg["model"], dict(cfg["model"]["parallel"])
+    sizes, hf = _config_sizes(model)
+    cp = int(cfg["strategy"]["context_parallel_size"])
+    world = int(cfg["trainer"]["devices"]) * int(cfg["trainer"].get("num_nodes") or 1)
+    plan_line = _printed(log, "run plan:")
+    mode = re.search(r"data_parallel=(\w+)", plan_line or "")
+    documents = model.get("attention", "document") == "document"
+    kernel = plan.get("document_backend") if documents else plan.get("attention_backend")
+    precision = str(cfg["trainer"].get("precision", "32-true"))
+    row.update(model=sizes, hf_modules=hf, seq_len=int(cfg["data"]["seq_len"]), cp=cp, dp=max(world // cp, 1),
+               batch_size=int(cfg["data"]["batch_size"]),
+               data_parallel=mode.group(1) if mode else cfg["strategy"].get("data_parallel", "fsdp"),
+               precision="32-true" if precision[:2] in ("32", "64") else "bf16-mixed",
+               attention=model.get("attention"), plan=plan,
+               attention_kernel="auto" if kernel in (None, "auto") else kernel_family(kernel),
+               printed=[line for line in (_printed(log, "memory: "), plan_line,
+                                          _printed(log, "memory (predicted")) if line])
+    pred = predict(row, {})
+    row.update(predicted_gpu=pred.allocated_bytes, predicted_gpu_with_context=pred.gpu_bytes,
+               predicted_phase=pred.phase, predicted_items={k: round(v / GiB, 3) for k, v in pred.items.items()},
+               predicted_phases={k: round(v / GiB, 3) for k, v in pred.phases.items()})
+    steps = _metrics(folder / "run" / "metrics.csv")
+    peaks = [s["peak_mem_gib"] for s in steps if "peak_mem_gib" in s]
+    losses = [s["train_loss"] for s in steps if "train_loss" in s]
+    row.update(steps=len(steps), measured_steps_gib=[round(p, 3) for p in peaks],
+               step_s=[round(s["step_s"], 2) for s in steps if "step_s" in s], train_loss=losses,
+               loss_finite=bool(losses) and all(math.isfinite(v) for v in losses))
+    last = steps[-1] if steps else {}
+    for key in ("tokens_per_s", "mfu"):
+        if key in last:
+            row[key] = last[key]
+    if peaks:
+        measured = int(max(peaks) * GiB)
+        row.update(measured_gpu=measured, ratio=measured / pred.allocated_bytes,
+                   passed=measured <= pred.allocated_bytes <= UPPER * measured)
+    if row["rc"] not in (0, None):
+        row["log_tail"] = log[-2000:]
+    return row
+
+
+def _int(path: Path) -> Optional[int]:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def readme_rows(rows: list[dict]) -> list[str]:
+    """The README's table of the full-depth runs: a header and one markdown row per case."""
+    lines = ["| case | model, tokens (CP) | plan | predicted | measured | ratio | tokens/s | MFU |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "model" not in r:
+            lines.append(f"| {r['case']} | | | | {r.get('error', '')} | | | |")
+            continue
+        p = r["plan"]
+        plan = ", ".join(x for x in (
+            p.get("activation_checkpointing"), f"tile {p['mlp_tile_size']}" if p.get("mlp_tile_size") else "",
+            f"{p['attention_head_chunks']} head chunks" if p.get("attention_head_chunks", 1) > 1 else "",
+            f"offload {p['offload_activations']}" if p.get("offload_activations") else "",
+            r.get("attention") or "") if x)
+        cells = [r["case"], f"{'HF ' if r['hf_modules'] else ''}{r['model']['n_layer']}x{r['model']['n_embd']}, "
+                 f"{r['seq_len']:,} ({r['cp']})", plan, f"{r['predicted_gpu'] / GiB:.1f} GiB",
+                 f"{r['measured_gpu'] / GiB:.1f} GiB" if r.get("measured_gpu") else f"none (rc {r.get('rc')})",
+                 f"{r['ratio']:.3f}" if "ratio" in r else "",
+                 f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "",
+                 f"{100 * r['mfu']:.1f}%" if "mfu" in r else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The memory model on full-depth models, 2 GPUs, FSDP2 over both, CP=2 (issue 32): train.py as a
+# user runs it, each case under its own time limit, then one JSON of predicted vs measured
+# (benchmarks/memory_full_table.py: $OUT/memory_full.json) and one tarball of every case's log,
+# config.yaml and metrics.csv ($OUT/memory_full_logs.tar.gz).
+#   bash benchmarks/device_memory_full.sh                          # every case: ~9 min, 2 x H200
+#   CASES="8b_128k hf_1b_128k" STEPS=3 bash benchmarks/device_memory_full.sh
+# Cases, run in the order CASES gives (default: most telling first, so a time-out loses least):
+#   8b_128k     Llama-3-8B shape, 131,072 tokens, STEPS steps (tokens/s and MFU of the last)
+#   hf_1b_128k  transformers' Llama-3.2-1B (--hf-model), 131,072 tokens, STEPS steps
+#   1b_1m       Llama-3.2-1B shape, 1,048,576 tokens, one step on packed files (document
+#               masking: plain causal attention at 1M would take ~5 minutes alone)
+#   8b_512k     Llama-3-8B shape, 524,288 tokens, one step on packed files, with the plan the
+#               memory model's fitting_plan chooses (train.py prints "memory: ... running with")
+# Each limit is cut to what is left of BUDGET seconds (default 535: the device tool's 540 s
+# less the table). FlashAttention-4 as for the other device scripts: after fa4_carry.sh's stash
+# call, carry .carry/fa4-2 and .carry/wheels (device_env.sh installs them; idempotent).
+set -u
+STEPS=${STEPS:-3}
+CASES=${CASES:-8b_128k hf_1b_128k 1b_1m 8b_512k}
+BUDGET=${BUDGET:-535}
+start=$(date +%s)
+OUT=${OUT:-out}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: device_env.sh may move to a staged copy
+# NAME="LIMIT_S train.py arguments" (STEPS is replaced; tests/test_memory.py parses these lines)
+CASE_8b_128k="200 --config configs/llama3-8b-128k.yaml --trainer.max_steps STEPS"
+CASE_hf_1b_128k="75 --config configs/llama3.2-1b-128k.yaml --hf-model benchmarks/hf_configs/llama3.2-1b --devices 2 --context-parallel 2 --trainer.max_steps STEPS"
+CASE_1b_1m="95 --config configs/llama3.2-1b-128k.yaml --devices 2 --context-parallel 2 --seq-len 1048576 --data.stdlib_documents file --attention document --trainer.max_steps 1"
+CASE_8b_512k="150 --config configs/llama3-8b-128k.yaml --seq-len 524288 --data.stdlib_documents file --attention document --trainer.max_steps 1"
+
+source benchmarks/device_env.sh
+RUNS=/tmp/memory_full_runs
+rm -rf "$RUNS" && mkdir -p "$RUNS"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$RUNS/gpus.txt" 2>&1
+for name in $CASES; do
+  var=CASE_$name
+  if [ -z "${!var:-}" ]; then echo "unknown case $name"; continue; fi
+  read -r limit args <<< "${!var}"
+  left=$(( BUDGET - 15 - ($(date +%s) - start) ))  # 15 s for the table and the tarball
+  (( left < limit )) && limit=$left
+  mkdir -p "$RUNS/$name"
+  if (( limit < 30 )); then
+    echo "not run: ${left} s of the budget left" > "$RUNS/$name/train.log"; echo 124 > "$RUNS/$name/rc"; continue
+  fi
+  t0=$(date +%s)
+  # shellcheck disable=SC2086  # the arguments are words
+  timeout -k 10 "$limit" python train.py ${args//STEPS/$STEPS} --output-dir "$RUNS/$name/run" \
+    --checkpoint-every 0 --trainer.enable_progress_bar false > "$RUNS/$name/train.log" 2>&1
+  echo $? > "$RUNS/$name/rc"
+  echo $(( $(date +%s) - t0 )) > "$RUNS/$name/wall_s"
+  echo "[$(( $(date +%s) - start )) s] $name: rc $(cat "$RUNS/$name/rc") in $(cat "$RUNS/$name/wall_s") s (limit $limit)"
+  grep -v "Warning\|warn(" "$RUNS/$name/train.log" | grep "memory\|run plan\|error\|Error\|done:" | cut -c1-400
+done
+python benchmarks/memory_full_table.py "$RUNS" --cases "$CASES" --out "$OUT/memory_full.json" --readme
+tar czf "$OUT/memory_full_logs.tar.gz" -C "$RUNS" --exclude checkpoints .
+echo "total $(( $(date +%s) - start )) s"
