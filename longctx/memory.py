@@ -86,7 +86,8 @@ class MemoryEstimate:
     def summary(self) -> str:
         top = sorted(((v, k) for k, v in self.items.items()), reverse=True)[:4]
         parts = ", ".join(f"{k} {v / GiB:.1f}" for v, k in top)
-        return (f"memory (predicted, per rank): GPU {self.gpu_bytes / GiB:.1f} GiB at {self.phase} ({parts} GiB), "
+        return (f"memory (predicted, per rank): GPU {self.gpu_bytes / GiB:.1f} GiB "
+                f"({self.allocated_bytes / GiB:.1f} allocated) at {self.phase} ({parts} GiB), "
                 f"host {self.host_bytes / GiB:.1f} GiB; {self.tokens_per_rank:,} tokens per rank")
 
 
