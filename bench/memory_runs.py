@@ -10,14 +10,17 @@ optimizer step (so a step's row also covers the previous step's optimizer step).
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
 import re
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
+import torch
 import yaml
 
 from longctx.memory import GiB, kernel_family
@@ -81,7 +84,10 @@ def run_row(folder) -> dict:
     row.update(predicted_gpu=pred.allocated_bytes, predicted_gpu_with_context=pred.gpu_bytes,
                predicted_phase=pred.phase, predicted_items={k: round(v / GiB, 3) for k, v in pred.items.items()},
                predicted_phases={k: round(v / GiB, 3) for k, v in pred.phases.items()})
-    steps = _metrics(folder / "run" / "metrics.csv")
+    # OUTPUT_DIR/metrics.csv is written at the end; a run killed at its limit left only
+    # Lightning's own CSV (flushed every step).
+    raw = sorted((folder / "run" / "logs").glob("version_*/metrics.csv"), key=lambda p: p.stat().st_mtime)
+    steps = _metrics(folder / "run" / "metrics.csv") or (_metrics(raw[-1]) if raw else [])
     peaks = [s["peak_mem_gib"] for s in steps if "peak_mem_gib" in s]
     losses = [s["train_loss"] for s in steps if "train_loss" in s]
     row.update(steps=len(steps), measured_steps_gib=[round(p, 3) for p in peaks],
@@ -129,3 +135,41 @@ def readme_rows(rows: list[dict]) -> list[str]:
                  f"{100 * r['mfu']:.1f}%" if "mfu" in r else ""]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def table_main(argv=None) -> int:
+    """The command line of benchmarks/memory_full_table.py (see there)."""
+    ap = argparse.ArgumentParser(description="the full-depth memory runs as one table of predicted vs measured")
+    ap.add_argument("runs", help="folder of case folders (device_memory_full.sh's)")
+    ap.add_argument("--out", required=True, help="the JSON to write")
+    ap.add_argument("--cases", default="", help="the case folders, in order (default: all, by name)")
+    ap.add_argument("--readme", action="store_true", help="print the README rows too")
+    args = ap.parse_args(argv)
+    runs = Path(args.runs)
+    names = args.cases.split() or sorted(p.name for p in runs.iterdir() if p.is_dir())
+    rows = [run_row(runs / name) for name in names if (runs / name).is_dir()]
+    gpus = runs / "gpus.txt"
+    meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), torch=torch.__version__,
+                gpus=gpus.read_text().strip().splitlines() if gpus.is_file() else [],
+                note="measured: metrics.csv peak_mem_gib (max_memory_allocated, fullest rank, cumulative); "
+                     "predicted: longctx.memory.estimate from the run's config.yaml")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    for r in rows:
+        if "predicted_gpu" not in r:
+            print(f"{r['case']}: {r.get('error')} (rc {r.get('rc')})")
+            continue
+        got = f"{r['measured_gpu'] / GiB:.2f} GiB" if r.get("measured_gpu") else "no measurement"
+        print(f"{r['case']}: rc {r['rc']}, {r.get('wall_s')} s; measured {got} per step "
+              f"{r['measured_steps_gib']}; predicted {r['predicted_gpu'] / GiB:.2f} GiB allocated "
+              f"({r['predicted_gpu_with_context'] / GiB:.1f} GiB device) at {r['predicted_phase']}"
+              + (f"; ratio {r['ratio']:.3f} {'pass' if r['passed'] else 'FAIL'}" if "ratio" in r else "")
+              + (f"; {r['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in r else "")
+              + (f", MFU {100 * r['mfu']:.1f}%" if "mfu" in r else "")
+              + (f"; step_s {r['step_s']}" if r.get("step_s") else "")
+              + (f"; loss finite {r['loss_finite']}" if r.get("train_loss") else ""))
+    if args.readme:
+        print("\n".join(readme_rows(rows)))
+    print(f"wrote {args.out}")
+    return 0
+

@@ -85,7 +85,7 @@ def build_trainer(trainer_args: dict, strategy: Any, run: RunOptions, out: Path,
         val_check_interval=(val_every * trainer_args["accumulate_grad_batches"]) if val_every else None,
         check_val_every_n_epoch=None if val_every else 1,
         limit_val_batches=run.val_batches if val_every else 0, num_sanity_val_steps=0,
-        logger=CSVLogger(save_dir=str(out), name="logs", flush_logs_every_n_steps=10), callbacks=callbacks,
+        logger=CSVLogger(save_dir=str(out), name="logs", flush_logs_every_n_steps=1), callbacks=callbacks,
         enable_model_summary=False, max_epochs=-1, enable_checkpointing=bool(run.checkpoint_every),
     )
 
