@@ -25,6 +25,7 @@ Launching: with ``--devices N`` and no external launcher, Lightning starts the o
 processes itself by re-running this script (each re-run finds the tokenizer and corpus
 caches ready). Under torchrun/SLURM the processes already exist and Lightning joins them.
 """
+
 from __future__ import annotations
 
 import sys
@@ -109,14 +110,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # the corpus or tokenizer cannot be used
         message = one_line(e)
         if "sentences_.empty()" in message:  # SentencePiece skipped every (over-long) line
-            message += (" (every sampled line is longer than SentencePiece's 16384-byte sentence limit: "
-                        "is the corpus one huge line? break it into lines)")
+            message += (
+                " (every sampled line is longer than SentencePiece's 16384-byte sentence limit: "
+                "is the corpus one huge line? break it into lines)"
+            )
         print(f"train.py: error: data: {message}", file=sys.stderr)
         return 2
     module = cli.instantiate_model()
 
-    say(describe_run(trainer, module, seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size, out=out,
-                     resume=resume))
+    say(describe_run(trainer, module, seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size, out=out, resume=resume))
     stopped, code = fit(trainer, module, dm, resume)
     if code is not None:
         return code

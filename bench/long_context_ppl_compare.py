@@ -1,5 +1,6 @@
 """benchmarks/long_context_ppl.py --compare: result files against the first (paired per
 window where they saw the same windows), as JSON and a plot."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,11 @@ from .long_context_ppl_eval import fmt_size
 
 def _paired(ref: dict, other: dict, bucket_from: int = 0) -> Optional[dict]:
     """Per-window loss difference (other - ref) over buckets [bucket_from:], mean and std error."""
-    if (not ref["window_indices"] or ref["window_indices"] != other["window_indices"]
-            or [b["lo"] for b in ref["buckets"]] != [b["lo"] for b in other["buckets"]]):
+    if (
+        not ref["window_indices"]
+        or ref["window_indices"] != other["window_indices"]
+        or [b["lo"] for b in ref["buckets"]] != [b["lo"] for b in other["buckets"]]
+    ):
         return None  # not the same windows and buckets: nothing to pair
     a_s, a_n = np.asarray(ref["per_window"]["loss_sum"]), np.asarray(ref["per_window"]["n_tokens"])
     b_s, b_n = np.asarray(other["per_window"]["loss_sum"]), np.asarray(other["per_window"]["n_tokens"])
@@ -26,8 +30,12 @@ def _paired(ref: dict, other: dict, bucket_from: int = 0) -> Optional[dict]:
         return None
     d = b_s[:, bucket_from:].sum(1)[keep] / b_n[keep] - a_s[:, bucket_from:].sum(1)[keep] / a_n[keep]
     se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else None
-    return {"mean_delta_loss": float(d.mean()), "stderr": se, "n_windows": int(len(d)),
-            "windows_better": int((d < 0).sum())}
+    return {
+        "mean_delta_loss": float(d.mean()),
+        "stderr": se,
+        "n_windows": int(len(d)),
+        "windows_better": int((d < 0).sum()),
+    }
 
 
 def compare(paths: Sequence[str], out_dir: str, name: str = "compare") -> dict:
@@ -53,8 +61,12 @@ def compare(paths: Sequence[str], out_dir: str, name: str = "compare") -> dict:
             r = rl.get(S)
             if r is None:
                 continue
-            row = {"ppl": r["ppl"], "loss": r["loss"], "n_windows": r["n_windows"],
-                   "buckets": {f"{fmt_size(b['lo'])}-{fmt_size(b['hi'])}": b["ppl"] for b in r["buckets"]}}
+            row = {
+                "ppl": r["ppl"],
+                "loss": r["loss"],
+                "n_windows": r["n_windows"],
+                "buckets": {f"{fmt_size(b['lo'])}-{fmt_size(b['hi'])}": b["ppl"] for b in r["buckets"]},
+            }
             for part in ("within_base_context", "beyond_base_context"):
                 if part in r:
                     row[part] = r[part]["ppl"]
@@ -68,15 +80,19 @@ def compare(paths: Sequence[str], out_dir: str, name: str = "compare") -> dict:
             entry[tag] = row
             line = f"  {tag:>24}: ppl {row['ppl'] or float('nan'):9.3f}"
             if "within_base_context" in row:
-                line += (f"  (<base {row['within_base_context'] or float('nan'):9.3f},"
-                         f" >=base {row['beyond_base_context'] or float('nan'):9.3f})")
+                line += (
+                    f"  (<base {row['within_base_context'] or float('nan'):9.3f},"
+                    f" >=base {row['beyond_base_context'] or float('nan'):9.3f})"
+                )
             if "rel_delta_ppl" in row:
                 line += f"  {100 * row['rel_delta_ppl']:+7.2f}%"
                 pb = row.get("paired_beyond_base_context") or row.get("paired_all")
                 if pb and pb["stderr"] is not None:
-                    line += (f"  paired dloss{' >=base' if 'paired_beyond_base_context' in row else ''} "
-                             f"{pb['mean_delta_loss']:+.4f} +- {pb['stderr']:.4f} "
-                             f"({pb['windows_better']}/{pb['n_windows']} windows better)")
+                    line += (
+                        f"  paired dloss{' >=base' if 'paired_beyond_base_context' in row else ''} "
+                        f"{pb['mean_delta_loss']:+.4f} +- {pb['stderr']:.4f} "
+                        f"({pb['windows_better']}/{pb['n_windows']} windows better)"
+                    )
             print(line)
             print("  " + " " * 26 + "  ".join(f"{k}:{v or float('nan'):.2f}" for k, v in row["buckets"].items()))
         report["lengths"][str(S)] = entry

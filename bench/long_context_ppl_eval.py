@@ -1,6 +1,7 @@
 """Perplexity of a model by position inside windows of a token stream, with context
 parallelism: the measurement of benchmarks/long_context_ppl.py (windows evenly spaced,
 position buckets, per-token losses a chunk of logits at a time, token-weighted over ranks)."""
+
 from __future__ import annotations
 
 import math
@@ -58,25 +59,36 @@ def bucket_edges(seq_len: int, edges: Sequence[int], base_context: Optional[int]
 # ---- evaluation --------------------------------------------------------------------------
 
 
-def per_token_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                   chunk_size: int) -> torch.Tensor:
+def per_token_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """fp32 cross-entropy of every token (0 where the label is ignored), ``chunk_size`` at a time."""
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
     out = torch.empty(y.shape, dtype=torch.float32, device=h.device)
     for s in range(0, y.numel(), chunk_size):
-        logits = F.linear(h[s:s + chunk_size], weight).float()
-        out[s:s + chunk_size] = F.cross_entropy(logits, y[s:s + chunk_size], ignore_index=IGNORE_INDEX,
-                                                reduction="none")
+        logits = F.linear(h[s : s + chunk_size], weight).float()
+        out[s : s + chunk_size] = F.cross_entropy(
+            logits, y[s : s + chunk_size], ignore_index=IGNORE_INDEX, reduction="none"
+        )
     return out.view(labels.shape)
 
 
 @torch.no_grad()
-def evaluate_length(model, tokens: np.ndarray, doc_ids: np.ndarray, seq_len: int, *, max_sequences: int,
-                    edges: Sequence[int], group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag",
-                    device: torch.device = torch.device("cpu"), autocast_dtype: Optional[torch.dtype] = None,
-                    loss_chunk: int = 4096, batch_tokens: int = 131072,
-                    max_seconds: Optional[float] = None) -> dict:
+def evaluate_length(
+    model,
+    tokens: np.ndarray,
+    doc_ids: np.ndarray,
+    seq_len: int,
+    *,
+    max_sequences: int,
+    edges: Sequence[int],
+    group: Optional[dist.ProcessGroup] = None,
+    layout: str = "zigzag",
+    device: torch.device = torch.device("cpu"),
+    autocast_dtype: Optional[torch.dtype] = None,
+    loss_chunk: int = 4096,
+    batch_tokens: int = 131072,
+    max_seconds: Optional[float] = None,
+) -> dict:
     """Loss sums and token counts per (window, position bucket), summed over the CP group.
 
     Returns ``{"windows": [...], "stats": float64 (n_windows, n_buckets, 2), "seconds", ...}``;
@@ -104,7 +116,7 @@ def evaluate_length(model, tokens: np.ndarray, doc_ids: np.ndarray, seq_len: int
     t0 = time.perf_counter()
     done = 0
     for start in range(0, len(windows), per_batch):
-        rows = windows[start:start + per_batch]
+        rows = windows[start : start + per_batch]
         samples = [dataset[i] for i in rows]
         full = {k: torch.stack([s[k] for s in samples]) for k in ("input_ids", "labels", "position_ids")}
         local = shard_batch(full, rank=rank, world_size=world, layout=layout)
@@ -133,12 +145,20 @@ def evaluate_length(model, tokens: np.ndarray, doc_ids: np.ndarray, seq_len: int
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
-    peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0],
-                        dtype=torch.float64, device=device)
+    peak = torch.tensor(
+        [torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0],
+        dtype=torch.float64,
+        device=device,
+    )
     if world > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    return {"windows": windows[:done], "windows_available": len(dataset),
-            "stats": stats.view(done, n_b, 2).cpu(), "seconds": seconds, "peak_mem_gib": float(peak.item())}
+    return {
+        "windows": windows[:done],
+        "windows_available": len(dataset),
+        "stats": stats.view(done, n_b, 2).cpu(),
+        "seconds": seconds,
+        "peak_mem_gib": float(peak.item()),
+    }
 
 
 def summarise(seq_len: int, edges: Sequence[int], base_context: Optional[int], raw: dict) -> dict:
@@ -150,25 +170,46 @@ def summarise(seq_len: int, edges: Sequence[int], base_context: Optional[int], r
         loss = _finite_or_none(s / n) if n > 0 else None
         return {"lo": lo, "hi": hi, "n_tokens": int(n), "loss": loss, "ppl": ppl(loss)}
 
-    buckets = [entry(edges[b], edges[b + 1], float(sums[:, b].sum()), float(counts[:, b].sum()))
-               for b in range(len(edges) - 1)]
+    buckets = [
+        entry(edges[b], edges[b + 1], float(sums[:, b].sum()), float(counts[:, b].sum())) for b in range(len(edges) - 1)
+    ]
     total = entry(0, seq_len, float(sums.sum()), float(counts.sum()))
-    out = {"seq_len": seq_len, "n_windows": len(raw["windows"]), "windows_available": raw["windows_available"],
-           "window_indices": raw["windows"], "n_tokens": total["n_tokens"], "loss": total["loss"],
-           "ppl": total["ppl"], "buckets": buckets}
+    out = {
+        "seq_len": seq_len,
+        "n_windows": len(raw["windows"]),
+        "windows_available": raw["windows_available"],
+        "window_indices": raw["windows"],
+        "n_tokens": total["n_tokens"],
+        "loss": total["loss"],
+        "ppl": total["ppl"],
+        "buckets": buckets,
+    }
     if base_context is not None and 0 < base_context < seq_len:
         k = edges.index(base_context)
         out["within_base_context"] = entry(0, base_context, float(sums[:, :k].sum()), float(counts[:, :k].sum()))
         out["beyond_base_context"] = entry(base_context, seq_len, float(sums[:, k:].sum()), float(counts[:, k:].sum()))
     out["per_window"] = {"loss_sum": sums.tolist(), "n_tokens": counts.long().tolist()}
     n_tok = total["n_tokens"]
-    out.update(seconds=raw["seconds"], tokens_per_s=n_tok / raw["seconds"] if raw["seconds"] > 0 else None,
-               peak_mem_gib=raw["peak_mem_gib"])
+    out.update(
+        seconds=raw["seconds"],
+        tokens_per_s=n_tok / raw["seconds"] if raw["seconds"] > 0 else None,
+        peak_mem_gib=raw["peak_mem_gib"],
+    )
     return out
 
 
-def evaluate(model, tokens: np.ndarray, doc_ids: np.ndarray, seq_lens: Sequence[int], *, max_sequences: int,
-             edges: Sequence[int] = (), base_context: Optional[int] = None, on_length=None, **kwargs) -> list[dict]:
+def evaluate(
+    model,
+    tokens: np.ndarray,
+    doc_ids: np.ndarray,
+    seq_lens: Sequence[int],
+    *,
+    max_sequences: int,
+    edges: Sequence[int] = (),
+    base_context: Optional[int] = None,
+    on_length=None,
+    **kwargs,
+) -> list[dict]:
     """``evaluate_length`` + ``summarise`` for each length; ``on_length(list_so_far)`` after each."""
     results: list[dict] = []
     device = kwargs.get("device", torch.device("cpu"))
@@ -190,12 +231,16 @@ def evaluate(model, tokens: np.ndarray, doc_ids: np.ndarray, seq_lens: Sequence[
 
 
 def format_length(r: dict) -> str:
-    line = (f"  {fmt_size(r['seq_len']):>5} | {r['n_windows']:3d} windows {r['n_tokens'] / 1e6:7.3f}M tok | "
-            f"ppl {r['ppl'] or float('nan'):9.3f}")
+    line = (
+        f"  {fmt_size(r['seq_len']):>5} | {r['n_windows']:3d} windows {r['n_tokens'] / 1e6:7.3f}M tok | "
+        f"ppl {r['ppl'] or float('nan'):9.3f}"
+    )
     if "within_base_context" in r:
         w, b = r["within_base_context"], r["beyond_base_context"]
-        line += (f" | <{fmt_size(w['hi'])} {w['ppl'] or float('nan'):9.3f}"
-                 f"  >={fmt_size(b['lo'])} {b['ppl'] or float('nan'):9.3f}")
+        line += (
+            f" | <{fmt_size(w['hi'])} {w['ppl'] or float('nan'):9.3f}"
+            f"  >={fmt_size(b['lo'])} {b['ppl'] or float('nan'):9.3f}"
+        )
     line += f" | {r['seconds']:6.1f}s"
     buckets = "  ".join(f"{fmt_size(b['lo'])}-{fmt_size(b['hi'])}:{b['ppl'] or float('nan'):.3f}" for b in r["buckets"])
     return line + "\n          " + buckets

@@ -1,6 +1,7 @@
 """What benchmarks/long_context_ppl.py evaluates: a GPT from a checkpoint (read as data
 only unless trusted), its RoPE changed in place, a tokenizer, and the evaluation corpus
 tokenized and packed as LongDocumentDataModule packs it."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -50,8 +51,14 @@ def _torch_load(path: Path, *, trust_code: bool = False) -> Any:
         ) from None
 
 
-def load_checkpoint_model(path: str, overrides: dict, *, init_from: Optional[str] = None,
-                          preset: Optional[str] = None, trust_code: bool = False):
+def load_checkpoint_model(
+    path: str,
+    overrides: dict,
+    *,
+    init_from: Optional[str] = None,
+    preset: Optional[str] = None,
+    trust_code: bool = False,
+):
     """A GPT from a Lightning checkpoint (``CausalLMModule``) or a plain saved state dict.
 
     ``trust_code``: allow a full unpickle of the file (it can run code); off by default.
@@ -83,8 +90,12 @@ def load_checkpoint_model(path: str, overrides: dict, *, init_from: Optional[str
     model = GPT(config.replace(**overrides) if overrides else config)
     gpt_state, other = extract_gpt_state(state, set(model.state_dict()))
     load_into(model, gpt_state, source=str(p))  # names every missing / mis-shaped tensor
-    info = {"checkpoint": str(p), "config_from": source, "ignored_keys": len(other),
-            "global_step": ckpt.get("global_step")}
+    info = {
+        "checkpoint": str(p),
+        "config_from": source,
+        "ignored_keys": len(other),
+        "global_step": ckpt.get("global_step"),
+    }
     return model, info
 
 
@@ -122,7 +133,7 @@ def tree_corpus(spec: str):
     from longctx.data.sources import Corpus
     from longctx.data.stdlib_corpus import build_default_corpus, stdlib_documents
 
-    target, _, subs = spec[len("tree:"):].partition(":")
+    target, _, subs = spec[len("tree:") :].partition(":")
     root = Path(target).expanduser()
     if not root.is_dir():
         found = importlib.util.find_spec(target) if target and "/" not in target else None
@@ -161,9 +172,17 @@ def resolve_eval_corpus(data: Optional[str], *, include_tests: Optional[bool], c
     return resolve_corpus(data, include_tests=include_tests, cache_dir=cache_dir), include_tests
 
 
-def load_eval_stream(data: Optional[str], tokenizer, *, split: str = "all", val_fraction: float = 0.01,
-                     seed: int = 1234, include_tests: Optional[bool] = None, cache_dir: Optional[str] = None,
-                     group: Optional[dist.ProcessGroup] = None) -> tuple[np.ndarray, np.ndarray, dict]:
+def load_eval_stream(
+    data: Optional[str],
+    tokenizer,
+    *,
+    split: str = "all",
+    val_fraction: float = 0.01,
+    seed: int = 1234,
+    include_tests: Optional[bool] = None,
+    cache_dir: Optional[str] = None,
+    group: Optional[dist.ProcessGroup] = None,
+) -> tuple[np.ndarray, np.ndarray, dict]:
     """(tokens, document ids, info) of one split, packed exactly as LongDocumentDataModule packs.
 
     ``split="val"`` with the training run's seed and val_fraction is the training corpus's own
@@ -181,8 +200,9 @@ def load_eval_stream(data: Optional[str], tokenizer, *, split: str = "all", val_
 
     def build() -> Path:
         tokenized = tokenize_corpus(corpus, tokenizer, cache_dir=cache)
-        return pack_corpus(tokenized, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, val_fraction=vf,
-                           seed=seed, cache_dir=cache)
+        return pack_corpus(
+            tokenized, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, val_fraction=vf, seed=seed, cache_dir=cache
+        )
 
     distributed = group is not None and dist.get_world_size(group) > 1
     if distributed and dist.get_rank(group) != 0:
@@ -196,7 +216,15 @@ def load_eval_stream(data: Optional[str], tokenizer, *, split: str = "all", val_
     docs = np.load(packed / f"{stream}.documents.npy", mmap_mode="r")
     if len(tokens) < 2:
         raise ValueError(f"the {split!r} split of {corpus.name} holds no tokens (val_fraction {vf}, seed {seed})")
-    info = {"corpus": corpus.name, "corpus_fingerprint": corpus.fingerprint, "split": split,
-            "val_fraction": vf, "seed": seed, "include_tests": include_tests,
-            "documents": meta[stream]["documents"], "tokens": int(len(tokens)), "packed": packed.name}
+    info = {
+        "corpus": corpus.name,
+        "corpus_fingerprint": corpus.fingerprint,
+        "split": split,
+        "val_fraction": vf,
+        "seed": seed,
+        "include_tests": include_tests,
+        "documents": meta[stream]["documents"],
+        "tokens": int(len(tokens)),
+        "packed": packed.name,
+    }
     return tokens, docs, info

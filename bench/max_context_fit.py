@@ -1,5 +1,6 @@
 """benchmarks/max_context.py's numbers: the grid of lengths, the memory and time fits, the
 predictions and decisions they drive, and the summary table of the jobs' records."""
+
 from __future__ import annotations
 
 import json
@@ -143,13 +144,22 @@ def summarize(records: list[dict], meta: dict) -> dict:
             status, best = "prediction too high: largest measured", max_ok
         else:
             status, best = "predicted (step too slow to verify)", pred
-        row.update(status=status, max_seq_len=best, predicted_max=pred, largest_measured_fit=max_ok,
-                   smallest_oom=ooms[0] if ooms else None,
-                   predicted_peak_GiB_at_max=predict_peak(a, b, best, p) / GiB if best else None,
-                   predicted_step_s_at_max=predict_time(coef, best, p) if best else None,
-                   budget_GiB=budget / GiB, device_total_GiB=info["total_bytes"] / GiB,
-                   intercept_GiB=a / GiB, bytes_per_token=b, bytes_per_token_per_layer=b / info["n_layer"],
-                   fit_max_rel_residual=res, n_points=len(ok))
+        row.update(
+            status=status,
+            max_seq_len=best,
+            predicted_max=pred,
+            largest_measured_fit=max_ok,
+            smallest_oom=ooms[0] if ooms else None,
+            predicted_peak_GiB_at_max=predict_peak(a, b, best, p) / GiB if best else None,
+            predicted_step_s_at_max=predict_time(coef, best, p) if best else None,
+            budget_GiB=budget / GiB,
+            device_total_GiB=info["total_bytes"] / GiB,
+            intercept_GiB=a / GiB,
+            bytes_per_token=b,
+            bytes_per_token_per_layer=b / info["n_layer"],
+            fit_max_rel_residual=res,
+            n_points=len(ok),
+        )
         at_best = [r for r in ok if r["s_total"] == best]
         if at_best:
             row["measured_peak_GiB_at_max"] = max(r["peak_alloc"] for r in at_best) / GiB
@@ -165,9 +175,14 @@ def summarize(records: list[dict], meta: dict) -> dict:
         rows = {r["P"]: r.get("max_seq_len") for r in table if r["checkpointing"] == ckpt}
         if rows.get(1):
             scaling["ckpt" if ckpt else "no_ckpt"] = {str(p): (m / rows[1] if m else None) for p, m in rows.items()}
-    return dict(meta=meta, table=table, fits=fits, scaling_vs_1gpu=scaling,
-                breakdowns=[r for r in records if r["kind"] == "breakdown"],
-                records=[r for r in records if r["kind"] != "breakdown"])
+    return dict(
+        meta=meta,
+        table=table,
+        fits=fits,
+        scaling_vs_1gpu=scaling,
+        breakdowns=[r for r in records if r["kind"] == "breakdown"],
+        records=[r for r in records if r["kind"] != "breakdown"],
+    )
 
 
 def fmt_len(s: Optional[int]) -> str:

@@ -2,6 +2,7 @@
 train.py runs' memory_full*.json) against the memory model as it is now: what
 memory_validate.py's recheck option prints, and the test that keeps the model above every
 committed measurement."""
+
 from __future__ import annotations
 
 import json
@@ -17,12 +18,18 @@ def predict(row: dict, meta: dict, attention_kernel: str = "fa4") -> MemoryEstim
     data-parallel sizes, batch, precision, kernel and ``hf_modules``; a memory_validate.py
     row takes the file's CP size and kernel (``meta``; ``attention_kernel`` where the file
     predates that) and is one sequence under FSDP2 over the CP ranks."""
-    return estimate(GPTConfig.from_dict(row["model"]), row["seq_len"], plan=ParallelPlan.from_dict(row["plan"]),
-                    cp=row.get("cp", meta.get("cp", 1)), dp=row.get("dp", 1),
-                    data_parallel=row.get("data_parallel", "fsdp"), batch_size=row.get("batch_size", 1),
-                    precision=row.get("precision", "bf16-mixed"),
-                    attention_kernel=row.get("attention_kernel", meta.get("attention_kernel", attention_kernel)),
-                    hf_modules=row.get("hf_modules", False))
+    return estimate(
+        GPTConfig.from_dict(row["model"]),
+        row["seq_len"],
+        plan=ParallelPlan.from_dict(row["plan"]),
+        cp=row.get("cp", meta.get("cp", 1)),
+        dp=row.get("dp", 1),
+        data_parallel=row.get("data_parallel", "fsdp"),
+        batch_size=row.get("batch_size", 1),
+        precision=row.get("precision", "bf16-mixed"),
+        attention_kernel=row.get("attention_kernel", meta.get("attention_kernel", attention_kernel)),
+        hf_modules=row.get("hf_modules", False),
+    )
 
 
 def recheck(path, attention_kernel: str) -> list[dict]:
@@ -37,6 +44,13 @@ def recheck(path, attention_kernel: str) -> list[dict]:
         if not r.get("measured_gpu"):
             continue
         pred = predict(r, data["meta"], attention_kernel)
-        rows.append(dict(case=r["case"], measured=r["measured_gpu"], predicted=pred.allocated_bytes,
-                         ratio=r["measured_gpu"] / pred.allocated_bytes, phase=pred.phase))
+        rows.append(
+            dict(
+                case=r["case"],
+                measured=r["measured_gpu"],
+                predicted=pred.allocated_bytes,
+                ratio=r["measured_gpu"] / pred.allocated_bytes,
+                phase=pred.phase,
+            )
+        )
     return rows

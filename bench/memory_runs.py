@@ -8,6 +8,7 @@ and what ``fitting_plan`` escalated); the measurement is ``metrics.csv``'s ``pea
 ``torch.cuda.max_memory_allocated`` of the fullest rank, cumulative, logged before each
 optimizer step (so a step's row also covers the previous step's optimizer step).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,35 +73,52 @@ def run_row(folder) -> dict:
     documents = model.get("attention", "document") == "document"
     kernel = plan.get("document_backend") if documents else plan.get("attention_backend")
     precision = str(cfg["trainer"].get("precision", "32-true"))
-    row.update(model=sizes, hf_modules=hf, seq_len=int(cfg["data"]["seq_len"]), cp=cp, dp=max(world // cp, 1),
-               batch_size=int(cfg["data"]["batch_size"]),
-               data_parallel=mode.group(1) if mode else cfg["strategy"].get("data_parallel", "fsdp"),
-               precision="32-true" if precision[:2] in ("32", "64") else "bf16-mixed",
-               attention=model.get("attention"), plan=plan,
-               attention_kernel="auto" if kernel in (None, "auto") else kernel_family(kernel),
-               printed=[line for line in (_printed(log, "memory: "), plan_line,
-                                          _printed(log, "memory (predicted")) if line])
+    row.update(
+        model=sizes,
+        hf_modules=hf,
+        seq_len=int(cfg["data"]["seq_len"]),
+        cp=cp,
+        dp=max(world // cp, 1),
+        batch_size=int(cfg["data"]["batch_size"]),
+        data_parallel=mode.group(1) if mode else cfg["strategy"].get("data_parallel", "fsdp"),
+        precision="32-true" if precision[:2] in ("32", "64") else "bf16-mixed",
+        attention=model.get("attention"),
+        plan=plan,
+        attention_kernel="auto" if kernel in (None, "auto") else kernel_family(kernel),
+        printed=[line for line in (_printed(log, "memory: "), plan_line, _printed(log, "memory (predicted")) if line],
+    )
     pred = predict(row, {})
-    row.update(predicted_gpu=pred.allocated_bytes, predicted_gpu_with_context=pred.gpu_bytes,
-               predicted_phase=pred.phase, predicted_items={k: round(v / GiB, 3) for k, v in pred.items.items()},
-               predicted_phases={k: round(v / GiB, 3) for k, v in pred.phases.items()})
+    row.update(
+        predicted_gpu=pred.allocated_bytes,
+        predicted_gpu_with_context=pred.gpu_bytes,
+        predicted_phase=pred.phase,
+        predicted_items={k: round(v / GiB, 3) for k, v in pred.items.items()},
+        predicted_phases={k: round(v / GiB, 3) for k, v in pred.phases.items()},
+    )
     # OUTPUT_DIR/metrics.csv is written at the end; a run killed at its limit left only
     # Lightning's own CSV (flushed every step).
     raw = sorted((folder / "run" / "logs").glob("version_*/metrics.csv"), key=lambda p: p.stat().st_mtime)
     steps = _metrics(folder / "run" / "metrics.csv") or (_metrics(raw[-1]) if raw else [])
     peaks = [s["peak_mem_gib"] for s in steps if "peak_mem_gib" in s]
     losses = [s["train_loss"] for s in steps if "train_loss" in s]
-    row.update(steps=len(steps), measured_steps_gib=[round(p, 3) for p in peaks],
-               step_s=[round(s["step_s"], 2) for s in steps if "step_s" in s], train_loss=losses,
-               loss_finite=bool(losses) and all(math.isfinite(v) for v in losses))
+    row.update(
+        steps=len(steps),
+        measured_steps_gib=[round(p, 3) for p in peaks],
+        step_s=[round(s["step_s"], 2) for s in steps if "step_s" in s],
+        train_loss=losses,
+        loss_finite=bool(losses) and all(math.isfinite(v) for v in losses),
+    )
     last = steps[-1] if steps else {}
     for key in ("tokens_per_s", "mfu"):
         if key in last:
             row[key] = last[key]
     if peaks:
         measured = int(max(peaks) * GiB)
-        row.update(measured_gpu=measured, ratio=measured / pred.allocated_bytes,
-                   passed=measured <= pred.allocated_bytes <= UPPER * measured)
+        row.update(
+            measured_gpu=measured,
+            ratio=measured / pred.allocated_bytes,
+            passed=measured <= pred.allocated_bytes <= UPPER * measured,
+        )
     if row["rc"] not in (0, None):
         row["log_tail"] = log[-2000:]
     return row
@@ -115,24 +133,37 @@ def _int(path: Path) -> Optional[int]:
 
 def readme_rows(rows: list[dict]) -> list[str]:
     """The README's table of the full-depth runs: a header and one markdown row per case."""
-    lines = ["| case | model, tokens (CP) | plan | predicted | measured | ratio | tokens/s | MFU |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| case | model, tokens (CP) | plan | predicted | measured | ratio | tokens/s | MFU |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "model" not in r:
             lines.append(f"| {r['case']} | | | | {r.get('error', '')} | | | |")
             continue
         p = r["plan"]
-        plan = ", ".join(x for x in (
-            p.get("activation_checkpointing"), f"tile {p['mlp_tile_size']}" if p.get("mlp_tile_size") else "",
-            f"{p['attention_head_chunks']} head chunks" if p.get("attention_head_chunks", 1) > 1 else "",
-            f"offload {p['offload_activations']}" if p.get("offload_activations") else "",
-            r.get("attention") or "") if x)
-        cells = [r["case"], f"{'HF ' if r['hf_modules'] else ''}{r['model']['n_layer']}x{r['model']['n_embd']}, "
-                 f"{r['seq_len']:,} ({r['cp']})", plan, f"{r['predicted_gpu'] / GiB:.1f} GiB",
-                 f"{r['measured_gpu'] / GiB:.1f} GiB" if r.get("measured_gpu") else f"none (rc {r.get('rc')})",
-                 f"{r['ratio']:.3f}" if "ratio" in r else "",
-                 f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "",
-                 f"{100 * r['mfu']:.1f}%" if "mfu" in r else ""]
+        plan = ", ".join(
+            x
+            for x in (
+                p.get("activation_checkpointing"),
+                f"tile {p['mlp_tile_size']}" if p.get("mlp_tile_size") else "",
+                f"{p['attention_head_chunks']} head chunks" if p.get("attention_head_chunks", 1) > 1 else "",
+                f"offload {p['offload_activations']}" if p.get("offload_activations") else "",
+                r.get("attention") or "",
+            )
+            if x
+        )
+        cells = [
+            r["case"],
+            f"{'HF ' if r['hf_modules'] else ''}{r['model']['n_layer']}x{r['model']['n_embd']}, "
+            f"{r['seq_len']:,} ({r['cp']})",
+            plan,
+            f"{r['predicted_gpu'] / GiB:.1f} GiB",
+            f"{r['measured_gpu'] / GiB:.1f} GiB" if r.get("measured_gpu") else f"none (rc {r.get('rc')})",
+            f"{r['ratio']:.3f}" if "ratio" in r else "",
+            f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "",
+            f"{100 * r['mfu']:.1f}%" if "mfu" in r else "",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -149,10 +180,13 @@ def table_main(argv=None) -> int:
     names = args.cases.split() or sorted(p.name for p in runs.iterdir() if p.is_dir())
     rows = [run_row(runs / name) for name in names if (runs / name).is_dir()]
     gpus = runs / "gpus.txt"
-    meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), torch=torch.__version__,
-                gpus=gpus.read_text().strip().splitlines() if gpus.is_file() else [],
-                note="measured: metrics.csv peak_mem_gib (max_memory_allocated, fullest rank, cumulative); "
-                     "predicted: longctx.memory.estimate from the run's config.yaml")
+    meta = dict(
+        date=time.strftime("%Y-%m-%d %H:%M"),
+        torch=torch.__version__,
+        gpus=gpus.read_text().strip().splitlines() if gpus.is_file() else [],
+        note="measured: metrics.csv peak_mem_gib (max_memory_allocated, fullest rank, cumulative); "
+        "predicted: longctx.memory.estimate from the run's config.yaml",
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     for r in rows:
@@ -160,16 +194,17 @@ def table_main(argv=None) -> int:
             print(f"{r['case']}: {r.get('error')} (rc {r.get('rc')})")
             continue
         got = f"{r['measured_gpu'] / GiB:.2f} GiB" if r.get("measured_gpu") else "no measurement"
-        print(f"{r['case']}: rc {r['rc']}, {r.get('wall_s')} s; measured {got} per step "
-              f"{r['measured_steps_gib']}; predicted {r['predicted_gpu'] / GiB:.2f} GiB allocated "
-              f"({r['predicted_gpu_with_context'] / GiB:.1f} GiB device) at {r['predicted_phase']}"
-              + (f"; ratio {r['ratio']:.3f} {'pass' if r['passed'] else 'FAIL'}" if "ratio" in r else "")
-              + (f"; {r['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in r else "")
-              + (f", MFU {100 * r['mfu']:.1f}%" if "mfu" in r else "")
-              + (f"; step_s {r['step_s']}" if r.get("step_s") else "")
-              + (f"; loss finite {r['loss_finite']}" if r.get("train_loss") else ""))
+        print(
+            f"{r['case']}: rc {r['rc']}, {r.get('wall_s')} s; measured {got} per step "
+            f"{r['measured_steps_gib']}; predicted {r['predicted_gpu'] / GiB:.2f} GiB allocated "
+            f"({r['predicted_gpu_with_context'] / GiB:.1f} GiB device) at {r['predicted_phase']}"
+            + (f"; ratio {r['ratio']:.3f} {'pass' if r['passed'] else 'FAIL'}" if "ratio" in r else "")
+            + (f"; {r['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in r else "")
+            + (f", MFU {100 * r['mfu']:.1f}%" if "mfu" in r else "")
+            + (f"; step_s {r['step_s']}" if r.get("step_s") else "")
+            + (f"; loss finite {r['loss_finite']}" if r.get("train_loss") else "")
+        )
     if args.readme:
         print("\n".join(readme_rows(rows)))
     print(f"wrote {args.out}")
     return 0
-

@@ -3,6 +3,7 @@ max_context.py, memory_validate.py), one copy: forward under bf16 autocast, back
 loss as the caller scales it, optimizer step; and the mean seconds of steps between device
 syncs. Written out rather than run through Lightning's loop (``CausalLMModule.training_step``)
 so that what is timed is the step alone: no logging, callbacks or data loading."""
+
 from __future__ import annotations
 
 import contextlib
@@ -23,10 +24,15 @@ class LossModule(torch.nn.Module):
         return self.model.loss(input_ids, labels, position_ids)
 
 
-def train_step(forward: Callable[[], tuple[torch.Tensor, Any]], optimizer: torch.optim.Optimizer,
-               objective: Callable[[torch.Tensor, Any], torch.Tensor], *, autocast: Optional[str] = None,
-               watch: Optional[ContextManager] = None,
-               mark: Optional[Callable[[str], None]] = None) -> tuple[torch.Tensor, Any]:
+def train_step(
+    forward: Callable[[], tuple[torch.Tensor, Any]],
+    optimizer: torch.optim.Optimizer,
+    objective: Callable[[torch.Tensor, Any], torch.Tensor],
+    *,
+    autocast: Optional[str] = None,
+    watch: Optional[ContextManager] = None,
+    mark: Optional[Callable[[str], None]] = None,
+) -> tuple[torch.Tensor, Any]:
     """One optimizer step: ``forward()`` -> ``(loss_sum, n)``, ``objective(loss_sum, n).backward()``,
     ``optimizer.step()``, gradients set to None. Returns ``(loss_sum, n)`` as forward gave them.
 
@@ -51,8 +57,9 @@ def train_step(forward: Callable[[], tuple[torch.Tensor, Any]], optimizer: torch
     return loss_sum, n
 
 
-def mean_step_seconds(step: Callable[[], Any], steps: int, sync: Callable[[], None],
-                      start: Optional[Callable[[], None]] = None) -> tuple[float, Any]:
+def mean_step_seconds(
+    step: Callable[[], Any], steps: int, sync: Callable[[], None], start: Optional[Callable[[], None]] = None
+) -> tuple[float, Any]:
     """``(mean seconds per call, the last call's result)`` of ``steps`` calls of ``step``,
     timed from a synced device (then ``start()``: reset peak counters, a barrier) to a synced one."""
     if steps < 1:

@@ -19,6 +19,7 @@ Every provider/shape failure is caught and recorded; the JSON is rewritten after
 shape, so even a run cut short leaves results. Output: $OUT (default benchmarks/results/)
 /attention_<gpu>.json and .png, and a summary table on stdout.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,6 +51,7 @@ PROVIDERS = ["triton", "triton-atomic", "sdpa-flash", "sdpa-cudnn", "flash", "cu
 
 
 # ----------------------------------------------------------------------------- helpers
+
 
 def flops(B, H, S, D, causal, mode):
     f = 4.0 * B * H * S * S * D * (0.5 if causal else 1.0)
@@ -92,8 +94,7 @@ def reference(q, k, v, dout, causal, scale):
     tested against float64 autograd in tests/test_triton_kernels.py)."""
     q, k, v, dout = (t.detach().double() for t in (q, k, v, dout))
     out, lse = attention_forward(q, k, v, causal=causal, softmax_scale=scale, backend="torch")
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
-                                    backend="torch")
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, backend="torch")
     return out, lse, dq, dk, dv
 
 
@@ -106,6 +107,7 @@ def rel_err(got, want):
 
 # ----------------------------------------------------------------------------- providers
 
+
 def make_step(provider, q, k, v, dout, causal, scale, mode):
     """A zero-argument callable running one forward (or forward+backward)."""
     if provider.startswith("triton"):
@@ -116,13 +118,16 @@ def make_step(provider, q, k, v, dout, causal, scale, mode):
             out, lse = ta.forward(q, k, v, causal, scale)
             if mode == "fwd_bwd":
                 ta.backward(dout, q, k, v, out, lse, causal, scale)
+
         return step
 
     if provider in ("flash", "cudnn"):
+
         def step():
             out, lse = vendor.forward(q, k, v, causal, scale, which=provider)
             if mode == "fwd_bwd":
                 vendor.backward(dout, q, k, v, out, lse, causal, scale, which=provider)
+
         return step
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -134,10 +139,12 @@ def make_step(provider, q, k, v, dout, causal, scale, mode):
 
     def step():
         with sdpa_kernel([sdp]):
-            out = F.scaled_dot_product_attention(qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
-                                                 is_causal=causal, scale=scale)
+            out = F.scaled_dot_product_attention(
+                qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2), is_causal=causal, scale=scale
+            )
             if mode == "fwd_bwd":
                 torch.autograd.grad(out, (qg, kg, vg), dout_t)
+
     return step
 
 
@@ -153,6 +160,7 @@ def run_provider_once(provider, q, k, v, dout, causal, scale):
 
 # ----------------------------------------------------------------------------- phases
 
+
 def correctness(providers, D_list, causal_list, H):
     """bf16 vs float64 at the 1K grid shapes (this also tunes the 1K bucket) and at ragged,
     GQA, Sq != Sk shapes in the same buckets (so they reuse the tuned configs)."""
@@ -164,7 +172,7 @@ def correctness(providers, D_list, causal_list, H):
         g = torch.Generator(device="cuda").manual_seed(Sq * 131 + D)
         mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
         q, k, v, dout = mk(B, Sq, Hq, D), mk(B, Sk, Hkv, D), mk(B, Sk, Hkv, D), mk(B, Sq, Hq, D)
-        scale = D ** -0.5
+        scale = D**-0.5
         want = reference(q, k, v, dout, causal, scale)
         for p in providers:
             if p.startswith("sdpa"):
@@ -198,8 +206,8 @@ def probe_cudnn_native_gqa():
         mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
         q, k, v = mk(1, 256, 8, 64), mk(1, 256, 2, 64), mk(1, 256, 2, 64)
         out = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, True, False,
-            scale=0.125)[0].transpose(1, 2)
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, True, False, scale=0.125
+        )[0].transpose(1, 2)
         want = reference(q, k, v, torch.zeros_like(q), True, 0.125)[0]
         err = rel_err(out, want)
         return {"works": err < 2e-2, "rel_err": err}
@@ -217,7 +225,7 @@ def profile_breakdown(S, D, H, causal, providers):
     out = {}
     for p in providers:
         try:
-            step = make_step(p, q, k, v, dout, causal, D ** -0.5, "fwd_bwd")
+            step = make_step(p, q, k, v, dout, causal, D**-0.5, "fwd_bwd")
             step()
             torch.cuda.synchronize()
             iters = 3
@@ -240,14 +248,19 @@ def profile_breakdown(S, D, H, causal, providers):
 def autotune_choices():
     """The configs Triton's autotuner picked, per kernel and tuning key."""
     result = {}
-    for name, kern in (("fwd", ta._fwd_kernel), ("dkdv_split", ta._dkdv_split),
-                       ("dkdv_atomic", ta._dkdv_atomic), ("dq", ta._dq_tuned)):
+    for name, kern in (
+        ("fwd", ta._fwd_kernel),
+        ("dkdv_split", ta._dkdv_split),
+        ("dkdv_atomic", ta._dkdv_atomic),
+        ("dq", ta._dq_tuned),
+    ):
         cache = getattr(kern, "cache", {}) or {}
         result[name] = {str(k): str(v) for k, v in cache.items()}
     return result
 
 
 # ----------------------------------------------------------------------------- output
+
 
 def gpu_tag():
     name = torch.cuda.get_device_name()
@@ -292,11 +305,20 @@ def plot(report, out_dir):
         for i, mode in enumerate(("fwd", "fwd_bwd")):
             ax = axes[i][j]
             for n, p in enumerate(PROVIDERS):
-                pts = sorted((r["S"], r["tflops"]) for r in res
-                             if r["D"] == D and r["causal"] == causal and r["mode"] == mode and r["provider"] == p)
+                pts = sorted(
+                    (r["S"], r["tflops"])
+                    for r in res
+                    if r["D"] == D and r["causal"] == causal and r["mode"] == mode and r["provider"] == p
+                )
                 if pts:
-                    ax.plot([s for s, _ in pts], [t for _, t in pts], marker="o", color=f"C{n}",
-                            linewidth=2.5 if p.startswith("triton") else 1.3, label=p)
+                    ax.plot(
+                        [s for s, _ in pts],
+                        [t for _, t in pts],
+                        marker="o",
+                        color=f"C{n}",
+                        linewidth=2.5 if p.startswith("triton") else 1.3,
+                        label=p,
+                    )
             ax.set_xscale("log", base=2)
             ax.set_title(f"D={D} {'causal' if causal else 'full'} {mode.replace('_', '+')}")
             ax.set_xlabel("sequence length")
@@ -315,8 +337,7 @@ def summary(report):
     res = {(r["D"], r["causal"], r["S"], r["mode"], r["provider"]): r for r in report["results"]}
     provs = [p for p in PROVIDERS if any(k[4] == p for k in res)]
     print("\nTFLOP/s (fwd | fwd+bwd); ratio columns: triton fwd+bwd / vendor fwd+bwd")
-    print(f"{'D':>4} {'mode':>6} {'S':>6} | " + " | ".join(f"{p:>15}" for p in provs)
-          + " | tri/flash tri/cudnn")
+    print(f"{'D':>4} {'mode':>6} {'S':>6} | " + " | ".join(f"{p:>15}" for p in provs) + " | tri/flash tri/cudnn")
     shapes = sorted({k[:3] for k in res})
     for D, causal, S in shapes:
         cells = []
@@ -336,6 +357,7 @@ def summary(report):
 
 # ----------------------------------------------------------------------------- main
 
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: S in {1K, 4K}, no atomic variant")
@@ -343,8 +365,12 @@ def main(argv=None):
     ap.add_argument("--head-dims", type=str, default="128,64")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--providers", type=str, default=",".join(PROVIDERS))
-    ap.add_argument("--time-budget", type=float, default=270.0,
-                    help="seconds; shapes left when it runs out are skipped (recorded as such)")
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=270.0,
+        help="seconds; shapes left when it runs out are skipped (recorded as such)",
+    )
     ap.add_argument("--no-profile", action="store_true")
     args = ap.parse_args(argv)
 
@@ -353,8 +379,11 @@ def main(argv=None):
         return 2
     t_start = time.time()
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "results")
-    seqs = [int(s) for s in args.seq.split(",")] if args.seq else ([1024, 4096] if args.quick else
-                                                                    [1024, 4096, 16384, 65536])
+    seqs = (
+        [int(s) for s in args.seq.split(",")]
+        if args.seq
+        else ([1024, 4096] if args.quick else [1024, 4096, 16384, 65536])
+    )
     head_dims = [int(d) for d in args.head_dims.split(",")]
     providers = [p for p in args.providers.split(",") if p]
     if args.quick:
@@ -367,11 +396,21 @@ def main(argv=None):
     report = {
         "device": torch.cuda.get_device_name(),
         "capability": list(torch.cuda.get_device_capability()),
-        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
-        "config": {"B": B, "H": H, "dtype": "bfloat16", "seq_lens": seqs, "head_dims": head_dims,
-                   "causal": causal_list, "providers": providers,
-                   "flops": "fwd 4*B*H*S*S*D (x0.5 causal); fwd_bwd 3.5x fwd"},
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "python": platform.python_version(),
+        "config": {
+            "B": B,
+            "H": H,
+            "dtype": "bfloat16",
+            "seq_lens": seqs,
+            "head_dims": head_dims,
+            "causal": causal_list,
+            "providers": providers,
+            "flops": "fwd 4*B*H*S*S*D (x0.5 causal); fwd_bwd 3.5x fwd",
+        },
         "vendor_available": {w: vendor.is_available("cuda", w) for w in ("flash", "cudnn")},
         "vendor_native_gqa": dict(vendor.NATIVE_GQA),
         # triton-atomic adds dQ with TMA bulk reduce-adds where this is True, else with
@@ -380,8 +419,11 @@ def main(argv=None):
         "results": [],
     }
     report["cudnn_native_gqa_probe"] = probe_cudnn_native_gqa()
-    print(f"{report['device']}  torch {report['torch']}  triton {report['triton']}  "
-          f"vendor available {report['vendor_available']}", flush=True)
+    print(
+        f"{report['device']}  torch {report['torch']}  triton {report['triton']}  "
+        f"vendor available {report['vendor_available']}",
+        flush=True,
+    )
 
     report["correctness"] = correctness(providers, head_dims, causal_list, H)
     report["correctness_s"] = round(time.time() - t_start, 1)
@@ -417,9 +459,12 @@ def main(argv=None):
                             if isinstance(e, torch.cuda.OutOfMemoryError):
                                 torch.cuda.empty_cache()
                         report["results"].append(row)
-                        print(f"[time] D={D:3d} {'causal' if causal else 'full  '} S={S:6d} {p:14s} "
-                              f"{mode:7s} {row.get('ms', '-')} ms  {row.get('tflops', row.get('error', '-'))} "
-                              f"TFLOP/s", flush=True)
+                        print(
+                            f"[time] D={D:3d} {'causal' if causal else 'full  '} S={S:6d} {p:14s} "
+                            f"{mode:7s} {row.get('ms', '-')} ms  {row.get('tflops', row.get('error', '-'))} "
+                            f"TFLOP/s",
+                            flush=True,
+                        )
                 del q, k, v, dout
                 torch.cuda.empty_cache()
                 report["ratios"] = ratios(report["results"])
@@ -429,9 +474,12 @@ def main(argv=None):
 
     if not args.no_profile and time.time() - t_start < args.time_budget + 20:
         S_prof = 16384 if 16384 in seqs else seqs[-1]
-        report["profile"] = {"shape": {"S": S_prof, "D": 128, "H": H, "causal": True},
-                             "per_provider": profile_breakdown(S_prof, 128, H, True,
-                                                               [p for p in providers if p != "flash" and p != "cudnn"])}
+        report["profile"] = {
+            "shape": {"S": S_prof, "D": 128, "H": H, "causal": True},
+            "per_provider": profile_breakdown(
+                S_prof, 128, H, True, [p for p in providers if p != "flash" and p != "cudnn"]
+            ),
+        }
     report["ratios"] = ratios(report["results"])
     report["autotune"] = autotune_choices()
     report["elapsed_s"] = round(time.time() - t_start, 1)

@@ -36,6 +36,7 @@ document_attention_<gpu>.json / document_attention_ring_ws<N>.json, rewritten af
 section so that a time-out keeps what finished. Failures (e.g. flex_attention not
 compiling) are recorded and the run goes on.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,9 +68,15 @@ def ids_from_lengths(lengths, device="cuda"):
 def mix_summary(lengths, S):
     visible = sum(n * (n + 1) // 2 for n in lengths)
     causal = S * (S + 1) // 2
-    return dict(documents=len(lengths), mean_len=round(S / len(lengths)), min_len=min(lengths),
-                max_len=max(lengths), visible_pairs=visible, causal_pairs=causal,
-                ideal_speedup=causal / visible)
+    return dict(
+        documents=len(lengths),
+        mean_len=round(S / len(lengths)),
+        min_len=min(lengths),
+        max_len=max(lengths),
+        visible_pairs=visible,
+        causal_pairs=causal,
+        ideal_speedup=causal / visible,
+    )
 
 
 def pair_tflops(pairs, H, D, ms):
@@ -90,8 +97,8 @@ def ours_step(q, k, v, dout, ids, bwd_mode, backend="triton"):
         ta.BWD_MODE = bwd_mode
         docs = dict(q_document_ids=ids, k_document_ids=ids)
         out, lse = attention_forward(q, k, v, causal=True, backend=backend, **docs)
-        return (out,) + tuple(attention_backward(dout, q, k, v, out, lse, causal=True,
-                                                 backend=backend, **docs))
+        return (out,) + tuple(attention_backward(dout, q, k, v, out, lse, causal=True, backend=backend, **docs))
+
     return step
 
 
@@ -103,10 +110,12 @@ def _fa4_usable():
 
 def dense_causal_step(q, k, v, dout, backend):
     """Plain causal attention, no document mask: the work the mask lets us skip."""
+
     def step():
         ta.BWD_MODE = "split"
         out, lse = attention_forward(q, k, v, causal=True, backend=backend)
         return (out,) + tuple(attention_backward(dout, q, k, v, out, lse, causal=True, backend=backend))
+
     return step
 
 
@@ -136,6 +145,7 @@ def flex_step(q, k, v, dout, ids):
         out = _FLEX["fn"](qf, kf, vf, block_mask=block_mask, enable_gqa=gqa)
         grads = torch.autograd.grad(out, (qf, kf, vf), dout_t)
         return (out.transpose(1, 2),) + tuple(g.transpose(1, 2) for g in grads)
+
     return step
 
 
@@ -152,18 +162,22 @@ def section_check(report):
     """bf16 vs float64 at 6K tokens, ~6 documents, one id reused by two separate runs."""
     lengths = [700, 1500, 64, 1200, 900, 1780]
     ids = ids_from_lengths(lengths)
-    ids[0, 700 + 1500 + 64 + 1200:700 + 1500 + 64 + 1200 + 900] = 1  # non-adjacent repeat of doc 1
+    ids[0, 700 + 1500 + 64 + 1200 : 700 + 1500 + 64 + 1200 + 900] = 1  # non-adjacent repeat of doc 1
     S, Hq, Hkv, D = sum(lengths), 4, 2, 128
     q, k, v, dout = inputs(S, Hq, Hkv, D, seed=1)
     docs = dict(q_document_ids=ids, k_document_ids=ids)
-    out64, lse64 = attention_forward(q.double(), k.double(), v.double(), causal=True,
-                                     backend="torch", **docs)
-    want = (out64,) + tuple(attention_backward(dout.double(), q.double(), k.double(), v.double(),
-                                               out64, lse64, causal=True, backend="torch", **docs))
+    out64, lse64 = attention_forward(q.double(), k.double(), v.double(), causal=True, backend="torch", **docs)
+    want = (out64,) + tuple(
+        attention_backward(
+            dout.double(), q.double(), k.double(), v.double(), out64, lse64, causal=True, backend="torch", **docs
+        )
+    )
     rows = []
-    steps = {"triton-doc": lambda: ours_step(q, k, v, dout, ids, "split"),
-             "triton-doc-atomic": lambda: ours_step(q, k, v, dout, ids, "atomic"),
-             "flex": lambda: flex_step(q, k, v, dout, ids)}
+    steps = {
+        "triton-doc": lambda: ours_step(q, k, v, dout, ids, "split"),
+        "triton-doc-atomic": lambda: ours_step(q, k, v, dout, ids, "atomic"),
+        "flex": lambda: flex_step(q, k, v, dout, ids),
+    }
     if _fa4_usable():
         steps["fa4-doc"] = lambda: ours_step(q, k, v, dout, ids, "split", backend="fa4")
     for provider, make in steps.items():
@@ -178,8 +192,11 @@ def section_check(report):
             row["max_abs_err"] = {n: (a.double() - b).abs().max().item() for n, a, b in zip(names, got, want)}
             row["rel_err"] = {n: rel_err(a, b) for n, a, b in zip(names, got, want)}
             row["ok"] = all(e < 2e-2 for e in row["rel_err"].values())  # NaN fails too
-            print(f"[check] {provider}: {'ok' if row['ok'] else 'FAIL'} max abs {row['max_abs_err']} "
-                  f"norm-relative {row['rel_err']}", flush=True)
+            print(
+                f"[check] {provider}: {'ok' if row['ok'] else 'FAIL'} max abs {row['max_abs_err']} "
+                f"norm-relative {row['rel_err']}",
+                flush=True,
+            )
         except Exception as e:  # noqa: BLE001 - record and go on
             row["ok"] = False
             record_error(row, e)
@@ -192,6 +209,7 @@ def steady_ms(fn, group, warmup=2, reps=10):
     ranks' collectives pair up), events between the steps: the host queues ahead of the GPU
     as in training, and the one-GPU baselines (``bench_ms``) are timed the same way."""
     import torch.distributed as dist
+
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -213,8 +231,10 @@ def section_kernels(report, args):
     for Hq, Hkv in heads:
         q, k, v, dout = inputs(S, Hq, Hkv, D, seed=S)
         dense = {}
-        plain = {"cudnn-causal": lambda: dense_causal_step(q, k, v, dout, "cudnn"),
-                 "triton-causal": lambda: dense_causal_step(q, k, v, dout, "triton")}
+        plain = {
+            "cudnn-causal": lambda: dense_causal_step(q, k, v, dout, "cudnn"),
+            "triton-causal": lambda: dense_causal_step(q, k, v, dout, "triton"),
+        }
         if _fa4_usable():
             plain["fa4-causal"] = lambda: dense_causal_step(q, k, v, dout, "fa4")
         for provider, make in plain.items():
@@ -230,9 +250,11 @@ def section_kernels(report, args):
             lengths = document_lengths(mix, S, seed=args.seed)
             summary = mix_summary(lengths, S)
             ids = ids_from_lengths(lengths)
-            steps = {"triton-doc": lambda: ours_step(q, k, v, dout, ids, "split"),
-                     "triton-doc-atomic": lambda: ours_step(q, k, v, dout, ids, "atomic"),
-                     "flex": lambda: flex_step(q, k, v, dout, ids)}
+            steps = {
+                "triton-doc": lambda: ours_step(q, k, v, dout, ids, "split"),
+                "triton-doc-atomic": lambda: ours_step(q, k, v, dout, ids, "atomic"),
+                "flex": lambda: flex_step(q, k, v, dout, ids),
+            }
             if _fa4_usable():
                 steps["fa4-doc"] = lambda: ours_step(q, k, v, dout, ids, "split", backend="fa4")
             timed = {}
@@ -244,7 +266,7 @@ def section_kernels(report, args):
                 except Exception as e:  # noqa: BLE001
                     record_error(row, e)
                 rows.append(row)
-            for row in rows[-len(steps):]:
+            for row in rows[-len(steps) :]:
                 if "ms" not in row:
                     continue
                 if "flex" in timed:
@@ -252,12 +274,15 @@ def section_kernels(report, args):
                 for peer, ms in dense.items():
                     row[f"speedup_vs_{peer}"] = ms / row["ms"]
                     row[f"fraction_of_ideal_vs_{peer}"] = ms / row["ms"] / summary["ideal_speedup"]
-                print(f"[kernels] H={Hq}/{Hkv} {mix} ({summary['documents']} docs, ideal "
-                      f"{summary['ideal_speedup']:.1f}x) {row['provider']}: {row['ms']:.2f} ms, "
-                      f"{row['tflops_visible']:.0f} TFLOP/s visible, vs flex "
-                      f"{row.get('speedup_vs_flex', float('nan')):.2f}x, of ideal (vs cudnn / "
-                      f"triton causal) {row.get('fraction_of_ideal_vs_cudnn-causal', float('nan')):.2f}"
-                      f" / {row.get('fraction_of_ideal_vs_triton-causal', float('nan')):.2f}", flush=True)
+                print(
+                    f"[kernels] H={Hq}/{Hkv} {mix} ({summary['documents']} docs, ideal "
+                    f"{summary['ideal_speedup']:.1f}x) {row['provider']}: {row['ms']:.2f} ms, "
+                    f"{row['tflops_visible']:.0f} TFLOP/s visible, vs flex "
+                    f"{row.get('speedup_vs_flex', float('nan')):.2f}x, of ideal (vs cudnn / "
+                    f"triton causal) {row.get('fraction_of_ideal_vs_cudnn-causal', float('nan')):.2f}"
+                    f" / {row.get('fraction_of_ideal_vs_triton-causal', float('nan')):.2f}",
+                    flush=True,
+                )
             torch.cuda.empty_cache()
         q = k = v = dout = None  # free the tensors (closures above name them)
 
@@ -273,6 +298,7 @@ def block_map_cost(report, args):
     def build():
         for (bm, bn), key_major in zip(tiles, (False, True, False)):
             td.build_block_map(ids, ids, bm, bn, True, key_major=key_major)
+
     build()
     report["block_maps"] = dict(tiles=tiles, ms=bench_ms(build, budget_s=0.3))
     print(f"[maps] three block maps at S={args.seq}: {report['block_maps']['ms']:.3f} ms", flush=True)
@@ -281,14 +307,27 @@ def block_map_cost(report, args):
 def part_kernels(args):
     import triton
 
-    report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                  triton=triton.__version__, date=time.strftime("%Y-%m-%d"),
-                  config=dict(S=args.seq, dtype="bfloat16", B=1, D=128, mixes=args.mixes,
-                              seed=args.seed, flops="4*D*H per visible pair fwd, x3.5 fwd+bwd"))
+    report = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        config=dict(
+            S=args.seq,
+            dtype="bfloat16",
+            B=1,
+            D=128,
+            mixes=args.mixes,
+            seed=args.seed,
+            flops="4*D*H per visible pair fwd, x3.5 fwd+bwd",
+        ),
+    )
     path = os.path.join(args.out, f"document_attention_{gpu_tag()}{args.tag}.json")
-    for name, fn in (("check", lambda: section_check(report)),
-                     ("maps", lambda: block_map_cost(report, args)),
-                     ("kernels", lambda: section_kernels(report, args))):
+    for name, fn in (
+        ("check", lambda: section_check(report)),
+        ("maps", lambda: block_map_cost(report, args)),
+        ("kernels", lambda: section_kernels(report, args)),
+    ):
         t0 = time.time()
         try:
             fn()
@@ -315,8 +354,9 @@ def _reference_check(world, rank, S=4096, H=2, D=64, mix="longtail"):
     lengths = document_lengths(mix, S, seed=1)
     g = torch.Generator(device="cuda").manual_seed(7)
     q, k, v, dout = (torch.randn(1, S, H, D, device="cuda", dtype=torch.float64, generator=g) for _ in range(4))
-    batch = balance_documents({"document_ids": ids_from_lengths(lengths), "q": q, "k": k, "v": v, "dout": dout},
-                              world_size=world)
+    batch = balance_documents(
+        {"document_ids": ids_from_lengths(lengths), "q": q, "k": k, "v": v, "dout": dout}, world_size=world
+    )
     ids = batch["document_ids"]
     pos = batch["position_ids"][0]
     plan = plan_documents(ids, world_size=world, rank=rank)
@@ -329,7 +369,7 @@ def _reference_check(world, rank, S=4096, H=2, D=64, mix="longtail"):
         return None
     qr, kr, vr = (batch[n].detach().requires_grad_() for n in "qkv")
     same = (ids[0][:, None] == ids[0][None, :]) & (pos[None, :] <= pos[:, None])
-    scores = torch.einsum("bqhd,bkhd->bhqk", qr, kr) * D ** -0.5
+    scores = torch.einsum("bqhd,bkhd->bhqk", qr, kr) * D**-0.5
     ref = torch.einsum("bhqk,bkhd->bqhd", scores.masked_fill(~same, float("-inf")).softmax(-1), vr)
     ref.backward(batch["dout"])
     want = [ref, qr.grad, kr.grad, vr.grad]
@@ -352,9 +392,13 @@ def part_ring(args):
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     world, rank = dist.get_world_size(), dist.get_rank()
     S, H, D = args.seq, 16, 128
-    report = dict(world_size=world, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  date=time.strftime("%Y-%m-%d"), config=dict(S_total=S, H=H, D=D, dtype="bfloat16",
-                                                              layout="zigzag", mixes=args.mixes))
+    report = dict(
+        world_size=world,
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        config=dict(S_total=S, H=H, D=D, dtype="bfloat16", layout="zigzag", mixes=args.mixes),
+    )
     path = os.path.join(args.out, f"document_attention_ring_ws{world}{args.tag}.json")
 
     def save():
@@ -381,9 +425,18 @@ def part_ring(args):
     def timed(document_ids, backend="auto"):
         def run():
             q.grad = k.grad = v.grad = None
-            out = ring_attention(q, k, v, group=dist.group.WORLD, causal=True, layout="zigzag",
-                                 backend=backend, document_ids=document_ids)
+            out = ring_attention(
+                q,
+                k,
+                v,
+                group=dist.group.WORLD,
+                causal=True,
+                layout="zigzag",
+                backend=backend,
+                document_ids=document_ids,
+            )
             out.backward(dout)
+
         t = torch.tensor([steady_ms(run, dist.group.WORLD)], device="cuda")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item()
@@ -416,9 +469,15 @@ def part_ring(args):
                                 def step(backend=backend):
                                     for t in (q1, k1, v1):
                                         t.grad = None
-                                    out = ring_attention(q1.requires_grad_(), k1.requires_grad_(), v1.requires_grad_(),
-                                                         backend=backend, document_ids=plan1)
+                                    out = ring_attention(
+                                        q1.requires_grad_(),
+                                        k1.requires_grad_(),
+                                        v1.requires_grad_(),
+                                        backend=backend,
+                                        document_ids=plan1,
+                                    )
                                     out.backward(d1)
+
                             step()
                             cell["ms"] = bench_ms(step)
                         except Exception as e:  # noqa: BLE001
@@ -463,8 +522,12 @@ def part_ring(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=("kernels", "ring"), default=None,
-                    help="default: ring under torchrun with several processes, else kernels")
+    ap.add_argument(
+        "--part",
+        choices=("kernels", "ring"),
+        default=None,
+        help="default: ring under torchrun with several processes, else kernels",
+    )
     ap.add_argument("--seq", type=int, default=128 * K, help="tokens per packed sequence")
     ap.add_argument("--mixes", default=",".join(MIXES))
     ap.add_argument("--seed", type=int, default=0)
@@ -473,8 +536,12 @@ def main(argv=None):
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     ap.add_argument("--check", action="store_true", help="part B: a bf16 vs float64 check first")
     ap.add_argument("--flex-max", type=int, default=256 * K, help="part B: flex_attention up to this length")
-    ap.add_argument("--providers", default="fa4-plan,triton-plan,flex", type=lambda v: v.split(","),
-                    help="part B: the one-GPU paths timed (of fa4-plan, triton-plan, flex)")
+    ap.add_argument(
+        "--providers",
+        default="fa4-plan,triton-plan,flex",
+        type=lambda v: v.split(","),
+        help="part B: the one-GPU paths timed (of fa4-plan, triton-plan, flex)",
+    )
     args = ap.parse_args(argv)
     args.mixes = [m for m in args.mixes.split(",") if m]
     if not torch.cuda.is_available():

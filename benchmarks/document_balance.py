@@ -28,6 +28,7 @@ times the document-masked zigzag ring (``longctx.ring_attention`` with the step'
 median) on each mix's ids (seed 0) as packed and balanced, and writes
 document_balance_ring_ws<N>_<gpu>.json next to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,6 +50,8 @@ from longctx.data.document_mixes import MIXES, document_ids, document_lengths  #
 from longctx.documents import plan_documents  # noqa: E402
 
 WORLD_SIZES = (2, 4, 8)
+
+
 def mix_ids(mix: str, total: int, seed: int = 0) -> torch.Tensor:
     """(total,) int64 ids of the packed mix (on the CPU)."""
     return document_ids(document_lengths(mix, total, seed))
@@ -62,8 +65,9 @@ def ring_rows(seq_len: int, world_size: int, batch: int = 1) -> int:
 def measure(ids: torch.Tensor, world_size: int) -> dict:
     """Rank max/mean and the K/V share a ``DocumentPlan`` moves, for one full sequence."""
     plan = plan_documents(ids[None], world_size=world_size, rank=0)
-    return dict(rank_imbalance=plan.imbalance, kv_moved=plan.moved / ring_rows(ids.numel(), world_size),
-                kv_rows=plan.moved)
+    return dict(
+        rank_imbalance=plan.imbalance, kv_moved=plan.moved / ring_rows(ids.numel(), world_size), kv_rows=plan.moved
+    )
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -121,8 +125,12 @@ def ring_times(args) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     seq, heads, head_dim = args.seq, 16, 128
     g = torch.Generator(device="cuda").manual_seed(rank)
-    q, k, v, dout = (torch.randn(1, seq // world, heads, head_dim, device="cuda", dtype=torch.bfloat16,
-                                 generator=g).requires_grad_(i < 3) for i in range(4))
+    q, k, v, dout = (
+        torch.randn(1, seq // world, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(
+            i < 3
+        )
+        for i in range(4)
+    )
 
     def fwd_bwd_ms(ids: torch.Tensor) -> float:
         plan = plan_documents(ids.cuda()[None], world_size=world, rank=rank)  # once per step, as in training
@@ -130,10 +138,19 @@ def ring_times(args) -> None:
         def step():
             q.grad = k.grad = v.grad = None
             ring_attention(q, k, v, group=dist.group.WORLD, document_ids=plan).backward(dout)
+
         return time_fn(step)
 
-    report = dict(world_size=world, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  date=time.strftime("%Y-%m-%d"), seq_len=seq, heads=heads, head_dim=head_dim, rows=[])
+    report = dict(
+        world_size=world,
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        seq_len=seq,
+        heads=heads,
+        head_dim=head_dim,
+        rows=[],
+    )
     path = os.path.join(os.path.dirname(args.out), f"document_balance_ring_ws{world}_{gpu_tag()}.json")
     for mix in args.mixes:
         ids = mix_ids(mix, seq, 0)
@@ -141,9 +158,11 @@ def ring_times(args) -> None:
         row = dict(mix=mix, packed_ms=fwd_bwd_ms(ids), balanced_ms=fwd_bwd_ms(balanced), **compare(ids, world))
         row["speedup"] = row["packed_ms"] / row["balanced_ms"]
         report["rows"].append(row)
-        log(f"[ring ws{world}] {mix}: packed {row['packed_ms']:.1f} ms, balanced {row['balanced_ms']:.1f} ms, "
+        log(
+            f"[ring ws{world}] {mix}: packed {row['packed_ms']:.1f} ms, balanced {row['balanced_ms']:.1f} ms, "
             f"{row['speedup']:.2f}x (rank max/mean {row['packed']['rank_imbalance']:.3f} -> "
-            f"{row['balanced']['rank_imbalance']:.3f})")
+            f"{row['balanced']['rank_imbalance']:.3f})"
+        )
         if rank == 0:
             with open(path, "w") as f:
                 json.dump(report, f, indent=1)
@@ -159,28 +178,45 @@ def main(argv=None) -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=list(WORLD_SIZES), help="CP sizes P")
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats of balance and plan (median)")
     ap.add_argument("--no-corpus", action="store_true", help="skip the default-corpus windows")
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT") or os.path.join(HERE, "results"),
-                                                  "document_balance.json"))
+    ap.add_argument(
+        "--out", default=os.path.join(os.environ.get("OUT") or os.path.join(HERE, "results"), "document_balance.json")
+    )
     ap.add_argument("--ring", action="store_true", help="time the GPU ring instead (under torchrun)")
     args = ap.parse_args(argv)
     if args.ring:
         ring_times(args)
         return
     torch.set_num_threads(1)  # the timing: one core, as in a data-loading path beside training
-    report = dict(seq_len=args.seq, tolerance=TOLERANCE, host=platform.processor() or platform.machine(),
-                  torch=torch.__version__, mixes={}, corpus={})
-    print(f"S = {args.seq}; rank max/mean: max over the sequences; K/V moved: mean share of the plain "
-          f"ring's rows; host ms: mean of the medians")
-    print(f"{'data':22s} {'P':>2s}  {'rank max/mean':>15s}  {'K/V moved':>15s}  {'balance ms':>10s}  "
-          f"{'plan ms':>8s}  over {TOLERANCE}")
+    report = dict(
+        seq_len=args.seq,
+        tolerance=TOLERANCE,
+        host=platform.processor() or platform.machine(),
+        torch=torch.__version__,
+        mixes={},
+        corpus={},
+    )
+    print(
+        f"S = {args.seq}; rank max/mean: max over the sequences; K/V moved: mean share of the plain "
+        f"ring's rows; host ms: mean of the medians"
+    )
+    print(
+        f"{'data':22s} {'P':>2s}  {'rank max/mean':>15s}  {'K/V moved':>15s}  {'balance ms':>10s}  "
+        f"{'plan ms':>8s}  over {TOLERANCE}"
+    )
 
     def show(name, world_size, stats):
         p, b = stats["packed"], stats["balanced"]
-        times = (f"{stats['balance_ms']['mean']:10.1f}  {stats['plan_ms']['mean']:8.1f}" if "balance_ms" in stats
-                 else f"{'':10s}  {'':8s}")
-        print(f"{name:22s} {world_size:2d}  {p['rank_imbalance']['max']:6.3f} -> {b['rank_imbalance']['max']:5.3f}  "
-              f"{p['kv_moved']['mean']:6.1%} -> {b['kv_moved']['mean']:5.1%}  {times}  "
-              f"{stats['over_tolerance']}", flush=True)
+        times = (
+            f"{stats['balance_ms']['mean']:10.1f}  {stats['plan_ms']['mean']:8.1f}"
+            if "balance_ms" in stats
+            else f"{'':10s}  {'':8s}"
+        )
+        print(
+            f"{name:22s} {world_size:2d}  {p['rank_imbalance']['max']:6.3f} -> {b['rank_imbalance']['max']:5.3f}  "
+            f"{p['kv_moved']['mean']:6.1%} -> {b['kv_moved']['mean']:5.1%}  {times}  "
+            f"{stats['over_tolerance']}",
+            flush=True,
+        )
 
     for mix in args.mixes:
         for world_size in args.worlds:

@@ -32,6 +32,7 @@ forward+backward (also the timed step) runs a dense stand-in with flex's semanti
 same CP wrapper: the CP BlockMask's own mask_mod over its own block table. CPU times only show
 that the path runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,10 +55,18 @@ from longctx.data.document_mixes import MIXES, document_ids, document_lengths  #
 
 BALANCERS = ("ptrr", "headtail", "perdoc", "none")
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 2e-2}  # norm-relative
-PROBED = ("_ContextParallel", "_context_parallel_shard", "context_parallel_unshard",
-          "_enable_context_parallel_dispatcher", "_PTRRLoadBalancer", "_HeadTailLoadBalancer",
-          "_PerDocumentHeadTailLoadBalancer", "create_cp_block_mask", "_create_cp_block_mask",
-          "context_parallel")
+PROBED = (
+    "_ContextParallel",
+    "_context_parallel_shard",
+    "context_parallel_unshard",
+    "_enable_context_parallel_dispatcher",
+    "_PTRRLoadBalancer",
+    "_HeadTailLoadBalancer",
+    "_PerDocumentHeadTailLoadBalancer",
+    "create_cp_block_mask",
+    "_create_cp_block_mask",
+    "context_parallel",
+)
 
 
 # ----------------------------------------------------------------------------- the API
@@ -69,29 +78,50 @@ def probe_api() -> dict:
     try:
         import torch.distributed.tensor.experimental._attention as cp
     except Exception as e:  # noqa: BLE001 - the reason is the answer
-        return dict(path=None, reason=f"import torch.distributed.tensor.experimental._attention: "
-                                      f"{type(e).__name__}: {e}", names={})
+        return dict(
+            path=None,
+            reason=f"import torch.distributed.tensor.experimental._attention: {type(e).__name__}: {e}",
+            names={},
+        )
     for name in PROBED:
         found[name] = hasattr(cp, name)
     flex_style = found["_ContextParallel"] and hasattr(getattr(cp._ContextParallel, "AttentionType", None), "FLEX")
     found["_ContextParallel.AttentionType.FLEX"] = flex_style
     try:
         from torch.distributed.tensor.parallel import parallelize_module  # noqa: F401
+
         found["parallelize_module"] = True
     except ImportError:
         found["parallelize_module"] = False
-    need = ("_ContextParallel.AttentionType.FLEX", "_context_parallel_shard", "context_parallel_unshard",
-            "parallelize_module")
+    need = (
+        "_ContextParallel.AttentionType.FLEX",
+        "_context_parallel_shard",
+        "context_parallel_unshard",
+        "parallelize_module",
+    )
     missing = [n for n in need if not found[n]]
     if missing:
-        return dict(path=None, names=found,
-                    reason=f"this torch lacks {', '.join(missing)} (the module-wrapper flex CP torchtitan "
-                           f"uses); not attempted")
-    return dict(path="module-wrapper: parallelize_module(_ContextParallel(seq_dim=2, FLEX)) around "
-                     "torch.compile(flex_attention); _context_parallel_shard of q, k, v, dout and the "
-                     "document BlockMask with a load balancer", names=found,
-                balancers=[b for b, n in (("ptrr", "_PTRRLoadBalancer"), ("headtail", "_HeadTailLoadBalancer"),
-                                          ("perdoc", "_PerDocumentHeadTailLoadBalancer")) if found[n]] + ["none"])
+        return dict(
+            path=None,
+            names=found,
+            reason=f"this torch lacks {', '.join(missing)} (the module-wrapper flex CP torchtitan uses); not attempted",
+        )
+    return dict(
+        path="module-wrapper: parallelize_module(_ContextParallel(seq_dim=2, FLEX)) around "
+        "torch.compile(flex_attention); _context_parallel_shard of q, k, v, dout and the "
+        "document BlockMask with a load balancer",
+        names=found,
+        balancers=[
+            b
+            for b, n in (
+                ("ptrr", "_PTRRLoadBalancer"),
+                ("headtail", "_HeadTailLoadBalancer"),
+                ("perdoc", "_PerDocumentHeadTailLoadBalancer"),
+            )
+            if found[n]
+        ]
+        + ["none"],
+    )
 
 
 def make_balancer(name, block_mask, lengths, S, world, device):
@@ -105,8 +135,10 @@ def make_balancer(name, block_mask, lengths, S, world, device):
         return cp._HeadTailLoadBalancer(S, world, torch.device(device))
     bad = [n for n in lengths if n % (2 * world)]
     if bad:  # its own check is a bare assert
-        raise ValueError(f"perdoc needs every document a multiple of 2 x {world} tokens; "
-                         f"{len(bad)} of {len(lengths)} are not (e.g. {bad[0]})")
+        raise ValueError(
+            f"perdoc needs every document a multiple of 2 x {world} tokens; "
+            f"{len(bad)} of {len(lengths)} are not (e.g. {bad[0]})"
+        )
     return cp._PerDocumentHeadTailLoadBalancer([lengths], world, torch.device(device))
 
 
@@ -120,6 +152,7 @@ def permutation(balancer, S, device):
 def document_causal(doc):
     def mask_mod(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
     return mask_mod
 
 
@@ -161,8 +194,9 @@ def wrap(attend, mesh):
 
     if hasattr(cp, "_enable_context_parallel_dispatcher"):
         cp._enable_context_parallel_dispatcher()  # as torchtitan's apply_cp does
-    return parallelize_module(FlexCore(attend), mesh,
-                              cp._ContextParallel(seq_dim=2, attention_type=cp._ContextParallel.AttentionType.FLEX))
+    return parallelize_module(
+        FlexCore(attend), mesh, cp._ContextParallel(seq_dim=2, attention_type=cp._ContextParallel.AttentionType.FLEX)
+    )
 
 
 # ----------------------------------------------------------------------------- one problem
@@ -205,17 +239,20 @@ class Problem:
         """Busiest rank / mean: visible pairs (exact) and 128x128 blocks the mask visits."""
         world, rank = self.mesh.size(), self.mesh.get_local_rank()
         order = permutation(lb, self.S, self.device)
-        starts = torch.repeat_interleave(torch.cumsum(torch.tensor([0] + self.lengths[:-1]), 0),
-                                         torch.tensor(self.lengths)).to(self.device)
+        starts = torch.repeat_interleave(
+            torch.cumsum(torch.tensor([0] + self.lengths[:-1]), 0), torch.tensor(self.lengths)
+        ).to(self.device)
         seen = (torch.arange(self.S, device=self.device) - starts + 1)[order]  # keys each query sees
         pairs = seen.view(world, -1).sum(1).double()
         nb = cp_mask.kv_num_blocks + (cp_mask.full_kv_num_blocks if cp_mask.full_kv_num_blocks is not None else 0)
         blocks = torch.zeros(world, dtype=torch.float64, device=self.device)
         blocks[rank] = nb.sum().double()
         dist.all_reduce(blocks)
-        return dict(pair_imbalance=float(pairs.max() / pairs.mean()),
-                    block_imbalance=float(blocks.max() / blocks.mean()),
-                    blocks_per_rank=[int(b) for b in blocks.tolist()])
+        return dict(
+            pair_imbalance=float(pairs.max() / pairs.mean()),
+            block_imbalance=float(blocks.max() / blocks.mean()),
+            blocks_per_rank=[int(b) for b in blocks.tolist()],
+        )
 
 
 def reference(problem):
@@ -224,7 +261,7 @@ def reference(problem):
     ids = problem.ids
     pos = torch.arange(problem.S, device=ids.device)
     same = (ids[:, None] == ids[None, :]) & (pos[None, :] <= pos[:, None])
-    scores = (q @ k.transpose(-1, -2)) * problem.D ** -0.5
+    scores = (q @ k.transpose(-1, -2)) * problem.D**-0.5
     out = scores.masked_fill(~same, float("-inf")).softmax(-1) @ v
     out.backward(problem.full[3].double())
     return [out.detach(), q.grad, k.grad, v.grad]
@@ -248,8 +285,9 @@ def check(problem, balancer_name, attend_fwd, attend_bwd, dtype):
     ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
     out = wrap(attend_bwd, problem.mesh)(ql, kl, vl, block_mask=cp_mask)
     out.backward(dout)
-    got = cp.context_parallel_unshard(problem.mesh, [out.detach(), ql.grad, kl.grad, vl.grad], [2] * 4,
-                                      load_balancer=lb)
+    got = cp.context_parallel_unshard(
+        problem.mesh, [out.detach(), ql.grad, kl.grad, vl.grad], [2] * 4, load_balancer=lb
+    )
     if want is None:
         return None
     row["rel_err"] = {n: float((a.double() - w).norm() / w.norm()) for n, a, w in zip(names, got, want)}
@@ -294,8 +332,11 @@ def main(argv=None):
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--dtype", choices=("bfloat16", "float32", "float64"), default="bfloat16")
     ap.add_argument("--mixes", default=",".join(MIXES))
-    ap.add_argument("--balancers", default="ptrr,headtail,perdoc",
-                    help=f"comma-separated of {BALANCERS}; ptrr is torchtitan's choice for flex")
+    ap.add_argument(
+        "--balancers",
+        default="ptrr,headtail,perdoc",
+        help=f"comma-separated of {BALANCERS}; ptrr is torchtitan's choice for flex",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--check", action="store_true", help="float64 check of out and grads first, per mix")
@@ -327,14 +368,29 @@ def main(argv=None):
             setattr(torch._dynamo.config, knob, max(128, getattr(torch._dynamo.config, knob)))
     api = probe_api()
     on_cpu = args.device == "cpu"
-    report = dict(world_size=world, torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                  device=torch.cuda.get_device_name() if not on_cpu else "cpu", api=api,
-                  config=dict(S=args.seq, B=1, H=args.heads, D=args.dim, dtype=args.dtype, mixes=mixes,
-                              balancers=balancers, seed=args.seed, fwd_bwd=True,
-                              timed_attention="dense stand-in of flex (flex_attention has no backward on the "
-                                              "CPU): the times only show the path runs" if on_cpu
-                              else "torch.compile(flex_attention)"),
-                  mixes=[])
+    report = dict(
+        world_size=world,
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        device=torch.cuda.get_device_name() if not on_cpu else "cpu",
+        api=api,
+        config=dict(
+            S=args.seq,
+            B=1,
+            H=args.heads,
+            D=args.dim,
+            dtype=args.dtype,
+            mixes=mixes,
+            balancers=balancers,
+            seed=args.seed,
+            fwd_bwd=True,
+            timed_attention="dense stand-in of flex (flex_attention has no backward on the "
+            "CPU): the times only show the path runs"
+            if on_cpu
+            else "torch.compile(flex_attention)",
+        ),
+        mixes=[],
+    )
     path = os.path.join(args.out, f"document_peer_torch_cp_ws{world}{args.tag}.json")
 
     def log(*a):
@@ -356,8 +412,9 @@ def main(argv=None):
             if api["path"] is None:
                 raise RuntimeError(api["reason"])
             if args.check:
-                small = Problem(mix, args.check_seq, min(args.heads, 4), min(args.dim, 64), dtype, args.device,
-                                args.seed, mesh)
+                small = Problem(
+                    mix, args.check_seq, min(args.heads, 4), min(args.dim, 64), dtype, args.device, args.seed, mesh
+                )
                 for name in balancers:
                     try:
                         got = check(small, name, _flex() if on_cpu else None, attend, dtype)
@@ -395,9 +452,11 @@ def main(argv=None):
                     def step():
                         q.grad = k.grad = v.grad = None
                         core(q, k, v, block_mask=cp_mask).backward(dout)
+
                     cell["ms"], cell["ms_per_rank"] = timed_ms(step, args.device)
-                    cell["tflops_visible_per_gpu"] = pair_tflops(row["visible_pairs"], args.heads, args.dim,
-                                                                 cell["ms"]) / world
+                    cell["tflops_visible_per_gpu"] = (
+                        pair_tflops(row["visible_pairs"], args.heads, args.dim, cell["ms"]) / world
+                    )
                 except Exception as e:  # noqa: BLE001 - one balancer failing leaves the others
                     record_error(cell, e)
                 q = k = v = dout = cp_mask = core = step = None  # free before the next balancer

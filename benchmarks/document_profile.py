@@ -15,6 +15,7 @@ then torch.profiler over 5 steps: the kernels by GPU time (count, total us) and 
 by self CPU time, one text table per case, and a chrome trace of the 2-GPU case of the
 first mix on rank 0. Everything lands under --out/document_profile/ and one JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,6 +75,7 @@ def measure(step, group, reps=7, sleep_ms=60.0):
 def profile(step, path_prefix, trace: bool):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
+
     step()
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -90,8 +92,7 @@ def profile(step, path_prefix, trace: bool):
         prof.export_chrome_trace(path_prefix + ".trace.json")
     kernels = [e for e in averages if e.self_device_time_total > 0]
     kernels.sort(key=lambda e: -e.self_device_time_total)
-    return [dict(name=e.key[:120], count=e.count // 5, us_per_step=e.self_device_time_total / 5)
-            for e in kernels[:15]]
+    return [dict(name=e.key[:120], count=e.count // 5, us_per_step=e.self_device_time_total / 5) for e in kernels[:15]]
 
 
 def main():
@@ -107,34 +108,46 @@ def main():
     S, H, D = args.seq, 16, 128
     folder = os.path.join(args.out, "document_profile")
     os.makedirs(folder, exist_ok=True)
-    report = dict(world_size=world, gpu=torch.cuda.get_device_name(), torch=torch.__version__, S=S, H=H, D=D,
-                  date=time.strftime("%Y-%m-%d"), cases=[])
+    report = dict(
+        world_size=world,
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        S=S,
+        H=H,
+        D=D,
+        date=time.strftime("%Y-%m-%d"),
+        cases=[],
+    )
     g = torch.Generator(device="cuda").manual_seed(rank)
 
     def tensors(n):
-        return [torch.randn(1, n, H, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(i < 3)
-                for i in range(4)]
+        return [
+            torch.randn(1, n, H, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(i < 3)
+            for i in range(4)
+        ]
 
     def stepper(q, k, v, dout, plan, group):
         def step():
             q.grad = k.grad = v.grad = None
-            out = ring_attention(q, k, v, group=group, causal=True, layout="zigzag", backend="auto",
-                                 document_ids=plan)
+            out = ring_attention(q, k, v, group=group, causal=True, layout="zigzag", backend="auto", document_ids=plan)
             out.backward(dout)
+
         return step
 
     for i, mix in enumerate(args.mixes.split(",")):
         lengths = document_lengths(mix, S, seed=args.seed)
-        ids = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"),
-                                      torch.tensor(lengths, device="cuda")).view(1, -1)
+        ids = torch.repeat_interleave(
+            torch.arange(len(lengths), device="cuda"), torch.tensor(lengths, device="cuda")
+        ).view(1, -1)
         if rank == 0:
             q, k, v, dout = tensors(S)
             plan1 = plan_documents(ids, world_size=1, rank=0)
             step = stepper(q, k, v, dout, plan1, None)
             wall, gpu, host = measure(step, None)
             kernels = profile(step, os.path.join(folder, f"{mix}_p1"), trace=i == 0)
-            report["cases"].append(dict(mix=mix, gpus=1, calls=plan1.calls, wall_ms=wall, gpu_ms=gpu, host_ms=host,
-                                        kernels=kernels))
+            report["cases"].append(
+                dict(mix=mix, gpus=1, calls=plan1.calls, wall_ms=wall, gpu_ms=gpu, host_ms=host, kernels=kernels)
+            )
             print(f"[{mix} 1 GPU] wall {wall:.3f} gpu {gpu:.3f} host {host:.3f} ms", flush=True)
             q = k = v = dout = step = None
             torch.cuda.empty_cache()
@@ -145,15 +158,28 @@ def main():
         step = stepper(q, k, v, dout, plan, dist.group.WORLD)
         wall, gpu, host = measure(step, dist.group.WORLD)
         kernels = profile(step, os.path.join(folder, f"{mix}_p{world}_rank{rank}"), trace=i == 0 and rank == 0)
-        case = dict(mix=mix, gpus=world, rank=rank, calls=plan.calls, moved=plan.moved,
-                    imbalance=plan.imbalance, wall_ms=wall, gpu_ms=gpu, host_ms=host, kernels=kernels)
+        case = dict(
+            mix=mix,
+            gpus=world,
+            rank=rank,
+            calls=plan.calls,
+            moved=plan.moved,
+            imbalance=plan.imbalance,
+            wall_ms=wall,
+            gpu_ms=gpu,
+            host_ms=host,
+            kernels=kernels,
+        )
         cases = [None] * world
         dist.all_gather_object(cases, case)
         if rank == 0:
             report["cases"].extend(cases)
             for c in cases:
-                print(f"[{mix} {world} GPUs rank {c['rank']}] calls {c['calls']} moved {c['moved']} wall "
-                      f"{c['wall_ms']:.3f} gpu {c['gpu_ms']:.3f} host {c['host_ms']:.3f} ms", flush=True)
+                print(
+                    f"[{mix} {world} GPUs rank {c['rank']}] calls {c['calls']} moved {c['moved']} wall "
+                    f"{c['wall_ms']:.3f} gpu {c['gpu_ms']:.3f} host {c['host_ms']:.3f} ms",
+                    flush=True,
+                )
             with open(os.path.join(args.out, f"document_profile_ws{world}.json"), "w") as f:
                 json.dump(report, f, indent=1)
         q = k = v = dout = step = None

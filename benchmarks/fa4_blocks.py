@@ -27,6 +27,7 @@ each section so a time-out keeps what finished):
   select    the grid kernels/selection_table.py is written from (benchmarks/write_selection.py):
             S in 1K..16K, causal/full, D 64/128, H=16, every available backend.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,8 +83,7 @@ def randn(*shape, gen):
 
 def block(q, k, v, dout, causal, backend, out_dtype=None, grad_dtype=None, **docs):
     out, lse = attention_forward(q, k, v, causal=causal, backend=backend, out_dtype=out_dtype, **docs)
-    grads = attention_backward(dout, q, k, v, out, lse, causal=causal, backend=backend,
-                               grad_dtype=grad_dtype, **docs)
+    grads = attention_backward(dout, q, k, v, out, lse, causal=causal, backend=backend, grad_dtype=grad_dtype, **docs)
     return (out, lse, *grads)
 
 
@@ -97,8 +97,11 @@ def compare(got, want, tol=2e-2):
         errs[n] = rel(g, w)
     empty = ~finite
     empty_ok = bool((got[1][empty] == float("-inf")).all() and (got[0].transpose(1, 2)[empty] == 0).all())
-    return dict(errs={k: round(e, 6) for k, e in errs.items()}, empty_rows=int(empty.sum()),
-                ok=all(e < tol for e in errs.values()) and empty_ok)
+    return dict(
+        errs={k: round(e, 6) for k, e in errs.items()},
+        empty_rows=int(empty.sum()),
+        ok=all(e < tol for e in errs.values()) and empty_ok,
+    )
 
 
 # ------------------------------------------------------------------------------ check
@@ -137,15 +140,31 @@ def section_check(report):
             qn[0, 17, 1, 5] = float("nan")
             out, lse = attention_forward(qn, bf[1], bf[2], causal=True, backend="fa4")
             nan_rows = torch.isnan(out[0]).any(-1).any(-1)
-            rows.append(dict(kind="nan", case=name, out_nan_rows=int(nan_rows.sum()), lse_17=lse[0, :, 17].tolist(),
-                             ok=bool(nan_rows[17] and torch.isnan(lse[0, 1, 17]))))
+            rows.append(
+                dict(
+                    kind="nan",
+                    case=name,
+                    out_nan_rows=int(nan_rows.sum()),
+                    lse_17=lse[0, :, 17].tolist(),
+                    ok=bool(nan_rows[17] and torch.isnan(lse[0, 1, 17])),
+                )
+            )
             print(f"[check] {rows[-1]}", flush=True)
     # Documents: the Triton document tests' id patterns at GPU-sized lengths, plus ring-like
     # off-diagonal blocks (keys of an earlier chunk, one document straddling the cut).
-    doc_cases = [("short", True, 1, 900, 900), ("len1", True, 1, 300, 300), ("mix", True, 2, 70, 70),
-                 ("halves", True, 1, 512, 512), ("repeat", True, 1, 600, 600), ("one", True, 1, 700, 700),
-                 ("short", False, 2, 640, 960), ("disjoint", False, 1, 400, 330), ("repeat", False, 1, 500, 450),
-                 ("straddle", False, 1, 1024, 1024), ("nothing_shared", False, 1, 256, 384)]
+    doc_cases = [
+        ("short", True, 1, 900, 900),
+        ("len1", True, 1, 300, 300),
+        ("mix", True, 2, 70, 70),
+        ("halves", True, 1, 512, 512),
+        ("repeat", True, 1, 600, 600),
+        ("one", True, 1, 700, 700),
+        ("short", False, 2, 640, 960),
+        ("disjoint", False, 1, 400, 330),
+        ("repeat", False, 1, 500, 450),
+        ("straddle", False, 1, 1024, 1024),
+        ("nothing_shared", False, 1, 256, 384),
+    ]
     for kind, causal, B, Sq, Sk in doc_cases:
         gen = torch.Generator().manual_seed(Sq * 7 + Sk)
         if kind == "straddle":
@@ -164,8 +183,13 @@ def section_check(report):
         k, v = randn(B, Sk, Hkv, D, gen=g), randn(B, Sk, Hkv, D, gen=g)
         docs = dict(q_document_ids=q_ids, k_document_ids=k_ids)
         want = block(q.double(), k.double(), v.double(), dout.double(), causal, "torch", **docs)
-        row = dict(kind="documents", case=kind, causal=causal, shape=(B, Sq, Sk, Hq, Hkv, D),
-                   varlen=fa4.plan_documents(q_ids, k_ids, causal) is not None)
+        row = dict(
+            kind="documents",
+            case=kind,
+            causal=causal,
+            shape=(B, Sq, Sk, Hq, Hkv, D),
+            varlen=fa4.plan_documents(q_ids, k_ids, causal) is not None,
+        )
         try:
             poison_allocator()
             row.update(compare(block(*(t.bfloat16() for t in (q, k, v, dout)), causal, "fa4", **docs), want))
@@ -208,6 +232,7 @@ def emulated_ring(q, k, v, dout, ids, world, backend):
 
     def full(parts):
         return torch.cat([p for p in parts], 1)[:, _zigzag_inverse(q.shape[1], world, device)]
+
     return full(outs), full(dqs), full(dks), full(dvs)
 
 
@@ -221,8 +246,13 @@ def _emulated_plain_ring(local, dtype, world, s_local, backend):
                 continue
             rows, cols, masked = blk
             src = (r - step) % world
-            ob, lb = attention_forward(local[r]["q"][:, rows], local[src]["k"][:, cols], local[src]["v"][:, cols],
-                                       causal=masked, backend=backend)
+            ob, lb = attention_forward(
+                local[r]["q"][:, rows],
+                local[src]["k"][:, cols],
+                local[src]["v"][:, cols],
+                causal=masked,
+                backend=backend,
+            )
             if out is None:
                 out, lse = ob.float().contiguous(), lb.float()
             else:
@@ -240,8 +270,15 @@ def _emulated_plain_ring(local, dtype, world, s_local, backend):
             rows, cols, masked = blk
             src = (r - step) % world
             dq, dk, dv = attention_backward(
-                local[r]["dout"][:, rows], local[r]["q"][:, rows], local[src]["k"][:, cols],
-                local[src]["v"][:, cols], final[:, rows], lses[r][:, :, rows], causal=masked, backend=backend)
+                local[r]["dout"][:, rows],
+                local[r]["q"][:, rows],
+                local[src]["k"][:, cols],
+                local[src]["v"][:, cols],
+                final[:, rows],
+                lses[r][:, :, rows],
+                causal=masked,
+                backend=backend,
+            )
             dqs[r][:, rows] += dq.float()
             dks[src][:, cols] += dk.float()
             dvs[src][:, cols] += dv.float()
@@ -251,8 +288,9 @@ def _emulated_plain_ring(local, dtype, world, s_local, backend):
 def _emulated_document_ring(local, ids, world, backend, scale):
     flat = lambda t: t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:])  # noqa: E731 - the plan's rows
     device = local[0]["q"].device
-    plans = [plan_documents(ids, world_size=world, rank=r, layout="zigzag", causal=True, device=device)
-             for r in range(world)]
+    plans = [
+        plan_documents(ids, world_size=world, rank=r, layout="zigzag", causal=True, device=device) for r in range(world)
+    ]
     fl = [{key: flat(t) for key, t in shard.items()} for shard in local]
     name = resolve_backend(backend, fl[0]["q"], fl[0]["k"], True, documents=True)
 
@@ -267,12 +305,15 @@ def _emulated_document_ring(local, ids, world, backend, scale):
         for step in range(1, world):
             call = plans[r].exchanges[step - 1].call
             if call is not None:
-                out, lse = _call_forward(call, fl[r]["q"], message(r, step, "k"), message(r, step, "v"), out, lse,
-                                         scale, name)
+                out, lse = _call_forward(
+                    call, fl[r]["q"], message(r, step, "k"), message(r, step, "v"), out, lse, scale, name
+                )
         outs.append(out.to(fl[r]["q"].dtype))
         lses.append(lse)
-    grads = [tuple(torch.zeros(fl[r][key].shape, dtype=torch.float32, device=device) for key in ("q", "k", "v"))
-             for r in range(world)]
+    grads = [
+        tuple(torch.zeros(fl[r][key].shape, dtype=torch.float32, device=device) for key in ("q", "k", "v"))
+        for r in range(world)
+    ]
     for r in range(world):
         dq = grads[r][0]
         for step in range(1, world):
@@ -282,21 +323,38 @@ def _emulated_document_ring(local, ids, world, backend, scale):
             src = (r - step) % world
             k_m, v_m = message(r, step, "k"), message(r, step, "v")
             dk_m, dv_m = (torch.zeros(t.shape, dtype=torch.float32, device=device) for t in (k_m, v_m))
-            backward_calls(fl[r]["dout"], fl[r]["q"], k_m, v_m, outs[r], lses[r], [call], scale, name,
-                           grads=(dq, dk_m, dv_m))
+            backward_calls(
+                fl[r]["dout"], fl[r]["q"], k_m, v_m, outs[r], lses[r], [call], scale, name, grads=(dq, dk_m, dv_m)
+            )
             send_rows = plans[src].exchanges[step - 1].send_rows  # the dK/dV go home
             _add_rows(grads[src][1], send_rows, dk_m)
             _add_rows(grads[src][2], send_rows, dv_m)
-        backward_calls(fl[r]["dout"], fl[r]["q"], fl[r]["k"], fl[r]["v"], outs[r], lses[r], plans[r].local_calls,
-                       scale, name, grads=grads[r])
+        backward_calls(
+            fl[r]["dout"],
+            fl[r]["q"],
+            fl[r]["k"],
+            fl[r]["v"],
+            outs[r],
+            lses[r],
+            plans[r].local_calls,
+            scale,
+            name,
+            grads=grads[r],
+        )
     shape = lambda r, t: t.view(local[r]["q"].shape[0], -1, *t.shape[2:])  # noqa: E731
-    return ([shape(r, outs[r]) for r in range(world)], *([shape(r, grads[r][i]) for r in range(world)]
-                                                          for i in range(3)))
+    return (
+        [shape(r, outs[r]) for r in range(world)],
+        *([shape(r, grads[r][i]) for r in range(world)] for i in range(3)),
+    )
 
 
 def _zigzag_inverse(S, world, device=DEV):
-    order = torch.cat([shard_sequence(torch.arange(S).view(1, S), 1, rank=r, world_size=world, layout="zigzag")[0]
-                       for r in range(world)])
+    order = torch.cat(
+        [
+            shard_sequence(torch.arange(S).view(1, S), 1, rank=r, world_size=world, layout="zigzag")[0]
+            for r in range(world)
+        ]
+    )
     return torch.argsort(order).to(device)
 
 
@@ -317,6 +375,7 @@ def rank_blocks(q, k, v, dout, world, rank, backend):
         def run():
             out, lse = attention_forward(qb, kb, vb, causal=causal, backend=backend)
             attention_backward(dob, qb, kb, vb, out, lse, causal=causal, backend=backend)
+
         return run
 
     return [make(step, blk) for step, blk in enumerate(_ring_blocks(rank, world, "zigzag", True, s_local))]
@@ -337,8 +396,7 @@ def section_ring(report):
         for world in (2, 4):
             row = dict(world=world, documents=with_docs, S=S, Hq=Hq, Hkv=Hkv, D=D)
             try:
-                got = emulated_ring(*(t.bfloat16() for t in (q, k, v, dout)), ids if with_docs else None,
-                                    world, "fa4")
+                got = emulated_ring(*(t.bfloat16() for t in (q, k, v, dout)), ids if with_docs else None, world, "fa4")
                 row["errs"] = {n: round(rel(a, b), 6) for n, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
                 row["ok"] = all(e < 2e-2 for e in row["errs"].values())
             except Exception as e:  # noqa: BLE001
@@ -385,6 +443,7 @@ def time_block(backend, Sq, Sk, Hq, Hkv, D, causal):
     def step():
         out, lse = attention_forward(q, k, v, causal=causal, backend=backend)
         attention_backward(dout, q, k, v, out, lse, causal=causal, backend=backend)
+
     t0 = time.perf_counter()
     step()
     torch.cuda.synchronize()
@@ -439,18 +498,29 @@ def main():
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"fa4_blocks_{gpu_tag()}{args.tag}.json")
     import flash_attn.cute  # noqa: F401 - fail here, loudly, if FA4 is missing
-    report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                  capability=torch.cuda.get_device_capability(), date=time.strftime("%Y-%m-%d"),
-                  fa4_cache=os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"), dtype="bfloat16",
-                  timing="CUDA-event median of fwd+bwd through attention_forward/backward, after a first call")
+
+    report = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        capability=torch.cuda.get_device_capability(),
+        date=time.strftime("%Y-%m-%d"),
+        fa4_cache=os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"),
+        dtype="bfloat16",
+        timing="CUDA-event median of fwd+bwd through attention_forward/backward, after a first call",
+    )
+
     def write(report):
         report["compile"] = {" ".join(map(str, k)): round(v, 2) for k, v in fa4.compile_seconds.items()}
         with open(path, "w") as f:
             json.dump(report, f, indent=1, default=str)
+
     _SAVE.append(write)
-    sections = dict(check=lambda: section_check(report), ring=lambda: section_ring(report),
-                    blocks=lambda: section_blocks(report, args.backends),
-                    select=lambda: section_select(report, args.backends))
+    sections = dict(
+        check=lambda: section_check(report),
+        ring=lambda: section_ring(report),
+        blocks=lambda: section_blocks(report, args.backends),
+        select=lambda: section_select(report, args.backends),
+    )
     for name in args.sections:
         t0 = time.time()
         try:

@@ -6,6 +6,7 @@ passed), ``seconds`` (from the fault to the last process gone), ``exit_codes``, 
 (optimizer steps completed but not in the checkpoint a resume takes), ``message`` (the
 line the run printed about it), and case-specific numbers.
 """
+
 from __future__ import annotations
 
 import re
@@ -25,6 +26,7 @@ WATCHDOG_LINE = r"\[longctx watchdog\]"
 @dataclass
 class Settings:
     """What every case shares: where runs go, train.py's flags, the limits checked."""
+
     workdir: Path
     flags: list[str]  # train.py flags of every run but --output-dir (CP=2 over 2 processes)
     steps: int
@@ -43,11 +45,20 @@ class Settings:
         """Where faults hit: half-way between two checkpoints."""
         return self.checkpoint_every + max(self.checkpoint_every // 2, 1)
 
-    def run(self, name: str, extra: list[str] = (), *, fault: Optional[dict] = None, launcher: str = "plain",
-            resume: Optional[Path] = None, out: Optional[Path] = None) -> Run:
+    def run(
+        self,
+        name: str,
+        extra: list[str] = (),
+        *,
+        fault: Optional[dict] = None,
+        launcher: str = "plain",
+        resume: Optional[Path] = None,
+        out: Optional[Path] = None,
+    ) -> Run:
         out = out or self.workdir / name
-        flags = ["--resume", str(resume), "--output-dir", str(out)] if resume else [*self.flags, "--output-dir",
-                                                                                    str(out)]
+        flags = (
+            ["--resume", str(resume), "--output-dir", str(out)] if resume else [*self.flags, "--output-dir", str(out)]
+        )
         return Run(name, self.workdir, [*flags, *extra], fault=fault, launcher=launcher)
 
     def tolerance(self) -> float:
@@ -59,8 +70,9 @@ class Row(dict):
     """One case's row; ``check`` records each requirement, ``outcome`` follows."""
 
     def __init__(self, case: str, what: str):
-        super().__init__(case=case, what=what, outcome="pass", why="", seconds=None, exit_codes={},
-                         work_lost=None, message="")
+        super().__init__(
+            case=case, what=what, outcome="pass", why="", seconds=None, exit_codes={}, work_lost=None, message=""
+        )
         self._failed: list[str] = []
 
     def check(self, ok: bool, failure: str) -> bool:
@@ -71,8 +83,9 @@ class Row(dict):
         return ok
 
 
-def _signal_mid_step(s: Settings, row: Row, name: str, launcher: str, target: str, signum: int,
-                     limit: float) -> tuple[Run, Optional[int]]:
+def _signal_mid_step(
+    s: Settings, row: Row, name: str, launcher: str, target: str, signum: int, limit: float
+) -> tuple[Run, Optional[int]]:
     """Start run ``name``, send ``signum`` to ``target`` once it reaches the fault step, and
     wait (up to ``limit`` s) for every process to end: (the finished run, its exit code)."""
     run = s.run(name, launcher=launcher)
@@ -110,12 +123,24 @@ def _work_lost(run: Run, out: Path, row: Row, ranks: int = 2, done: Optional[int
         step = checkpoint_step(ckpt)
     except FileNotFoundError:
         ckpt, step = None, 0
-    row.update(completed_steps=done, checkpoint_step=step,
-               checkpoint=str(ckpt.relative_to(out)) if ckpt else None, work_lost=done - step)
+    row.update(
+        completed_steps=done,
+        checkpoint_step=step,
+        checkpoint=str(ckpt.relative_to(out)) if ckpt else None,
+        work_lost=done - step,
+    )
 
 
-def _resume_matches(s: Settings, row: Row, out: Path, name: str, first: int = 0, extra: list[str] = (),
-                    resume: Optional[Path] = None, tol: Optional[float] = None) -> None:
+def _resume_matches(
+    s: Settings,
+    row: Row,
+    out: Path,
+    name: str,
+    first: int = 0,
+    extra: list[str] = (),
+    resume: Optional[Path] = None,
+    tol: Optional[float] = None,
+) -> None:
     """--resume the run in ``out``; its losses from step ``first`` on must equal the
     uninterrupted run's (bit-exact, or within the measured noise)."""
     resumed = s.run(name, list(extra), resume=resume or out, out=out)
@@ -128,8 +153,9 @@ def _resume_matches(s: Settings, row: Row, out: Path, name: str, first: int = 0,
     tol = s.tolerance() if tol is None else tol
     row["loss_diff"], row["loss_tol"] = diff, tol
     row.check(diff is not None, "the resumed run's metrics.csv misses steps")
-    row.check(diff is None or diff <= tol,
-              f"resumed losses differ from the uninterrupted run's by {diff:.3g} > {tol:.3g}")
+    row.check(
+        diff is None or diff <= tol, f"resumed losses differ from the uninterrupted run's by {diff:.3g} > {tol:.3g}"
+    )
 
 
 # -- the cases --------------------------------------------------------------------------------
@@ -155,8 +181,11 @@ def sigterm(target: str) -> Callable[[Settings], Row]:
 
     def case(s: Settings) -> Row:
         name = f"sigterm_{target}"
-        what = (f"SIGTERM to {target} mid-step" if launcher == "plain" else
-                "SIGTERM to the launching process (torchrun's agent) mid-step")
+        what = (
+            f"SIGTERM to {target} mid-step"
+            if launcher == "plain"
+            else "SIGTERM to the launching process (torchrun's agent) mid-step"
+        )
         row = Row(name, what)
         out = s.workdir / name
         run, rc = _signal_mid_step(s, row, name, launcher, target, signal.SIGTERM, s.grace + 10)
@@ -167,10 +196,14 @@ def sigterm(target: str) -> Callable[[Settings], Row]:
         else:  # torchrun exits 1 when a signal ends it; each worker's code is in its summary
             codes = [int(c) for c in _torchrun_exit_codes(log)]
             row["exit_codes"]["workers"] = codes
-            row.check(codes == [143, 143] or "stopped by SIGTERM at step" in log and not codes,
-                      f"workers exited {codes}, not 143")
-        row.check(row["seconds"] is not None and row["seconds"] <= s.grace,
-                  f"took {row['seconds']}s > the {s.grace:g}s grace period")
+            row.check(
+                codes == [143, 143] or "stopped by SIGTERM at step" in log and not codes,
+                f"workers exited {codes}, not 143",
+            )
+        row.check(
+            row["seconds"] is not None and row["seconds"] <= s.grace,
+            f"took {row['seconds']}s > the {s.grace:g}s grace period",
+        )
         ends = [run.completed(r) for r in range(2)]
         row.check(ends[0] == ends[1], f"ranks stopped at different steps {ends}")
         _work_lost(run, out, row)
@@ -208,8 +241,10 @@ def sigkill(target: str, launcher: str = "plain") -> Callable[[Settings], Row]:
             row["message"] = find_line(log, rf"{WATCHDOG_LINE}.*rank {dead} ", rf"rank {dead} \(pid \d+\) ended")
             row.check(bool(row["message"]), f"no line names rank {dead}")
         row.check(rc is not None and rc != 0, f"exit code {rc}")
-        row.check(row["seconds"] is not None and row["seconds"] <= s.failure_timeout + 15,
-                  f"took {row['seconds']}s > failure timeout {s.failure_timeout:g}s + 15s")
+        row.check(
+            row["seconds"] is not None and row["seconds"] <= s.failure_timeout + 15,
+            f"took {row['seconds']}s > failure timeout {s.failure_timeout:g}s + 15s",
+        )
         _work_lost(run, s.workdir / name, row)
         row.check(row["work_lost"] < s.checkpoint_every, f"{row['work_lost']} steps lost")
         return row
@@ -223,8 +258,12 @@ def stall(launcher: str = "plain") -> Callable[[Settings], Row]:
         name = "stall_rank1" + ("_torchrun" if launcher == "torchrun" else "")
         under = ", under torchrun" if launcher == "torchrun" else ""
         row = Row(name, f"rank 1 sleeps inside a ring step (process-group timeout {s.stall_pg_timeout}s{under})")
-        run = s.run(name, ["--strategy.timeout", f"0:00:{s.stall_pg_timeout:02d}"], launcher=launcher,
-                    fault={"kind": "stall", "rank": 1, "step": s.signal_step, "seconds": 3600})
+        run = s.run(
+            name,
+            ["--strategy.timeout", f"0:00:{s.stall_pg_timeout:02d}"],
+            launcher=launcher,
+            fault={"kind": "stall", "rank": 1, "step": s.signal_step, "seconds": 3600},
+        )
         # Bound: rank 0's next collective waits the process-group timeout for rank 1, then the
         # watchdog names rank 1 and every rank exits within ~5 polls (both backends: under NCCL
         # the timeout raises nothing in Python); NCCL's own teardown of rank 0, the backstop,
@@ -236,8 +275,9 @@ def stall(launcher: str = "plain") -> Callable[[Settings], Row]:
             rc = _end(s, run, row, since, limit)
         finally:
             run.finish()
-        row["message"] = find_line(run.log(), rf"{WATCHDOG_LINE}.*rank 1 is stalled", WATCHDOG_LINE,
-                                   r"[Tt]imed? ?out", r"Watchdog caught")
+        row["message"] = find_line(
+            run.log(), rf"{WATCHDOG_LINE}.*rank 1 is stalled", WATCHDOG_LINE, r"[Tt]imed? ?out", r"Watchdog caught"
+        )
         row.check(rc is not None and rc != 0, f"exit code {rc}")
         row.check(row["seconds"] is not None and row["seconds"] <= limit, f"took {row['seconds']}s > {limit:.0f}s")
         row.check("rank 1 is stalled" in row["message"], "no watchdog line names rank 1 as stalled")
@@ -267,8 +307,7 @@ def store_lost(when: str) -> Callable[[Settings], Row]:
         row["message"] = find_line(run.log(), rf"{WATCHDOG_LINE}.*(store|agent)", WATCHDOG_LINE)
         row.check(rc == -signal.SIGKILL, f"launcher exit {rc}")
         row.check("agent" in row["message"], "no line names the torchrun agent / store")
-        row.check(row["seconds"] is not None and row["seconds"] <= s.failure_timeout + 10,
-                  f"took {row['seconds']}s")
+        row.check(row["seconds"] is not None and row["seconds"] <= s.failure_timeout + 10, f"took {row['seconds']}s")
         _work_lost(run, s.workdir / name, row)
         if when == "before":
             row.check(row["completed_steps"] == 0, f"{row['completed_steps']} steps ran before the kill")
@@ -304,7 +343,7 @@ def nan_gradient(s: Settings) -> Row:
     row["full_checksums_equal"] = same
     row.check(same, "full parameters differ across ranks")
     line = find_line(run.log(), r"skipping optimizer step")
-    row["message"] = line[line.find("skipping"):]  # without the warning's file:line prefix
+    row["message"] = line[line.find("skipping") :]  # without the warning's file:line prefix
     final = losses(s.workdir / name)
     row.check(len(final) == s.steps and all(v == v for v in final.values()), "losses missing or NaN")
     return row
@@ -328,10 +367,13 @@ def disk_full(s: Settings) -> Row:
     row["checkpoints_left"] = visible
     row.check(f"step{at:06d}.ckpt" not in visible, f"a half-written step{at:06d}.ckpt is visible")
     _work_lost(run, out, row, done=at)  # the failed save is step `at`'s (the probe logs after the saves)
-    row.check(row["checkpoint_step"] == s.checkpoint_every,
-              f"--resume would take step {row['checkpoint_step']}, not {s.checkpoint_every}")
-    row.check("checkpoints saved before are intact" in row["message"],
-              "no line says the earlier checkpoints are intact")
+    row.check(
+        row["checkpoint_step"] == s.checkpoint_every,
+        f"--resume would take step {row['checkpoint_step']}, not {s.checkpoint_every}",
+    )
+    row.check(
+        "checkpoints saved before are intact" in row["message"], "no line says the earlier checkpoints are intact"
+    )
     _resume_matches(s, row, out, f"{name}_resume")
     return row
 
@@ -394,5 +436,4 @@ CASES: dict[str, Callable[[Settings], Row]] = {
     "reshard_1to2": reshard("1>2"),
 }
 # Cases that compare losses with the uninterrupted run (or resume its checkpoints).
-NEEDS_REFERENCE = {"sigterm_rank1", "sigterm_rank0", "sigterm_launcher", "enospc_rank1", "reshard_2to1",
-                   "reshard_1to2"}
+NEEDS_REFERENCE = {"sigterm_rank1", "sigterm_rank0", "sigterm_launcher", "enospc_rank1", "reshard_2to1", "reshard_1to2"}

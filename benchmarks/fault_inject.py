@@ -23,6 +23,7 @@ Faults (``kind``; ``rank``: the rank it hits; ``step``: the global step it hits 
   ``OSError(ENOSPC)`` after 4 KiB (a disk that filled up during a sharded save);
 * ``pause``: every rank sleeps ``seconds`` after ``on_fit_start`` (a window before step 1).
 """
+
 from __future__ import annotations
 
 import errno

@@ -6,6 +6,7 @@ Every run is a session of its own whose processes carry ``LONGCTX_FAULTS_RUN=<id
 environment: what is left of a run is found by that mark (not by name), and only those
 processes are ever killed.
 """
+
 from __future__ import annotations
 
 import csv
@@ -45,8 +46,11 @@ def alive(pid: int) -> bool:
 def marked(mark: str) -> list[int]:
     """The live processes whose environment carries ``mark``."""
     needle = f"{MARK_ENV}={mark}\0".encode()
-    return [int(e.name) for e in Path("/proc").iterdir()
-            if e.name.isdigit() and needle in _environ(int(e.name)) and alive(int(e.name))]
+    return [
+        int(e.name)
+        for e in Path("/proc").iterdir()
+        if e.name.isdigit() and needle in _environ(int(e.name)) and alive(int(e.name))
+    ]
 
 
 def gpu_pids() -> Optional[list[int]]:
@@ -54,8 +58,12 @@ def gpu_pids() -> Optional[list[int]]:
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
     return [int(x) for x in out.split() if x.strip().isdigit()]
@@ -73,29 +81,47 @@ def gpu_held(settle: float = 10.0) -> Optional[list[int]]:
 class Run:
     """One launch of train.py (``flags``) with ``fault`` injected (see fault_inject.py)."""
 
-    def __init__(self, name: str, workdir: Path, flags: list[str], *, fault: Optional[dict] = None,
-                 launcher: str = "plain", nproc: int = 2, env: Optional[dict] = None):
+    def __init__(
+        self,
+        name: str,
+        workdir: Path,
+        flags: list[str],
+        *,
+        fault: Optional[dict] = None,
+        launcher: str = "plain",
+        nproc: int = 2,
+        env: Optional[dict] = None,
+    ):
         self.name, self.launcher = name, launcher
         self.probe = workdir / f"{name}.probe"
         shutil.rmtree(self.probe, ignore_errors=True)
         self.probe.mkdir(parents=True)
         self.log_path = workdir / f"{name}.log"
         self.mark = f"{name}-{os.getpid()}-{time.monotonic_ns()}"
-        run_env = {k: v for k, v in (env or os.environ).items()
-                   if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "NODE_RANK")}
-        run_env.update({MARK_ENV: self.mark, "LONGCTX_FAULTS_PROBE": str(self.probe),
-                        "LONGCTX_FAULT": json.dumps(fault or {}), "PYTHONUNBUFFERED": "1"})
+        run_env = {
+            k: v
+            for k, v in (env or os.environ).items()
+            if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "NODE_RANK")
+        }
+        run_env.update(
+            {
+                MARK_ENV: self.mark,
+                "LONGCTX_FAULTS_PROBE": str(self.probe),
+                "LONGCTX_FAULT": json.dumps(fault or {}),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         script = [str(INJECT), str(REPO / "train.py"), *flags]
         if launcher == "torchrun":
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                   *script]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script]
         else:
             cmd = [sys.executable, *script]
         self.cmd = cmd
         self._log = open(self.log_path, "w")
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=run_env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=run_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self.seen: set[int] = {self.proc.pid}
         self._watching = True
         self._watcher = threading.Thread(target=self._watch, daemon=True)
@@ -132,8 +158,9 @@ class Run:
         deadline = time.monotonic() + timeout
         while not condition():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name}: exited ({self.proc.returncode}) before {what}: "
-                                   f"{last_lines(self.log(), 6)}")
+                raise RuntimeError(
+                    f"{self.name}: exited ({self.proc.returncode}) before {what}: {last_lines(self.log(), 6)}"
+                )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.name}: no {what} after {timeout:.0f}s: {last_lines(self.log(), 6)}")
             time.sleep(0.05)

@@ -13,6 +13,7 @@ handling in benchmarks/fault_runs.py. First an uninterrupted run gives the refer
 (and its checkpoints for the 2 -> 1 resume); a second one measures the run-to-run noise
 (0 on CPU: resumes must then be bit-exact). The table is printed at the end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,15 +32,29 @@ import torch
 from fault_cases import CASES, NEEDS_REFERENCE, Settings, baseline
 from fault_runs import compare, gpu_held  # benchmarks/ is sys.path[0]
 
-GPU_MODEL = ["--model.model.n_layer", "4", "--model.model.n_embd", "512", "--model.model.n_head", "4",
-             "--model.model.n_kv_head", "2", "--model.model.intermediate_size", "1408"]
+GPU_MODEL = [
+    "--model.model.n_layer",
+    "4",
+    "--model.model.n_embd",
+    "512",
+    "--model.model.n_head",
+    "4",
+    "--model.model.n_kv_head",
+    "2",
+    "--model.model.intermediate_size",
+    "1408",
+]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     two_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= 2
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl" if two_gpus else "gloo",
-                   help="nccl: 2 GPUs, bf16; gloo: 2 CPU processes, fp32 (default: nccl if 2 GPUs are visible)")
+    p.add_argument(
+        "--backend",
+        choices=("nccl", "gloo"),
+        default="nccl" if two_gpus else "gloo",
+        help="nccl: 2 GPUs, bf16; gloo: 2 CPU processes, fp32 (default: nccl if 2 GPUs are visible)",
+    )
     p.add_argument("--out", type=Path, default=None, help="the JSON table (default: print only)")
     p.add_argument("--cases", default="all", help=f"comma-separated subset of: {', '.join(CASES)}")
     p.add_argument("--workdir", type=Path, default=None, help="run folders and logs (default: a temp dir, removed)")
@@ -50,10 +65,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--failure-timeout", type=float, default=10.0, help="the watchdog's (train.py --failure-timeout)")
     p.add_argument("--grace", type=float, default=25.0, help="SIGTERM grace period (--stop-grace-period)")
     p.add_argument("--stall-timeout", type=int, default=30, help="process-group timeout in the stall case, s")
-    p.add_argument("--jobs", type=int, default=None,
-                   help="cases run at once (nccl 3: the runs are small and share the 2 GPUs; gloo 1)")
-    p.add_argument("--no-repeat", action="store_true",
-                   help="skip the second uninterrupted run (noise then counts as 0: resumes must be bit-exact)")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="cases run at once (nccl 3: the runs are small and share the 2 GPUs; gloo 1)",
+    )
+    p.add_argument(
+        "--no-repeat",
+        action="store_true",
+        help="skip the second uninterrupted run (noise then counts as 0: resumes must be bit-exact)",
+    )
     p.add_argument("--train-flags", default="", help="more train.py flags for every run (one string)")
     return p.parse_args(argv)
 
@@ -66,19 +88,65 @@ def settings(args: argparse.Namespace, workdir: Path) -> Settings:
     if not 2 * every < steps:
         raise SystemExit(f"faults.py: error: --steps {steps} must exceed 2 x --checkpoint-every {every}")
     flags = [
-        "--data", "stdlib:json,email", "--preset", args.preset, "--model.model.vocab_size", "512",
-        "--seq-len", str(seq), "--batch-size", "1" if gpu else "2", "--max-steps", str(steps),
-        "--decay-steps", str(steps), "--warmup-steps", "2", "--lr", "3e-3", "--seed", "1234",
-        "--context-parallel", "2", "--devices", "2", "--data-parallel", "fsdp", "--attention", "causal",
-        "--accelerator", "gpu" if gpu else "cpu", "--precision", "bf16-mixed" if gpu else "32-true",
-        "--strategy.process_group_backend", args.backend,
-        "--checkpoint-every", str(every), "--val-every", "0", "--trainer.enable_progress_bar", "false",
-        "--failure-timeout", f"{args.failure_timeout:g}", "--stop-grace-period", f"{args.grace:g}",
-        *(GPU_MODEL if gpu else []), *args.train_flags.split(),
+        "--data",
+        "stdlib:json,email",
+        "--preset",
+        args.preset,
+        "--model.model.vocab_size",
+        "512",
+        "--seq-len",
+        str(seq),
+        "--batch-size",
+        "1" if gpu else "2",
+        "--max-steps",
+        str(steps),
+        "--decay-steps",
+        str(steps),
+        "--warmup-steps",
+        "2",
+        "--lr",
+        "3e-3",
+        "--seed",
+        "1234",
+        "--context-parallel",
+        "2",
+        "--devices",
+        "2",
+        "--data-parallel",
+        "fsdp",
+        "--attention",
+        "causal",
+        "--accelerator",
+        "gpu" if gpu else "cpu",
+        "--precision",
+        "bf16-mixed" if gpu else "32-true",
+        "--strategy.process_group_backend",
+        args.backend,
+        "--checkpoint-every",
+        str(every),
+        "--val-every",
+        "0",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--failure-timeout",
+        f"{args.failure_timeout:g}",
+        "--stop-grace-period",
+        f"{args.grace:g}",
+        *(GPU_MODEL if gpu else []),
+        *args.train_flags.split(),
     ]
-    return Settings(workdir=workdir, flags=flags, steps=steps, checkpoint_every=every,
-                    failure_timeout=args.failure_timeout, grace=args.grace, stall_pg_timeout=args.stall_timeout,
-                    startup_s=240.0 if gpu else 300.0, gpu=gpu, loss_tol=2e-2 if gpu else 1e-3)
+    return Settings(
+        workdir=workdir,
+        flags=flags,
+        steps=steps,
+        checkpoint_every=every,
+        failure_timeout=args.failure_timeout,
+        grace=args.grace,
+        stall_pg_timeout=args.stall_timeout,
+        startup_s=240.0 if gpu else 300.0,
+        gpu=gpu,
+        loss_tol=2e-2 if gpu else 1e-3,
+    )
 
 
 def machine(backend: str) -> str:
@@ -90,8 +158,10 @@ def machine(backend: str) -> str:
 
 def table(rows: list[dict]) -> str:
     """The rows as a Markdown table (what the README's reliability section shows)."""
-    lines = ["| case | outcome | s to exit | exit codes | work lost | message (or why it failed) |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| case | outcome | s to exit | exit codes | work lost | message (or why it failed) |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         codes = ", ".join(f"{k} {v}" for k, v in r["exit_codes"].items() if k != "workers" or v)
         seconds = "-" if r["seconds"] is None else f"{r['seconds']:.1f}"
@@ -105,8 +175,16 @@ def run_case(name: str, s: Settings) -> dict:
     try:
         return CASES[name](s)
     except Exception as exc:  # noqa: BLE001 - a case that cannot run is a failed row
-        return {"case": name, "what": name, "outcome": "fail", "why": f"{type(exc).__name__}: {exc}",
-                "seconds": None, "exit_codes": {}, "work_lost": None, "message": ""}
+        return {
+            "case": name,
+            "what": name,
+            "outcome": "fail",
+            "why": f"{type(exc).__name__}: {exc}",
+            "seconds": None,
+            "exit_codes": {},
+            "work_lost": None,
+            "message": "",
+        }
 
 
 def main(argv=None) -> int:
@@ -130,8 +208,9 @@ def main(argv=None) -> int:
     def record(row: dict) -> None:
         row["message"] = row["message"].replace(f"{workdir}/", "")  # run folders by their names
         rows.append(row)
-        print(f"[faults] {row['case']}: {row['outcome']} ({row['seconds']}s) {row['why'] or row['message']}",
-              flush=True)
+        print(
+            f"[faults] {row['case']}: {row['outcome']} ({row['seconds']}s) {row['why'] or row['message']}", flush=True
+        )
 
     try:
         if NEEDS_REFERENCE & set(chosen):
@@ -152,24 +231,41 @@ def main(argv=None) -> int:
                 record(row)
         if s.gpu:  # with every run over, no process may hold GPU memory (the cases check their own)
             held = gpu_held()
-            gpu_after = {"case": "gpu_memory_after_all", "what": "no process holds GPU memory after the suite",
-                         "outcome": "pass" if not held else "fail", "why": f"held by pids {held}" if held else "",
-                         "seconds": None, "exit_codes": {}, "work_lost": None, "message": f"nvidia-smi: {held}"}
+            gpu_after = {
+                "case": "gpu_memory_after_all",
+                "what": "no process holds GPU memory after the suite",
+                "outcome": "pass" if not held else "fail",
+                "why": f"held by pids {held}" if held else "",
+                "seconds": None,
+                "exit_codes": {},
+                "work_lost": None,
+                "message": f"nvidia-smi: {held}",
+            }
             record(gpu_after)
     finally:
         if args.workdir is None and all(r["outcome"] == "pass" for r in rows):
             shutil.rmtree(workdir, ignore_errors=True)
     result = {
-        "backend": args.backend, "machine": machine(args.backend), "steps": s.steps,
-        "checkpoint_every": s.checkpoint_every, "fault_step": s.signal_step, "failure_timeout": s.failure_timeout,
-        "grace_period": s.grace, "train_flags": s.flags, "noise": s.noise, "wall_s": round(time.monotonic() - start),
-        "passed": sum(r["outcome"] == "pass" for r in rows), "cases": rows,
+        "backend": args.backend,
+        "machine": machine(args.backend),
+        "steps": s.steps,
+        "checkpoint_every": s.checkpoint_every,
+        "fault_step": s.signal_step,
+        "failure_timeout": s.failure_timeout,
+        "grace_period": s.grace,
+        "train_flags": s.flags,
+        "noise": s.noise,
+        "wall_s": round(time.monotonic() - start),
+        "passed": sum(r["outcome"] == "pass" for r in rows),
+        "cases": rows,
     }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
-    print(f"\nfault suite, {args.backend} ({result['machine']}), {result['wall_s']} s; run-to-run loss noise "
-          f"{s.noise}\n" + table(rows))
+    print(
+        f"\nfault suite, {args.backend} ({result['machine']}), {result['wall_s']} s; run-to-run loss noise "
+        f"{s.noise}\n" + table(rows)
+    )
     if any(r["outcome"] == "fail" for r in rows):
         print(f"(run folders and logs kept in {workdir})")
     return 0 if all(r["outcome"] == "pass" for r in rows) else 1

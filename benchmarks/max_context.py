@@ -56,6 +56,7 @@ Files: this one is the command line; max_context_driver.py the driver, max_conte
 job, max_context_plot.py the figure; the fits, decisions and summary table are in
 bench/max_context_fit.py, the peak attribution in bench/peak_trace.py (longctx.bench).
 """
+
 from __future__ import annotations
 
 import os
@@ -86,14 +87,16 @@ def parse_args(argv=None):
     ap.add_argument("--fit-lengths-off", default=None, help="tokens per GPU measured without checkpointing")
     ap.add_argument("--fit-lengths-on", default=None, help="tokens per GPU measured with checkpointing")
     ap.add_argument("--backend", default=None, help="attention backend (default auto; torch with --dry-run)")
-    ap.add_argument("--no-breakdown", dest="breakdown", action="store_false",
-                    help="skip the allocator-trace breakdown of the peak")
+    ap.add_argument(
+        "--no-breakdown", dest="breakdown", action="store_false", help="skip the allocator-trace breakdown of the peak"
+    )
     ap.add_argument("--nccl-timeout-s", type=float, default=300.0)
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--dry-run", action="store_true", help="tiny preset on the CPU with gloo (pipeline test)")
     ap.add_argument("--dry-run-mem-mib", type=float, default=48.0, help="synthetic device memory (dry run)")
-    ap.add_argument("--dry-run-oom-rank", type=int, default=-1,
-                    help="dry run: only this rank runs out of memory (-1: all)")
+    ap.add_argument(
+        "--dry-run-oom-rank", type=int, default=-1, help="dry run: only this rank runs out of memory (-1: all)"
+    )
     ap.add_argument("--plot", default=None, metavar="FILE.json", help="only plot a results file (CPU)")
     # internal: one job, launched by the driver
     ap.add_argument("--job", default=None, help=argparse.SUPPRESS)
@@ -104,10 +107,16 @@ def parse_args(argv=None):
     ap.add_argument("--verify-lengths", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     dry = args.dry_run
-    defaults = dict(preset="tiny" if dry else "gpt-350m", verify_max_s=3.0 if dry else 45.0,
-                    budget_s=300.0, grid_min=256 if dry else 16384, grid_max=(1 << 18) if dry else (1 << 25),
-                    fit_lengths_off="128,256,512" if dry else "4096,8192,16384",
-                    fit_lengths_on="128,256,512" if dry else "8192,16384,32768", backend="torch" if dry else "auto")
+    defaults = dict(
+        preset="tiny" if dry else "gpt-350m",
+        verify_max_s=3.0 if dry else 45.0,
+        budget_s=300.0,
+        grid_min=256 if dry else 16384,
+        grid_max=(1 << 18) if dry else (1 << 25),
+        fit_lengths_off="128,256,512" if dry else "4096,8192,16384",
+        fit_lengths_on="128,256,512" if dry else "8192,16384,32768",
+        backend="torch" if dry else "auto",
+    )
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -1,6 +1,7 @@
 """The driver of benchmarks/max_context.py: schedules one job per (P, checkpointing) on GPU
 subsets (disjoint ones at the same time), retries a failed verification lower, rewrites the
 summary JSON after every new record and plots it at the end."""
+
 from __future__ import annotations
 
 import json
@@ -21,13 +22,35 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve().with_name("max_context.py")  # jobs run through the command line
 
 
-PASS_THROUGH = ("preset", "mem_frac", "verify_max_s", "grid_min", "grid_max", "fit_lengths_off",
-                "fit_lengths_on", "backend", "dry_run_mem_mib", "dry_run_oom_rank", "nccl_timeout_s")
+PASS_THROUGH = (
+    "preset",
+    "mem_frac",
+    "verify_max_s",
+    "grid_min",
+    "grid_max",
+    "fit_lengths_off",
+    "fit_lengths_on",
+    "backend",
+    "dry_run_mem_mib",
+    "dry_run_oom_rank",
+    "nccl_timeout_s",
+)
 
 
 def job_command(args, spec: dict, records: Path, deadline: float) -> list[str]:
-    cmd = [str(SCRIPT), "--job", spec["name"], "--p", str(spec["p"]),
-           "--ckpt", str(int(spec["ckpt"])), "--records", str(records), "--deadline", f"{deadline:.0f}"]
+    cmd = [
+        str(SCRIPT),
+        "--job",
+        spec["name"],
+        "--p",
+        str(spec["p"]),
+        "--ckpt",
+        str(int(spec["ckpt"])),
+        "--records",
+        str(records),
+        "--deadline",
+        f"{deadline:.0f}",
+    ]
     for k in PASS_THROUGH:
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     if args.dry_run:
@@ -38,8 +61,14 @@ def job_command(args, spec: dict, records: Path, deadline: float) -> list[str]:
         cmd += ["--verify-lengths", spec["verify_lengths"]]
     if spec["p"] == 1:
         return [sys.executable] + cmd
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec['p']}",
-            "--monitor-interval=0.5"] + cmd
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={spec['p']}",
+        "--monitor-interval=0.5",
+    ] + cmd
 
 
 def write_summary(path: Path, records: list[dict], meta: dict) -> dict:
@@ -71,14 +100,27 @@ def drive(args) -> None:
     json_path = out / f"max_context_ws{n}.json"
     start = time.time()
     deadline = start + args.budget_s
-    meta = dict(preset=args.preset, gpus=n, sizes=sizes, mem_frac=args.mem_frac, verify_max_s=args.verify_max_s,
-                budget_s=args.budget_s, grid_min=args.grid_min, grid_max=args.grid_max,
-                fit_lengths_off=args.fit_lengths_off, fit_lengths_on=args.fit_lengths_on, dry_run=args.dry_run,
-                date=time.strftime("%Y-%m-%d %H:%M"), torch=torch.__version__,
-                alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), command=" ".join(sys.argv))
+    meta = dict(
+        preset=args.preset,
+        gpus=n,
+        sizes=sizes,
+        mem_frac=args.mem_frac,
+        verify_max_s=args.verify_max_s,
+        budget_s=args.budget_s,
+        grid_min=args.grid_min,
+        grid_max=args.grid_max,
+        fit_lengths_off=args.fit_lengths_off,
+        fit_lengths_on=args.fit_lengths_on,
+        dry_run=args.dry_run,
+        date=time.strftime("%Y-%m-%d %H:%M"),
+        torch=torch.__version__,
+        alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        command=" ".join(sys.argv),
+    )
     # Longest first by GPU-seconds (P x a rough duration): the P=max jobs hold every GPU.
-    specs = [dict(name=f"P{p}_{'ckpt' if c else 'nockpt'}", p=p, ckpt=c, est=70 if c else 40)
-             for p in sizes for c in ckpts]
+    specs = [
+        dict(name=f"P{p}_{'ckpt' if c else 'nockpt'}", p=p, ckpt=c, est=70 if c else 40) for p in sizes for c in ckpts
+    ]
     pending = sorted(specs, key=lambda s: -s["p"] * s["est"])
     free, running, seen_sizes = list(range(n)), {}, None
     while pending or running:
@@ -87,14 +129,15 @@ def drive(args) -> None:
                 print(f"[driver] out of time budget: not starting {spec['name']}", flush=True)
                 pending.remove(spec)
             elif len(free) >= spec["p"]:
-                gpus, free = free[:spec["p"]], free[spec["p"]:]
+                gpus, free = free[: spec["p"]], free[spec["p"] :]
                 env = dict(os.environ, OMP_NUM_THREADS="1")
                 if not args.dry_run:
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(physical[i] for i in gpus)
                 log = open(rec_dir / f"{spec['name']}.log", "w")
                 cmd = job_command(args, spec, rec_dir / f"{spec['name']}.jsonl", deadline)
-                proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                        start_new_session=True)
+                proc = subprocess.Popen(
+                    cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+                )
                 running[spec["name"]] = (proc, spec, gpus, log)
                 pending.remove(spec)
                 print(f"[driver] {time.time() - start:5.0f}s start {spec['name']} on GPUs {gpus}", flush=True)
@@ -104,8 +147,14 @@ def drive(args) -> None:
                 _kill(proc)
                 rc = proc.wait()
                 with open(rec_dir / f"{name}.jsonl", "a") as f:
-                    f.write(json.dumps(dict(kind="error", job=name, p=spec["p"], ckpt=spec["ckpt"],
-                                            msg="killed at the time budget")) + "\n")
+                    f.write(
+                        json.dumps(
+                            dict(
+                                kind="error", job=name, p=spec["p"], ckpt=spec["ckpt"], msg="killed at the time budget"
+                            )
+                        )
+                        + "\n"
+                    )
             if rc is None:
                 continue
             log.close()
@@ -127,11 +176,13 @@ def drive(args) -> None:
     png = plot(str(json_path))
     print(f"[driver] {time.time() - start:.0f}s  wrote {json_path} and {png}")
     for r in summary["table"]:
-        print(f"P={r['P']} ckpt={'on ' if r['checkpointing'] else 'off'} max={fmt_len(r.get('max_seq_len')):>6} "
-              f"({r['status']}; predicted {fmt_len(r.get('predicted_max'))}, "
-              f"{(r.get('bytes_per_token_per_layer') or 0) / 1024:.1f} KiB/token/layer; peak at max "
-              f"{r.get('measured_peak_GiB_at_max') or 0:.1f} GiB measured, "
-              f"{r.get('memory_model_peak_GiB_at_max') or 0:.1f} GiB longctx.memory)")
+        print(
+            f"P={r['P']} ckpt={'on ' if r['checkpointing'] else 'off'} max={fmt_len(r.get('max_seq_len')):>6} "
+            f"({r['status']}; predicted {fmt_len(r.get('predicted_max'))}, "
+            f"{(r.get('bytes_per_token_per_layer') or 0) / 1024:.1f} KiB/token/layer; peak at max "
+            f"{r.get('measured_peak_GiB_at_max') or 0:.1f} GiB measured, "
+            f"{r.get('memory_model_peak_GiB_at_max') or 0:.1f} GiB longctx.memory)"
+        )
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -1,6 +1,7 @@
 """One job of benchmarks/max_context.py: (P, checkpointing) on P devices (or the CPU in a dry
 run): fit lengths measured, the maximum predicted, verified or extended as time allows, every
 measurement appended to the job's records; an out-of-memory of P>1 ends the process."""
+
 from __future__ import annotations
 
 import contextlib
@@ -125,8 +126,9 @@ class Job:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if self.p > 1:
             kw = {} if self.dry else {"device_id": self.device}
-            dist.init_process_group("gloo" if self.dry else "nccl",
-                                    timeout=timedelta(seconds=args.nccl_timeout_s), **kw)
+            dist.init_process_group(
+                "gloo" if self.dry else "nccl", timeout=timedelta(seconds=args.nccl_timeout_s), **kw
+            )
             if dist.get_world_size() != self.p:
                 raise RuntimeError(f"job for P={self.p} started with {dist.get_world_size()} processes")
             self.rank = dist.get_rank()
@@ -140,13 +142,14 @@ class Job:
         parallelize(self.gpt, ParallelDims(cp=CPContext(dist.group.WORLD if self.p > 1 else None)), self.plan)
         net = LossModule(self.gpt)
         # DDP as Lightning's strategy uses it (defaults: separate gradient buckets).
-        self.net = (DDP(net, device_ids=None if self.dry else [self.device.index]) if self.p > 1 else net)
+        self.net = DDP(net, device_ids=None if self.dry else [self.device.index]) if self.p > 1 else net
         self.opt = torch.optim.AdamW(self.gpt.parameters(), lr=1e-5, fused=not self.dry)
         # --dry-run-oom-rank R: only rank R runs out of memory, the others stay blocked in the
         # ring (the case the one-job-per-subprocess design exists for).
         enforce = args.dry_run_oom_rank < 0 or args.dry_run_oom_rank == self.rank
-        self.meter = (ProxyMeter(int(args.dry_run_mem_mib * 2**20), self.gpt, enforce) if self.dry
-                      else CudaMeter(self.device))
+        self.meter = (
+            ProxyMeter(int(args.dry_run_mem_mib * 2**20), self.gpt, enforce) if self.dry else CudaMeter(self.device)
+        )
         self.grid = grid_lengths(args.grid_min, args.grid_max, 2 * self.p)
         self.deadline = args.deadline
 
@@ -178,8 +181,14 @@ class Job:
         weights, DDP over the P ranks; fp32 in the dry run)."""
         from longctx.memory import estimate
 
-        return estimate(self.cfg, s_total, plan=self.plan, cp=self.p, data_parallel="ddp" if self.p > 1 else "none",
-                        precision="32-true" if self.dry else "bf16-mixed").allocated_bytes
+        return estimate(
+            self.cfg,
+            s_total,
+            plan=self.plan,
+            cp=self.p,
+            data_parallel="ddp" if self.p > 1 else "none",
+            precision="32-true" if self.dry else "bf16-mixed",
+        ).allocated_bytes
 
     def affordable(self, est_s: float) -> bool:
         return time.time() + 1.3 * est_s + 10 < self.deadline
@@ -199,8 +208,13 @@ class Job:
     def step(self, batch) -> torch.Tensor:
         (ids, lab, pos), s_total = batch
         # DDP averages over P: the global token mean
-        loss_sum, _ = train_step(lambda: self.net(ids, lab, pos), self.opt, lambda loss, n: loss * (self.p / s_total),
-                                 autocast=None if self.dry else "cuda", watch=self.meter.watch())
+        loss_sum, _ = train_step(
+            lambda: self.net(ids, lab, pos),
+            self.opt,
+            lambda loss, n: loss * (self.p / s_total),
+            autocast=None if self.dry else "cuda",
+            watch=self.meter.watch(),
+        )
         return loss_sum.detach()
 
     # -- measurements ------------------------------------------------------------------------
@@ -216,7 +230,8 @@ class Job:
             history = history and self.rank == 0 and not self.dry
             if history:
                 torch.cuda.memory._record_memory_history(
-                    "all", context="alloc", stacks="python", max_entries=1_000_000, clear_history=True)
+                    "all", context="alloc", stacks="python", max_entries=1_000_000, clear_history=True
+                )
 
             def start():
                 self.meter.reset()
@@ -237,8 +252,9 @@ class Job:
             if not isinstance(e, torch.OutOfMemoryError) and "out of memory" not in str(e).lower():
                 raise
             oom = str(e).strip().splitlines()[0][:300]
-            self.write(dict(kind="oom", phase=phase, s_total=s_total, s_local=s_total // self.p, msg=oom),
-                       any_rank=True)
+            self.write(
+                dict(kind="oom", phase=phase, s_total=s_total, s_local=s_total // self.p, msg=oom), any_rank=True
+            )
             if self.p > 1:
                 # The other ranks are (or soon will be) blocked in the ring: no collective can
                 # recover. Leave now; torchrun ends the rest of the job.
@@ -251,20 +267,38 @@ class Job:
                 torch.cuda.empty_cache()
             return None
         s_local = s_total // self.p
-        rec = dict(kind="measure", phase=phase, s_total=s_total, s_local=s_local, peak_alloc=int(peak_a),
-                   peak_reserved=int(peak_r), step_s=dt, loss_finite=bad == 0.0,
-                   predicted_alloc=self.predicted_alloc(s_total))
+        rec = dict(
+            kind="measure",
+            phase=phase,
+            s_total=s_total,
+            s_local=s_local,
+            peak_alloc=int(peak_a),
+            peak_reserved=int(peak_r),
+            step_s=dt,
+            loss_finite=bad == 0.0,
+            predicted_alloc=self.predicted_alloc(s_total),
+        )
         if self.rank == 0:
-            print(f"S={s_total}: peak allocated {peak_a / GiB:.2f} GiB measured, "
-                  f"{rec['predicted_alloc'] / GiB:.2f} GiB predicted (longctx.memory)", flush=True)
+            print(
+                f"S={s_total}: peak allocated {peak_a / GiB:.2f} GiB measured, "
+                f"{rec['predicted_alloc'] / GiB:.2f} GiB predicted (longctx.memory)",
+                flush=True,
+            )
         if not history:
             self.write(rec)
         if snap is not None:
             try:  # a diagnostic: never let it end the job
                 trace = snap["device_traces"][self.device.index]
                 bd = attribute_peak(trace, base, s_local, self.cfg.n_layer, library_roots(), (Path(__file__).name,))
-                self.write(dict(bd, kind="breakdown", s_total=s_total, peak_alloc_measured=int(peak_a),
-                                trace_truncated=len(trace) >= 1_000_000))
+                self.write(
+                    dict(
+                        bd,
+                        kind="breakdown",
+                        s_total=s_total,
+                        peak_alloc_measured=int(peak_a),
+                        trace_truncated=len(trace) >= 1_000_000,
+                    )
+                )
             except Exception as e:  # noqa: BLE001
                 self.write(dict(kind="breakdown_error", msg=f"{type(e).__name__}: {e}"[:300]))
         return rec
@@ -282,10 +316,21 @@ def run_job(args) -> None:
     budget = args.mem_frac * total
     device = "cpu (dry run proxy)" if job.dry else torch.cuda.get_device_name(job.device)
     c2_min = attention_time_floor(job.cfg, job.ckpt, device)
-    job.write(dict(kind="meta", preset=args.preset, n_layer=job.cfg.n_layer, params=job.gpt.num_params(),
-                   total_bytes=total, budget_bytes=budget, non_torch_bytes=job.meter.overhead(),
-                   device=device, time_c2_floor=c2_min,
-                   torch=torch.__version__, alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
+    job.write(
+        dict(
+            kind="meta",
+            preset=args.preset,
+            n_layer=job.cfg.n_layer,
+            params=job.gpt.num_params(),
+            total_bytes=total,
+            budget_bytes=budget,
+            non_torch_bytes=job.meter.overhead(),
+            device=device,
+            time_c2_floor=c2_min,
+            torch=torch.__version__,
+            alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        )
+    )
     if args.verify_lengths:  # a retry from the driver: verification only, largest first
         for s in [int(x) for x in args.verify_lengths.split(",")]:
             if job.run(s, "verify") is not None:
@@ -303,8 +348,18 @@ def run_job(args) -> None:
         coef = fit_time([(r["s_local"], r["s_total"], r["step_s"]) for r in points], c2_min)
         s_pred = predict_max(a, b, p, budget, job.grid)
         t_pred = predict_time(coef, s_pred, p) if s_pred else None
-        job.write(dict(kind="fit", phase=phase, a=a, b=b, residual=res, time_coef=coef,
-                       predicted_max=s_pred, predicted_step_s=t_pred))
+        job.write(
+            dict(
+                kind="fit",
+                phase=phase,
+                a=a,
+                b=b,
+                residual=res,
+                time_coef=coef,
+                predicted_max=s_pred,
+                predicted_step_s=t_pred,
+            )
+        )
         return coef, s_pred, t_pred
 
     coef, s_pred, t_pred = refit("fit")
@@ -353,8 +408,20 @@ def job_main(args) -> None:
         traceback.print_exc()
         rank = int(os.environ.get("RANK", 0))
         with open(args.records, "a") as f:
-            f.write(json.dumps(dict(kind="error", job=args.job, p=args.p, ckpt=bool(args.ckpt), rank=rank,
-                                    msg=f"{type(e).__name__}: {e}"[:500], time=time.time())) + "\n")
+            f.write(
+                json.dumps(
+                    dict(
+                        kind="error",
+                        job=args.job,
+                        p=args.p,
+                        ckpt=bool(args.ckpt),
+                        rank=rank,
+                        msg=f"{type(e).__name__}: {e}"[:500],
+                        time=time.time(),
+                    )
+                )
+                + "\n"
+            )
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

@@ -1,4 +1,5 @@
 """benchmarks/max_context.py's figure: largest trainable length vs GPUs, peak memory vs tokens per GPU."""
+
 from __future__ import annotations
 
 import json
@@ -34,11 +35,18 @@ def plot(json_path: str, png_path: Optional[str] = None) -> str:
             ax.annotate(fmt_len(m), (p, m), textcoords="offset points", xytext=(6, -12), fontsize=8)
         base = next((r for r in rows if r["P"] == 1), None)
         if base:
-            ax.plot(ps, [base["max_seq_len"] * p for p in ps], ":", color=colors[ckpt], alpha=0.7,
-                    label="linear in P from P=1")
+            ax.plot(
+                ps,
+                [base["max_seq_len"] * p for p in ps],
+                ":",
+                color=colors[ckpt],
+                alpha=0.7,
+                label="linear in P from P=1",
+            )
     ax.axhline(ONE_M, color="gray", lw=0.8, ls="--")
-    ax.annotate("1M", (sizes[0] if sizes else 1, ONE_M), textcoords="offset points", xytext=(2, 3),
-                fontsize=8, color="gray")
+    ax.annotate(
+        "1M", (sizes[0] if sizes else 1, ONE_M), textcoords="offset points", xytext=(2, 3), fontsize=8, color="gray"
+    )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xticks(sizes, [str(p) for p in sizes])
@@ -55,8 +63,14 @@ def plot(json_path: str, png_path: Optional[str] = None) -> str:
         xs = [r["s_local"] for r in pts]
         bx.plot(xs, [r["peak_alloc"] / GiB for r in pts], marker, color=colors[ckpt], mfc="none")
         line = [0, max(xs + [1]) * 1.3]
-        bx.plot(line, [(fit["a"] + fit["b"] * x) / GiB for x in line], ls, color=colors[ckpt], lw=0.9,
-                label=f"P={p} {'ckpt' if ckpt else 'no ckpt'}")
+        bx.plot(
+            line,
+            [(fit["a"] + fit["b"] * x) / GiB for x in line],
+            ls,
+            color=colors[ckpt],
+            lw=0.9,
+            label=f"P={p} {'ckpt' if ckpt else 'no ckpt'}",
+        )
     budget = next((r.get("budget_GiB") for r in data["table"] if r.get("budget_GiB")), None)
     if budget:
         bx.axhline(budget, color="red", lw=0.8, ls="--", label="budget")

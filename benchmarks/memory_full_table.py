@@ -8,6 +8,7 @@ memory model's prediction (recomputed from the run's own config.yaml) against th
 RUNS holds one folder per case (``longctx.bench.memory_runs``). ``--readme`` also prints the
 rows in the README's table format. ``memory_validate.py --recheck`` takes the JSON later.
 """
+
 from __future__ import annotations
 
 from longctx.bench.memory_runs import table_main

@@ -33,6 +33,7 @@ keeps all of them and the largest.
 Rows (JSON list, rewritten after every case): $OUT/memory_validate.json (OUT default ./out;
 memory_validate_cp{N}.json under CP).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,16 +66,38 @@ def cp_cases(smoke: bool, cp: int) -> list[dict]:
     """Per-rank sizes as in ``cases``; the sequence is ``cp`` times as long."""
     tiled = dict(activation_checkpointing="full", mlp_tile_size=8192)
     if smoke:
-        return [dict(case=f"smoke-cp{cp}-tiled-chunks2-docs", model=dict(preset="tiny"), seq_len=cp * 512,
-                     docs=True, plan=dict(tiled, mlp_tile_size=128, attention_head_chunks=2, offload_activations=1))]
+        return [
+            dict(
+                case=f"smoke-cp{cp}-tiled-chunks2-docs",
+                model=dict(preset="tiny"),
+                seq_len=cp * 512,
+                docs=True,
+                plan=dict(tiled, mlp_tile_size=128, attention_head_chunks=2, offload_activations=1),
+            )
+        ]
     return [
-        dict(case=f"cp{cp}-8b-width-1layer-512k-per-rank-tiled-chunks8-docs", model=dict(EIGHT_B, n_layer=1),
-             seq_len=cp * 512 * K, plan=dict(tiled, attention_head_chunks=8), docs=True),
-        dict(case=f"cp{cp}-8b-width-4layers-512k-per-rank-tiled-offload-chunks8-docs", model=dict(EIGHT_B, n_layer=4),
-             seq_len=cp * 512 * K, plan=dict(tiled, attention_head_chunks=8, offload_activations=True), docs=True),
+        dict(
+            case=f"cp{cp}-8b-width-1layer-512k-per-rank-tiled-chunks8-docs",
+            model=dict(EIGHT_B, n_layer=1),
+            seq_len=cp * 512 * K,
+            plan=dict(tiled, attention_head_chunks=8),
+            docs=True,
+        ),
+        dict(
+            case=f"cp{cp}-8b-width-4layers-512k-per-rank-tiled-offload-chunks8-docs",
+            model=dict(EIGHT_B, n_layer=4),
+            seq_len=cp * 512 * K,
+            plan=dict(tiled, attention_head_chunks=8, offload_activations=True),
+            docs=True,
+        ),
         # All heads at once: the ring's buffers at full size (the largest predicted transient).
-        dict(case=f"cp{cp}-8b-width-1layer-512k-per-rank-tiled-docs", model=dict(EIGHT_B, n_layer=1),
-             seq_len=cp * 512 * K, plan=tiled, docs=True),
+        dict(
+            case=f"cp{cp}-8b-width-1layer-512k-per-rank-tiled-docs",
+            model=dict(EIGHT_B, n_layer=1),
+            seq_len=cp * 512 * K,
+            plan=tiled,
+            docs=True,
+        ),
     ]
 
 
@@ -86,31 +109,68 @@ def cases(smoke: bool) -> list[dict]:
         return [
             dict(case="smoke-full", model=tiny, seq_len=512, plan=full),
             dict(case="smoke-none", model=tiny, seq_len=512, plan=dict(activation_checkpointing="none")),
-            dict(case="smoke-tiled-offload-docs", model=tiny, seq_len=1024, docs=True,
-                 plan=dict(activation_checkpointing="full", mlp_tile_size=128, offload_activations=1,
-                           attention_head_chunks=2)),
-            dict(case="smoke-ab", model=tiny, seq_len=512, plan=full,
-                 ab={"-tiled-offload": dict(mlp_tile_size=64, offload_activations=True)}),
+            dict(
+                case="smoke-tiled-offload-docs",
+                model=tiny,
+                seq_len=1024,
+                docs=True,
+                plan=dict(
+                    activation_checkpointing="full", mlp_tile_size=128, offload_activations=1, attention_head_chunks=2
+                ),
+            ),
+            dict(
+                case="smoke-ab",
+                model=tiny,
+                seq_len=512,
+                plan=full,
+                ab={"-tiled-offload": dict(mlp_tile_size=64, offload_activations=True)},
+            ),
         ]
     return [
         dict(case="1b-128k-none", model=ONE_B, seq_len=128 * K, plan=dict(activation_checkpointing="none")),
         dict(case="1b-128k-selective", model=ONE_B, seq_len=128 * K, plan=dict(activation_checkpointing="selective")),
-        dict(case="1b-128k-ab", model=ONE_B, seq_len=128 * K, plan=full,
-             ab={"-tiled-offload": dict(mlp_tile_size=8192, offload_activations=True),
-                 "-tiled-offload-chunks8": dict(mlp_tile_size=8192, offload_activations=True,
-                                                attention_head_chunks=8)}),
+        dict(
+            case="1b-128k-ab",
+            model=ONE_B,
+            seq_len=128 * K,
+            plan=full,
+            ab={
+                "-tiled-offload": dict(mlp_tile_size=8192, offload_activations=True),
+                "-tiled-offload-chunks8": dict(mlp_tile_size=8192, offload_activations=True, attention_head_chunks=8),
+            },
+        ),
         dict(case="1b-512k-full-docs", model=ONE_B, seq_len=512 * K, plan=full, docs=True),
-        dict(case="1b-8layers-1m-tiled-offload-docs", model=dict(ONE_B, n_layer=8), seq_len=1024 * K,
-             plan=tiled_off, docs=True),
-        dict(case="8b-width-4layers-512k-tiled-offload-chunks8-docs", model=dict(EIGHT_B, n_layer=4),
-             seq_len=512 * K, plan=dict(tiled_off, attention_head_chunks=8), docs=True),
+        dict(
+            case="1b-8layers-1m-tiled-offload-docs",
+            model=dict(ONE_B, n_layer=8),
+            seq_len=1024 * K,
+            plan=tiled_off,
+            docs=True,
+        ),
+        dict(
+            case="8b-width-4layers-512k-tiled-offload-chunks8-docs",
+            model=dict(EIGHT_B, n_layer=4),
+            seq_len=512 * K,
+            plan=dict(tiled_off, attention_head_chunks=8),
+            docs=True,
+        ),
         # One 8B-width layer at 512K: the recompute-and-backward transient nearly alone (the
         # term that decides whether the 8B fits at 512K per rank; NOTES), all heads at once
         # and in 8 head chunks.
-        dict(case="8b-width-1layer-512k-tiled-docs", model=dict(EIGHT_B, n_layer=1), seq_len=512 * K,
-             plan=dict(activation_checkpointing="full", mlp_tile_size=8192), docs=True),
-        dict(case="8b-width-1layer-512k-tiled-chunks8-docs", model=dict(EIGHT_B, n_layer=1), seq_len=512 * K,
-             plan=dict(activation_checkpointing="full", mlp_tile_size=8192, attention_head_chunks=8), docs=True),
+        dict(
+            case="8b-width-1layer-512k-tiled-docs",
+            model=dict(EIGHT_B, n_layer=1),
+            seq_len=512 * K,
+            plan=dict(activation_checkpointing="full", mlp_tile_size=8192),
+            docs=True,
+        ),
+        dict(
+            case="8b-width-1layer-512k-tiled-chunks8-docs",
+            model=dict(EIGHT_B, n_layer=1),
+            seq_len=512 * K,
+            plan=dict(activation_checkpointing="full", mlp_tile_size=8192, attention_head_chunks=8),
+            docs=True,
+        ),
     ]
 
 
@@ -155,8 +215,9 @@ class Setup:
         torch.manual_seed(0)
         with device:
             self.model = GPT(self.cfg)
-        dims = ParallelDims(cp=cp, data_parallel="fsdp", fsdp_mesh=mesh,
-                            param_dtype=torch.bfloat16 if self.cuda else None)
+        dims = ParallelDims(
+            cp=cp, data_parallel="fsdp", fsdp_mesh=mesh, param_dtype=torch.bfloat16 if self.cuda else None
+        )
         parallelize(self.model, dims, self.plan)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, weight_decay=0.1, foreach=self.cuda)
         # AdamW's moments exist from here on (a zero-gradient step at lr 0 changes nothing):
@@ -189,10 +250,12 @@ class Setup:
         bytes allocated at its end)`` for the forward, the loss backward, each block's
         backward in three parts (MLP and output projection; attention; q/k/v projections
         and norm) and the optimizer step (the peak counter is reset at every mark)."""
+
         def mark(period):
             if marks is not None:
-                marks.append((period, torch.cuda.max_memory_allocated(self.device),
-                              torch.cuda.memory_allocated(self.device)))
+                marks.append(
+                    (period, torch.cuda.max_memory_allocated(self.device), torch.cuda.memory_allocated(self.device))
+                )
                 torch.cuda.reset_peak_memory_stats(self.device)
 
         handles = []
@@ -203,18 +266,23 @@ class Setup:
                 def hook(module, args, out):
                     if out.requires_grad:
                         out.register_hook(lambda grad: mark(before))
+
                 return hook
 
             def on_query(before):
                 def hook(module, args):
                     if args[0].requires_grad:
                         args[0].register_hook(lambda grad: mark(before))
+
                 return hook
 
             blocks = list(self.model.blocks)
             for i, block in enumerate(blocks):
-                handles.append(block.register_forward_hook(
-                    on_output("loss backward" if i == len(blocks) - 1 else f"block {i + 1} backward")))
+                handles.append(
+                    block.register_forward_hook(
+                        on_output("loss backward" if i == len(blocks) - 1 else f"block {i + 1} backward")
+                    )
+                )
                 # Inside block i's backward: the gradient reaching the attention core's output
                 # ends the MLP and output-projection part; dQ ends the attention's own part
                 # (the kernels and the ring). The rest (q/k/v projections, norm) is "block i backward".
@@ -222,9 +290,12 @@ class Setup:
                 handles.append(block.attn.core.register_forward_pre_hook(on_query(f"block {i} attention backward")))
         try:
             loss_sum, n = train_step(
-                lambda: self.model(self.ids, self.pos, labels=self.labels, document_ids=self.docs), self.opt,
-                lambda loss, n: loss / n, autocast="cuda" if self.cuda else None,
-                mark=lambda part: mark("block 0 backward" if part == "backward" else part))
+                lambda: self.model(self.ids, self.pos, labels=self.labels, document_ids=self.docs),
+                self.opt,
+                lambda loss, n: loss / n,
+                autocast="cuda" if self.cuda else None,
+                mark=lambda part: mark("block 0 backward" if part == "backward" else part),
+            )
         finally:
             for h in handles:
                 h.remove()
@@ -235,9 +306,16 @@ class Setup:
             torch.cuda.synchronize(self.device)
 
     def predict(self, plan: ParallelPlan):
-        return estimate(self.cfg, self.case["seq_len"], plan=plan, cp=self.cp, dp=1, data_parallel="fsdp",
-                        precision="bf16-mixed" if self.cuda else "32-true",
-                        attention_kernel="auto")
+        return estimate(
+            self.cfg,
+            self.case["seq_len"],
+            plan=plan,
+            cp=self.cp,
+            dp=1,
+            data_parallel="fsdp",
+            precision="bf16-mixed" if self.cuda else "32-true",
+            attention_kernel="auto",
+        )
 
 
 def measured_step(setup: Setup, plan: ParallelPlan) -> dict:
@@ -253,19 +331,28 @@ def measured_step(setup: Setup, plan: ParallelPlan) -> dict:
         loss = setup.step(marks)
         setup.sync()
         dt = time.perf_counter() - t0
-    row = dict(predicted_gpu=pred.allocated_bytes, predicted_gpu_with_context=pred.gpu_bytes,
-               predicted_phase=pred.phase, predicted_items={k: round(v / GiB, 3) for k, v in pred.items.items()},
-               predicted_phases={k: round(v / GiB, 3) for k, v in pred.phases.items()},
-               predicted_host=pred.host_bytes, measured_host_rss_peak=rss.peak, step_s=dt, loss=loss)
+    row = dict(
+        predicted_gpu=pred.allocated_bytes,
+        predicted_gpu_with_context=pred.gpu_bytes,
+        predicted_phase=pred.phase,
+        predicted_items={k: round(v / GiB, 3) for k, v in pred.items.items()},
+        predicted_phases={k: round(v / GiB, 3) for k, v in pred.phases.items()},
+        predicted_host=pred.host_bytes,
+        measured_host_rss_peak=rss.peak,
+        step_s=dt,
+        loss=loss,
+    )
     if setup.cuda:
         row["measured_gpu"] = max(peak for _, peak, _ in marks)
-        row["measured_periods"] = [dict(period=p, peak_gib=round(peak / GiB, 3), end_gib=round(end / GiB, 3))
-                                   for p, peak, end in marks]
+        row["measured_periods"] = [
+            dict(period=p, peak_gib=round(peak / GiB, 3), end_gib=round(end / GiB, 3)) for p, peak, end in marks
+        ]
         row["measured_gpu_reserved"] = torch.cuda.max_memory_reserved(dev)
     if setup.cp > 1:  # every rank's peaks; the row's figures are the largest
         ranks = [None] * setup.cp
-        dist.all_gather_object(ranks, {k: row.get(k) for k in ("measured_gpu", "measured_periods",
-                                                              "measured_host_rss_peak", "loss")})
+        dist.all_gather_object(
+            ranks, {k: row.get(k) for k in ("measured_gpu", "measured_periods", "measured_host_rss_peak", "loss")}
+        )
         row["ranks"] = ranks
         row["measured_host_rss_peak"] = max(r["measured_host_rss_peak"] for r in ranks)
         if setup.cuda:
@@ -282,8 +369,13 @@ def timed(setup: Setup, steps: int) -> float:
 
 
 def run_case(case: dict, device, mesh, steps: int) -> list[dict]:
-    base = dict(case=case["case"], seq_len=case["seq_len"], model=case["model"], plan=case["plan"],
-                documents_of=(DOC if device.type == "cuda" else 128) if case.get("docs") else None)
+    base = dict(
+        case=case["case"],
+        seq_len=case["seq_len"],
+        model=case["model"],
+        plan=case["plan"],
+        documents_of=(DOC if device.type == "cuda" else 128) if case.get("docs") else None,
+    )
     rows = []
     setup = Setup(case, device, mesh)
     rows.append(dict(base, **measured_step(setup, setup.plan)))
@@ -320,9 +412,13 @@ def main(argv=None):
     ap.add_argument("--cases", default="", help="comma list of case names (default: all)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per A/B variant")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
-    ap.add_argument("--recheck", nargs="+", metavar="JSON",
-                    help="no GPU: stored results (memory_validate*.json; device_memory_full.sh's "
-                         "memory_full*.json) against the memory model as it is now (FlashAttention-4 runs)")
+    ap.add_argument(
+        "--recheck",
+        nargs="+",
+        metavar="JSON",
+        help="no GPU: stored results (memory_validate*.json; device_memory_full.sh's "
+        "memory_full*.json) against the memory model as it is now (FlashAttention-4 runs)",
+    )
     args = ap.parse_args(argv)
     # Before the first CUDA allocation (the allocator reads it then); the memory model's slack
     # term was measured with it.
@@ -330,8 +426,10 @@ def main(argv=None):
     if args.recheck:
         for path in args.recheck:
             for r in recheck(path, "fa4"):
-                print(f"{Path(path).name}: {r['case']}: measured {r['measured'] / GiB:.1f} GiB, predicted "
-                      f"{r['predicted'] / GiB:.1f} GiB, ratio {r['ratio']:.3f} (peak at {r['phase']})")
+                print(
+                    f"{Path(path).name}: {r['case']}: measured {r['measured'] / GiB:.1f} GiB, predicted "
+                    f"{r['predicted'] / GiB:.1f} GiB, ratio {r['ratio']:.3f} (peak at {r['phase']})"
+                )
         return
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
@@ -344,8 +442,9 @@ def main(argv=None):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
-                                **({"device_id": device} if cuda else {}))
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", rank=rank, world_size=world, **({"device_id": device} if cuda else {})
+        )
     from torch.distributed.device_mesh import DeviceMesh
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, device.type, mesh_dim_names=("dp_cp",))
@@ -353,11 +452,19 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     path = out / ("memory_validate.json" if world == 1 else f"memory_validate_cp{world}.json")
     wanted = {c for c in args.cases.split(",") if c}
-    todo = [c for c in (cases(args.smoke) if world == 1 else cp_cases(args.smoke, world))
-            if not wanted or c["case"] in wanted]
-    meta = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", torch=torch.__version__,
-                alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), date=time.strftime("%Y-%m-%d %H:%M"), cp=world,
-                attention_kernel=auto_attention_kernel(128, 512 * 1024) if cuda else "torch")
+    todo = [
+        c
+        for c in (cases(args.smoke) if world == 1 else cp_cases(args.smoke, world))
+        if not wanted or c["case"] in wanted
+    ]
+    meta = dict(
+        device=torch.cuda.get_device_name(device) if cuda else "cpu",
+        torch=torch.__version__,
+        alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        date=time.strftime("%Y-%m-%d %H:%M"),
+        cp=world,
+        attention_kernel=auto_attention_kernel(128, 512 * 1024) if cuda else "torch",
+    )
     rows: list[dict] = []
     start = time.time()
     for case in todo:
@@ -370,15 +477,29 @@ def main(argv=None):
             if not isinstance(e, torch.OutOfMemoryError) and "out of memory" not in str(e).lower():
                 traceback.print_exc()
             msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-            new = [dict(case=case["case"], seq_len=case["seq_len"], model=case["model"], plan=case["plan"],
-                        error=f"{type(e).__name__}: {msg}")]
+            new = [
+                dict(
+                    case=case["case"],
+                    seq_len=case["seq_len"],
+                    model=case["model"],
+                    plan=case["plan"],
+                    error=f"{type(e).__name__}: {msg}",
+                )
+            ]
             try:
-                setup_pred = estimate(GPTConfig.from_dict(case["model"]), case["seq_len"],
-                                      plan=ParallelPlan(**case["plan"]), data_parallel="fsdp",
-                                      precision="bf16-mixed" if cuda else "32-true",
-                                      attention_kernel="auto")
-                new[0].update(predicted_gpu=setup_pred.allocated_bytes, predicted_gpu_with_context=setup_pred.gpu_bytes,
-                              predicted_host=setup_pred.host_bytes)
+                setup_pred = estimate(
+                    GPTConfig.from_dict(case["model"]),
+                    case["seq_len"],
+                    plan=ParallelPlan(**case["plan"]),
+                    data_parallel="fsdp",
+                    precision="bf16-mixed" if cuda else "32-true",
+                    attention_kernel="auto",
+                )
+                new[0].update(
+                    predicted_gpu=setup_pred.allocated_bytes,
+                    predicted_gpu_with_context=setup_pred.gpu_bytes,
+                    predicted_host=setup_pred.host_bytes,
+                )
             except Exception:  # noqa: BLE001 - a diagnostic only
                 pass
         _free()
@@ -389,12 +510,15 @@ def main(argv=None):
             rows.append(r)
             gpu = f"{r['measured_gpu'] / GiB:.1f}" if "measured_gpu" in r else "-"
             pred = f"{r['predicted_gpu'] / GiB:.1f}" if "predicted_gpu" in r else "-"
-            print(f"[{time.time() - start:5.0f}s] {r['case']}: GPU measured {gpu} GiB, predicted {pred} GiB"
-                  + (f", ratio {r['ratio']:.3f}" if "ratio" in r else "")
-                  + (f", step {r['step_s']:.1f} s" if "step_s" in r else "")
-                  + (f", {r['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in r else "")
-                  + (f", slowdown {100 * r['slowdown_vs_untiled']:.1f}%" if "slowdown_vs_untiled" in r else "")
-                  + (f"; {r['error']}" if "error" in r else ""), flush=True)
+            print(
+                f"[{time.time() - start:5.0f}s] {r['case']}: GPU measured {gpu} GiB, predicted {pred} GiB"
+                + (f", ratio {r['ratio']:.3f}" if "ratio" in r else "")
+                + (f", step {r['step_s']:.1f} s" if "step_s" in r else "")
+                + (f", {r['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in r else "")
+                + (f", slowdown {100 * r['slowdown_vs_untiled']:.1f}%" if "slowdown_vs_untiled" in r else "")
+                + (f"; {r['error']}" if "error" in r else ""),
+                flush=True,
+            )
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         os.replace(tmp, path)

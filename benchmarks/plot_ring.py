@@ -2,6 +2,7 @@
 
 Run: python benchmarks/plot_ring.py benchmarks/results/ring_ws4_h200.json  (CPU is fine)
 """
+
 from __future__ import annotations
 
 import json

@@ -20,6 +20,7 @@ Sections (results in $OUT/ring_ws{N}.json, default benchmarks/results/):
             groups as the ring's strong scaling. (check covers it too.)
 FLOPs: 4*S^2*D*H per forward (half for causal), backward 2.5x forward.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,7 @@ def subgroups(world, high_priority=False):
         p *= 2
     if world not in sizes:
         sizes.append(world)
-    return {p: (ring_comm.new_ring_group(range(p), high_priority=high_priority) if p > 1 else None)
-            for p in sizes}
+    return {p: (ring_comm.new_ring_group(range(p), high_priority=high_priority) if p > 1 else None) for p in sizes}
 
 
 def local_inputs(b, s_local, hq, hkv, d, seed, dtype=torch.bfloat16):
@@ -83,6 +83,7 @@ def ring_step(q, k, v, dout, group, backend, impl="ring"):
         q.grad = k.grad = v.grad = None
         out = attention(q, k, v, group=group, causal=True, backend=backend)
         out.backward(dout)
+
     return run
 
 
@@ -94,7 +95,7 @@ def reference_fp64(q, k, v, dout, chunk=512):
     group = hq // k.shape[2]
     k = k.repeat_interleave(group, 2)
     v = v.repeat_interleave(group, 2)
-    scale = d ** -0.5
+    scale = d**-0.5
     out, dq = torch.empty_like(q), torch.empty_like(q)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for i in range(0, s, chunk):
@@ -123,8 +124,7 @@ def section_check(res, args, groups):
         torch.manual_seed(1234 + hq)
         full = [torch.randn(1, s_total, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv, hq)]
         ref = reference_fp64(*full)
-        for impl, backend, (p, group) in [(i, b, g) for i in ATTENTION for b in args.backends
-                                          for g in groups.items()]:
+        for impl, backend, (p, group) in [(i, b, g) for i in ATTENTION for b in args.backends for g in groups.items()]:
             if p == 1 or hkv % p:
                 continue
             if rank < p:
@@ -145,8 +145,17 @@ def section_check(res, args, groups):
             else:
                 errs_t = torch.zeros(4, device="cuda")
             dist.all_reduce(errs_t, op=dist.ReduceOp.MAX)
-            r = dict(impl=impl, backend=backend, P=p, S_total=s_total, Hq=hq, Hkv=hkv, D=d, dtype="bf16",
-                     **{n: e for n, e in zip(("out", "dq", "dk", "dv"), errs_t.tolist())})
+            r = dict(
+                impl=impl,
+                backend=backend,
+                P=p,
+                S_total=s_total,
+                Hq=hq,
+                Hkv=hkv,
+                D=d,
+                dtype="bf16",
+                **{n: e for n, e in zip(("out", "dq", "dk", "dv"), errs_t.tolist())},
+            )
             r["pass"] = all(e < 2e-2 for e in errs_t.tolist())
             res.setdefault("check", []).append(r)
             log("check", json.dumps(r))
@@ -175,17 +184,23 @@ def section_memory(res, args, groups):
             q = k = v = dout = None  # free the tensors (closures above name them)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         shard_mib = 1 * (s_total // p) * h * d * 2 / 2**20
-        r = dict(P=p, S_total=s_total, S_local=s_total // p, backend=args.backends[0],
-                 peak_extra_MiB=peak[0].item(), peak_total_MiB=peak[1].item(),
-                 one_shard_MiB=shard_mib, extra_over_shard=peak[0].item() / shard_mib)
+        r = dict(
+            P=p,
+            S_total=s_total,
+            S_local=s_total // p,
+            backend=args.backends[0],
+            peak_extra_MiB=peak[0].item(),
+            peak_total_MiB=peak[1].item(),
+            one_shard_MiB=shard_mib,
+            extra_over_shard=peak[0].item() / shard_mib,
+        )
         res.setdefault("memory", []).append(r)
         log("memory", json.dumps(r))
         torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------- speed
-def run_ring_timing(res_key, res, args, groups, s_total, p, hq, hkv, backend, extra=None, d=128,
-                    impl="ring"):
+def run_ring_timing(res_key, res, args, groups, s_total, p, hq, hkv, backend, extra=None, d=128, impl="ring"):
     rank = dist.get_rank()
     group = groups[p]
     t = torch.zeros(1, device="cuda")
@@ -201,8 +216,18 @@ def run_ring_timing(res_key, res, args, groups, s_total, p, hq, hkv, backend, ex
             t[0] = float("nan")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     ms = t.item()
-    r = dict(impl=impl, backend=backend, P=p, S_total=s_total, S_local=s_total // p, Hq=hq, Hkv=hkv, D=d,
-             fb_ms=ms, fb_tflops_per_gpu=attn_flops(s_total, hq, d) / p / ms / 1e9 if ms == ms else None)
+    r = dict(
+        impl=impl,
+        backend=backend,
+        P=p,
+        S_total=s_total,
+        S_local=s_total // p,
+        Hq=hq,
+        Hkv=hkv,
+        D=d,
+        fb_ms=ms,
+        fb_tflops_per_gpu=attn_flops(s_total, hq, d) / p / ms / 1e9 if ms == ms else None,
+    )
     if extra:
         r.update(extra)
     res.setdefault(res_key, []).append(r)
@@ -260,8 +285,10 @@ def section_peer(res, args, groups):
             t = torch.zeros(1, device="cuda")
             if rank == 0 and s_total <= 128 * K:
                 try:
-                    q, k, v = (torch.randn(1, h, s_total, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                               for _ in range(3))
+                    q, k, v = (
+                        torch.randn(1, h, s_total, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                        for _ in range(3)
+                    )
                     do = torch.randn_like(q)
 
                     def fb():
@@ -275,8 +302,13 @@ def section_peer(res, args, groups):
                     t[0] = float("nan")
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if t.item() > 0:
-                r = dict(impl=f"sdpa-{name}", P=1, S_total=s_total, fb_ms=t.item(),
-                         fb_tflops_per_gpu=attn_flops(s_total, h, d) / t.item() / 1e9)
+                r = dict(
+                    impl=f"sdpa-{name}",
+                    P=1,
+                    S_total=s_total,
+                    fb_ms=t.item(),
+                    fb_tflops_per_gpu=attn_flops(s_total, h, d) / t.item() / 1e9,
+                )
                 res.setdefault("peer", []).append(r)
                 log("peer", json.dumps(r))
             torch.cuda.empty_cache()
@@ -313,8 +345,16 @@ def time_torch_cp(res, res_key, method, s_total, h, d, be, name):
                     F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
 
             ms = time_fn(fb, iters=5 if s_total <= 128 * K else 2)
-        r = dict(impl=f"torch-cp-{name}", method=method, P=world, S_total=s_total, H=h, D=d, fb_ms=ms,
-                 fb_tflops_per_gpu=attn_flops(s_total, h, d) / world / ms / 1e9)
+        r = dict(
+            impl=f"torch-cp-{name}",
+            method=method,
+            P=world,
+            S_total=s_total,
+            H=h,
+            D=d,
+            fb_ms=ms,
+            fb_tflops_per_gpu=attn_flops(s_total, h, d) / world / ms / 1e9,
+        )
         res.setdefault(res_key, []).append(r)
         log(res_key, json.dumps(r))
         full = q = k = v = do = None  # free the tensors (closures above name them)
@@ -359,19 +399,26 @@ def section_breakdown(res, args, groups):
                 comm_obj.shift_back(dkv[i % 2], dkv[(i + 1) % 2]).wait()
 
         comm = time_fn(comm_only)
-        r = dict(backend=backend, P=world, S_total=s_total, total_ms=total, compute_only_ms=compute,
-                 comm_only_ms=comm, hidden_comm_fraction=max(0.0, min(1.0, (compute + comm - total) / comm)))
+        r = dict(
+            backend=backend,
+            P=world,
+            S_total=s_total,
+            total_ms=total,
+            compute_only_ms=compute,
+            comm_only_ms=comm,
+            hidden_comm_fraction=max(0.0, min(1.0, (compute + comm - total) / comm)),
+        )
         # Profiler: how much NCCL kernel time ran concurrently with compute kernels.
         try:
             from torch.profiler import ProfilerActivity, profile
 
             run = ring_step(q, k, v, dout, group, backend)
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                         record_shapes=True) as prof:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
                 run()
                 torch.cuda.synchronize()
-            kernels = [e for e in prof.events()
-                       if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start]
+            kernels = [
+                e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
+            ]
             nccl = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
             comp = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
             r["profile"] = overlap_summary(nccl, comp)
@@ -398,11 +445,11 @@ def section_breakdown(res, args, groups):
                 key = " < ".join(chain) + " " + str(e.input_shapes)[:120]
                 sources[key] = sources.get(key, 0.0) + t
             r["profile"].update(
-                elementwise_sources=sorted(((k, round(t, 1)) for k, t in sources.items()),
-                                           key=lambda kv: -kv[1])[:16],
-                span_us=span, idle_us=span - busy,
-                top=[(name, n, round(t, 1)) for name, (n, t) in
-                     sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]])
+                elementwise_sources=sorted(((k, round(t, 1)) for k, t in sources.items()), key=lambda kv: -kv[1])[:16],
+                span_us=span,
+                idle_us=span - busy,
+                top=[(name, n, round(t, 1)) for name, (n, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]],
+            )
         except Exception as ex:
             r["profile_error"] = repr(ex)[:200]
         res.setdefault("breakdown", []).append(r)
@@ -417,17 +464,27 @@ def section_priority(res, args, groups):
     world = dist.get_world_size()
     if world == 1:
         return
-    normal = (groups[world] if args.nccl_priority == "normal"
-              else ring_comm.new_ring_group(range(world), high_priority=False))
-    high = (groups[world] if args.nccl_priority == "high"
-            else ring_comm.new_ring_group(range(world), high_priority=True))
+    normal = (
+        groups[world] if args.nccl_priority == "normal" else ring_comm.new_ring_group(range(world), high_priority=False)
+    )
+    high = groups[world] if args.nccl_priority == "high" else ring_comm.new_ring_group(range(world), high_priority=True)
     by_prio = {"normal": {world: normal}, "high": {world: high}}
     for s_total in args.seqs[:2]:
         for backend in args.backends:
             for rnd in range(3):
                 for prio, g in by_prio.items():
-                    run_ring_timing("priority", res, args, g, s_total, world, 16, 16, backend,
-                                    extra=dict(nccl_stream=prio, round=rnd))
+                    run_ring_timing(
+                        "priority",
+                        res,
+                        args,
+                        g,
+                        s_total,
+                        world,
+                        16,
+                        16,
+                        backend,
+                        extra=dict(nccl_stream=prio, round=rnd),
+                    )
 
 
 # ------------------------------------------------------------------------------------ d64
@@ -480,8 +537,12 @@ def overlap_summary(nccl, comp):
             i += 1
         else:
             j += 1
-    return dict(nccl_kernel_us=nccl_us, compute_kernel_us=comp_us, nccl_overlapped_us=both,
-                nccl_overlapped_fraction=both / nccl_us if nccl_us else None)
+    return dict(
+        nccl_kernel_us=nccl_us,
+        compute_kernel_us=comp_us,
+        nccl_overlapped_us=both,
+        nccl_overlapped_fraction=both / nccl_us if nccl_us else None,
+    )
 
 
 def main():
@@ -490,8 +551,12 @@ def main():
     ap.add_argument("--backends", default="cudnn,triton")
     ap.add_argument("--seqs", default="32768,131072,524288")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    ap.add_argument("--nccl-priority", choices=("high", "normal"), default="normal",
-                    help="CUDA stream priority of the ring groups' NCCL stream")
+    ap.add_argument(
+        "--nccl-priority",
+        choices=("high", "normal"),
+        default="normal",
+        help="CUDA stream priority of the ring groups' NCCL stream",
+    )
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     args = ap.parse_args()
     args.backends = args.backends.split(",")
@@ -499,8 +564,13 @@ def main():
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     world = dist.get_world_size()
-    res = dict(world_size=world, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-               date=time.strftime("%Y-%m-%d"), shapes="bf16 causal B=1 H=16 D=128 (gqa: 32q/8kv)")
+    res = dict(
+        world_size=world,
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        shapes="bf16 causal B=1 H=16 D=128 (gqa: 32q/8kv)",
+    )
     res["nccl_stream"] = args.nccl_priority
     groups = subgroups(world, high_priority=args.nccl_priority == "high")
     out_path = os.path.join(args.out, f"ring_ws{world}{args.tag}.json")

@@ -14,6 +14,7 @@ does). Activation checkpointing per block when S/P >= 64K (recorded per row), or
 matmul, other) on rank 0: where a step's time goes.
 Results: $OUT/train_throughput_ws{N}{tag}.json (default benchmarks/results/).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,7 @@ def log(*a):
         print(*a, flush=True)
 
 
-def measure(preset, s_total, p, group, ddp_group, steps, checkpointing, backend, profile=False,
-            overrides=None):
+def measure(preset, s_total, p, group, ddp_group, steps, checkpointing, backend, profile=False, overrides=None):
     rank = dist.get_rank()
     # --set overrides win over --checkpointing/--backend (variants may set them too); keys
     # of longctx.ParallelPlan go to the plan, the rest to the model's sizes.
@@ -51,8 +51,11 @@ def measure(preset, s_total, p, group, ddp_group, steps, checkpointing, backend,
     from longctx.models.config import RUNTIME_KEYS
 
     overrides = dict(overrides or {})
-    plan = {"activation_checkpointing": checkpointing, "attention_backend": backend,
-            **{k: overrides.pop(k) for k in list(overrides) if k in RUNTIME_KEYS}}
+    plan = {
+        "activation_checkpointing": checkpointing,
+        "attention_backend": backend,
+        **{k: overrides.pop(k) for k in list(overrides) if k in RUNTIME_KEYS},
+    }
     cfg = GPTConfig.from_preset(preset, **overrides)
     torch.manual_seed(0)
     model = GPT(cfg).cuda()
@@ -71,8 +74,9 @@ def measure(preset, s_total, p, group, ddp_group, steps, checkpointing, backend,
 
     def step():
         # DDP averages over p: the global token mean
-        loss_sum, _ = train_step(lambda: step_loss(inp, lab, pos), opt, lambda loss, n: loss / s_total * p,
-                                 autocast="cuda")
+        loss_sum, _ = train_step(
+            lambda: step_loss(inp, lab, pos), opt, lambda loss, n: loss / s_total * p, autocast="cuda"
+        )
         return loss_sum
 
     def start():
@@ -88,18 +92,35 @@ def measure(preset, s_total, p, group, ddp_group, steps, checkpointing, backend,
     model = step_loss = opt = None  # free the tensors (closures above name them)
     torch.cuda.empty_cache()
     tps = s_total / dt
-    return dict(preset=preset, overrides=overrides or {}, head_dim=cfg.head_dim, P=p, S_total=s_total,
-                S_per_gpu=s_total // p, checkpointing=plan["activation_checkpointing"],
-                step_s=dt, tokens_per_s=tps, tokens_per_s_per_gpu=tps / p,
-                mfu=cfg.flops_per_token(s_total) * tps / (p * peak_flops()), peak_mem_GiB=peak,
-                params=cfg.num_params(), loss_finite=finite,
-                **({"kernel_ms_by_kind": kernel_time} if kernel_time else {}))
+    return dict(
+        preset=preset,
+        overrides=overrides or {},
+        head_dim=cfg.head_dim,
+        P=p,
+        S_total=s_total,
+        S_per_gpu=s_total // p,
+        checkpointing=plan["activation_checkpointing"],
+        step_s=dt,
+        tokens_per_s=tps,
+        tokens_per_s_per_gpu=tps / p,
+        mfu=cfg.flops_per_token(s_total) * tps / (p * peak_flops()),
+        peak_mem_GiB=peak,
+        params=cfg.num_params(),
+        loss_finite=finite,
+        **({"kernel_ms_by_kind": kernel_time} if kernel_time else {}),
+    )
 
 
 _KINDS = (  # substring of a CUDA kernel name -> kind; first match wins
     ("nccl", "nccl"),
-    ("fmha", "attention"), ("cudnn", "attention"), ("flash", "attention"), ("_attn_", "attention"),
-    ("merge_partials", "attention"), ("gemm", "matmul"), ("nvjet", "matmul"), ("cutlass", "matmul"),
+    ("fmha", "attention"),
+    ("cudnn", "attention"),
+    ("flash", "attention"),
+    ("_attn_", "attention"),
+    ("merge_partials", "attention"),
+    ("gemm", "matmul"),
+    ("nvjet", "matmul"),
+    ("cutlass", "matmul"),
     ("xmma", "matmul"),
 )
 
@@ -121,8 +142,7 @@ def profile_step(step) -> dict:
         by_kind[kind] = by_kind.get(kind, 0.0) + us / 1e3
         by_name[e.name[:90]] = by_name.get(e.name[:90], 0.0) + us / 1e3
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
-    return dict(by_kind={k: round(v, 2) for k, v in by_kind.items()},
-                top=[(n, round(v, 2)) for n, v in top])
+    return dict(by_kind={k: round(v, 2) for k, v in by_kind.items()}, top=[(n, round(v, 2)) for n, v in top])
 
 
 def main():
@@ -130,15 +150,24 @@ def main():
     ap.add_argument("--preset", default="gpt-350m")
     ap.add_argument("--seqs", default="32768,131072")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--checkpointing", default="auto", choices=["auto", "auto-selective", "on", "off", "selective"],
-                    help="auto: whole blocks when S/P >= 64K, else none; auto-selective: 'selective' "
-                         "(never recompute the ring) when S/P >= 64K")
+    ap.add_argument(
+        "--checkpointing",
+        default="auto",
+        choices=["auto", "auto-selective", "on", "off", "selective"],
+        help="auto: whole blocks when S/P >= 64K, else none; auto-selective: 'selective' "
+        "(never recompute the ring) when S/P >= 64K",
+    )
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--sizes", default="1,2,4,8", help="CP sizes to measure (<= world size)")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="GPTConfig overrides (JSON values) of one variant, ',' between keys, e.g. "
-                         "'fuse_pointwise=true,n_head=8'; repeat --set to measure several variants")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="GPTConfig overrides (JSON values) of one variant, ',' between keys, e.g. "
+        "'fuse_pointwise=true,n_head=8'; repeat --set to measure several variants",
+    )
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = ap.parse_args()
@@ -151,8 +180,14 @@ def main():
     # the world group, the ring on its CP group): on the ring's own communicator DDP's
     # all-reduce would queue on the stream that carries the ring's K/V hops.
     ddp_groups = {p: (dist.new_group(list(range(p))) if p > 1 else None) for p in sizes}
-    res = dict(world_size=world, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-               date=time.strftime("%Y-%m-%d"), peak_bf16_flops=peak_flops(), rows=[])
+    res = dict(
+        world_size=world,
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        peak_bf16_flops=peak_flops(),
+        rows=[],
+    )
     variants = [{}]
     if args.set:
         variants = []
@@ -161,14 +196,29 @@ def main():
             variants.append({k.strip(): json.loads(v) for k, v in (kv.split("=", 1) for kv in pairs)})
     for s_total, p, overrides in [(int(s), p, o) for s in args.seqs.split(",") for p in sizes for o in variants]:
         big = s_total // p >= 65536
-        ckpt = {"on": True, "off": False, "selective": "selective", "auto": big,
-                "auto-selective": "selective" if big else False}[args.checkpointing]
+        ckpt = {
+            "on": True,
+            "off": False,
+            "selective": "selective",
+            "auto": big,
+            "auto-selective": "selective" if big else False,
+        }[args.checkpointing]
         out = torch.zeros(1, device="cuda")
         row = None
         if rank < p:
             try:
-                row = measure(args.preset, s_total, p, groups[p], ddp_groups[p], args.steps, ckpt,
-                              args.backend, profile=args.profile, overrides=overrides)
+                row = measure(
+                    args.preset,
+                    s_total,
+                    p,
+                    groups[p],
+                    ddp_groups[p],
+                    args.steps,
+                    ckpt,
+                    args.backend,
+                    profile=args.profile,
+                    overrides=overrides,
+                )
             except Exception:
                 out[0] = 1
                 if rank == 0:

@@ -20,6 +20,7 @@ Results: $OUT/triton_tune_<gpu>.json (default benchmarks/results/): per row ms a
 and per (kernel, head_dim, causal, seq) the shipped list's best and the sweep's best.
 FLOPs: forward 4*S^2*H*D (x0.5 causal), backward 2.5x forward.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,24 +32,74 @@ import torch
 
 CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); superset of the shipped lists
     "fwd": {
-        128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3),
-              (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3)],
-        64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 64, 4, 4),
-             (128, 128, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3)],
+        128: [
+            (128, 64, 8, 3),
+            (128, 128, 8, 2),
+            (128, 64, 8, 4),
+            (64, 64, 4, 3),
+            (128, 128, 8, 3),
+            (128, 64, 4, 3),
+            (128, 32, 4, 4),
+            (64, 128, 4, 3),
+        ],
+        64: [
+            (128, 64, 4, 3),
+            (128, 128, 8, 3),
+            (64, 64, 4, 4),
+            (128, 64, 4, 4),
+            (128, 128, 4, 3),
+            (128, 32, 4, 4),
+            (64, 128, 4, 3),
+            (128, 64, 8, 3),
+        ],
     },
     "dkdv": {
-        128: [(32, 128, 8, 3), (32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3),
-              (32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 4, 5), (64, 128, 8, 3),
-              (16, 128, 4, 4), (64, 64, 4, 3)],
-        64: [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4),
-             (32, 128, 4, 4), (64, 128, 4, 3), (128, 128, 8, 2), (32, 128, 4, 5)],
+        128: [
+            (32, 128, 8, 3),
+            (32, 128, 8, 2),
+            (64, 128, 8, 2),
+            (32, 64, 4, 3),
+            (32, 128, 4, 3),
+            (32, 128, 4, 4),
+            (32, 128, 4, 5),
+            (64, 128, 8, 3),
+            (16, 128, 4, 4),
+            (64, 64, 4, 3),
+        ],
+        64: [
+            (64, 128, 8, 3),
+            (32, 128, 8, 3),
+            (64, 64, 4, 3),
+            (32, 64, 4, 4),
+            (32, 128, 4, 4),
+            (64, 128, 4, 3),
+            (128, 128, 8, 2),
+            (32, 128, 4, 5),
+        ],
     },
     "dq": {
-        128: [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (64, 32, 4, 3),
-              (128, 32, 4, 3), (128, 32, 4, 4), (128, 32, 4, 5), (128, 64, 8, 3),
-              (64, 32, 4, 4), (128, 64, 4, 3)],
-        64: [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4),
-             (128, 64, 4, 3), (128, 32, 4, 5), (128, 128, 8, 2), (128, 64, 8, 2)],
+        128: [
+            (128, 64, 8, 2),
+            (128, 32, 8, 3),
+            (64, 64, 4, 2),
+            (64, 32, 4, 3),
+            (128, 32, 4, 3),
+            (128, 32, 4, 4),
+            (128, 32, 4, 5),
+            (128, 64, 8, 3),
+            (64, 32, 4, 4),
+            (128, 64, 4, 3),
+        ],
+        64: [
+            (128, 64, 8, 3),
+            (128, 32, 4, 3),
+            (64, 64, 4, 3),
+            (64, 32, 4, 4),
+            (128, 64, 4, 3),
+            (128, 32, 4, 5),
+            (128, 128, 8, 2),
+            (128, 64, 8, 2),
+        ],
     },
 }
 
@@ -89,8 +140,9 @@ def _inputs(s, h, d, seed):
 def _run(ta, kernel, q, k, v, dout, causal, scale, state):
     if kernel == "fwd":
         return ta.forward(q, k, v, causal, scale)[0]
-    return torch.cat([t.flatten() for t in ta.backward(dout, q, k, v, None, state["lse"], causal,
-                                                       scale, delta=state["delta"])])
+    return torch.cat(
+        [t.flatten() for t in ta.backward(dout, q, k, v, None, state["lse"], causal, scale, delta=state["delta"])]
+    )
 
 
 def _forward_state(ta, shipped, q, k, v, dout, causal, scale, d):
@@ -114,11 +166,12 @@ def _compile_worker(args):
     """Runs a share of the jobs once each: fills Triton's disk cache (timings discarded)."""
     jobs, heads = args
     from longctx.kernels import triton_attention as ta
+
     shipped = {n: {b: list(c) for b, c in t.items()} for n, t in _tables(ta).items()}
     errors = []
     for kernel, d, cfg, causal, s in jobs:
         q, k, v, dout = _inputs(s, heads, d, 0)
-        scale = d ** -0.5
+        scale = d**-0.5
         try:
             state = _forward_state(ta, shipped, q, k, v, dout, causal, scale, d)
             _pin(ta, shipped, kernel, d, cfg)
@@ -145,7 +198,8 @@ def main():
     compile_errors = []
     if a.workers > 1:
         import multiprocessing as mp
-        shares = [(jobs[i::a.workers], a.heads) for i in range(a.workers)]
+
+        shares = [(jobs[i :: a.workers], a.heads) for i in range(a.workers)]
         with mp.get_context("spawn").Pool(a.workers) as pool:
             for errs in pool.map(_compile_worker, shares):
                 compile_errors += errs
@@ -155,17 +209,27 @@ def main():
     import triton.testing
 
     from longctx.kernels import triton_attention as ta
+
     shipped = {n: {b: list(c) for b, c in t.items()} for n, t in _tables(ta).items()}
     rows, best = [], {}
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, f"triton_tune_{torch.cuda.get_device_name().split()[-1].lower()}.json")
 
     def save():
-        res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                   triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d"),
-                   heads=a.heads, batch=1, dtype="bfloat16", compile_s=round(t_compile, 1),
-                   compile_errors=compile_errors, elapsed_s=round(time.time() - t0, 1),
-                   best=best, rows=rows)
+        res = dict(
+            gpu=torch.cuda.get_device_name(),
+            torch=torch.__version__,
+            triton=__import__("triton").__version__,
+            date=time.strftime("%Y-%m-%d"),
+            heads=a.heads,
+            batch=1,
+            dtype="bfloat16",
+            compile_s=round(t_compile, 1),
+            compile_errors=compile_errors,
+            elapsed_s=round(time.time() - t0, 1),
+            best=best,
+            rows=rows,
+        )
         with open(path, "w") as f:
             json.dump(res, f, indent=1)
         return path
@@ -174,7 +238,7 @@ def main():
         for s in seqs:
             for causal in (True, False):
                 q, k, v, dout = _inputs(s, a.heads, d, 1)
-                scale = d ** -0.5
+                scale = d**-0.5
                 state = _forward_state(ta, shipped, q, k, v, dout, causal, scale, d)
                 fwd_flops = 4 * s * s * a.heads * d * (0.5 if causal else 1.0)
                 for kernel in ("fwd", "dkdv", "dq"):
@@ -184,18 +248,20 @@ def main():
                     shipped_set = {_cfg_tuple(c) for c in shipped[kernel][d]}
                     group_rows = []
                     for cfg in CANDIDATES[kernel][d]:
-                        row = dict(kernel=kernel, D=d, S=s, causal=causal, config=list(cfg),
-                                   shipped=cfg in shipped_set)
+                        row = dict(kernel=kernel, D=d, S=s, causal=causal, config=list(cfg), shipped=cfg in shipped_set)
                         try:
                             _pin(ta, shipped, kernel, d, cfg)
                             res = _run(ta, kernel, q, k, v, dout, causal, scale, state).float()
                             err = ((res - ref).norm() / ref.norm()).item()
                             ms = triton.testing.do_bench(
-                                lambda: _run(ta, kernel, q, k, v, dout, causal, scale, state),
-                                warmup=10, rep=50)
-                            row.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1),
-                                       rel_err_vs_shipped=float(f"{err:.2e}"),
-                                       ok=bool(err < 1e-2 and torch.isfinite(res).all().item()))
+                                lambda: _run(ta, kernel, q, k, v, dout, causal, scale, state), warmup=10, rep=50
+                            )
+                            row.update(
+                                ms=round(ms, 4),
+                                tflops=round(flops / ms / 1e9, 1),
+                                rel_err_vs_shipped=float(f"{err:.2e}"),
+                                ok=bool(err < 1e-2 and torch.isfinite(res).all().item()),
+                            )
                         except Exception as e:  # noqa: BLE001
                             row.update(ok=False, error=f"{type(e).__name__}: {e}"[:300])
                         rows.append(row)
@@ -204,13 +270,14 @@ def main():
                     good = [r for r in group_rows if r.get("ok")]
                     if good:
                         b_all = min(good, key=lambda r: r["ms"])
-                        b_shipped = min((r for r in good if r["shipped"]), key=lambda r: r["ms"],
-                                        default=None)
+                        b_shipped = min((r for r in good if r["shipped"]), key=lambda r: r["ms"], default=None)
                         best[f"{kernel}_D{d}_S{s}_{'causal' if causal else 'full'}"] = dict(
-                            sweep_best=b_all["config"], sweep_ms=b_all["ms"],
+                            sweep_best=b_all["config"],
+                            sweep_ms=b_all["ms"],
                             shipped_best=b_shipped and b_shipped["config"],
                             shipped_ms=b_shipped and b_shipped["ms"],
-                            gain=b_shipped and round(b_shipped["ms"] / b_all["ms"], 3))
+                            gain=b_shipped and round(b_shipped["ms"] / b_all["ms"], 3),
+                        )
                     save()  # after every group: a run cut short keeps what it measured
     for name in ("fwd", "dkdv", "dq"):  # leave the module as it was
         _tables(ta)[name].update(shipped[name])

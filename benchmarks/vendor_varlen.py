@@ -12,6 +12,7 @@ including the host-side cu_seqlens construction (one device sync) a real call wo
 next to our Triton document kernels and flex_attention in the same run.
 Writes vendor_varlen_<gpu>.json under $OUT (default benchmarks/results/).
 """
+
 from __future__ import annotations
 
 import json
@@ -51,18 +52,23 @@ def varlen_step(which, q, k, v, dout, ids):
         qf, kf, vf, dof = flat(q, Hq), flat(k, Hkv), flat(v, Hkv), flat(dout, Hq)
         if which == "flash":
             out, lse, rng, unused, _ = aten._flash_attention_forward(
-                qf, kf, vf, cu, cu, longest, longest, 0.0, True, False, scale=scale)
-            grads = aten._flash_attention_backward(dof, qf, kf, vf, out, lse, cu, cu, longest, longest,
-                                                   0.0, True, rng, unused, scale=scale)
+                qf, kf, vf, cu, cu, longest, longest, 0.0, True, False, scale=scale
+            )
+            grads = aten._flash_attention_backward(
+                dof, qf, kf, vf, out, lse, cu, cu, longest, longest, 0.0, True, rng, unused, scale=scale
+            )
             lse_hs = lse  # (Hq, T)
         else:
-            res = aten._cudnn_attention_forward(qf, kf, vf, None, cu, cu, longest, longest, True, 0.0, True,
-                                                False, scale=scale)
+            res = aten._cudnn_attention_forward(
+                qf, kf, vf, None, cu, cu, longest, longest, True, 0.0, True, False, scale=scale
+            )
             out, lse = res[0], res[1]
-            grads = aten._cudnn_attention_backward(dof, qf, kf, vf, out, lse, res[6], res[7], None, cu, cu,
-                                                   longest, longest, 0.0, True, scale=scale)
+            grads = aten._cudnn_attention_backward(
+                dof, qf, kf, vf, out, lse, res[6], res[7], None, cu, cu, longest, longest, 0.0, True, scale=scale
+            )
             lse_hs = lse.reshape(S, Hq).t()  # (T, Hq, 1) -> (Hq, T)
         return (out.reshape(1, S, Hq, D), *(g.reshape(1, S, -1, D) for g in grads), lse_hs)
+
     return step
 
 
@@ -108,8 +114,13 @@ def check(which, Hq, Hkv):
 def main():
     out_dir = os.environ.get("OUT") or os.path.join(HERE, "results")
     path = os.path.join(out_dir, f"vendor_varlen_{gpu_tag()}.json")
-    report = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  cudnn=torch.backends.cudnn.version(), check=[], timing=[])
+    report = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        cudnn=torch.backends.cudnn.version(),
+        check=[],
+        timing=[],
+    )
     for which in ("flash", "cudnn"):
         for Hq, Hkv in ((4, 4), (4, 2)):
             report["check"].append(check(which, Hq, Hkv))
@@ -119,10 +130,12 @@ def main():
             q, k, v, dout = inputs(S, Hq, Hkv, seed=1)
             ids = ids_from_lengths(document_lengths(mix, S))
             row = dict(mix=mix, Hq=Hq, Hkv=Hkv)
-            providers = {"flash-varlen": lambda: varlen_step("flash", q, k, v, dout, ids),
-                         "cudnn-varlen": lambda: varlen_step("cudnn", q, k, v, dout, ids),
-                         "triton-doc": lambda: ours_step(q, k, v, dout, ids, "split"),
-                         "flex": lambda: flex_step(q, k, v, dout, ids)}
+            providers = {
+                "flash-varlen": lambda: varlen_step("flash", q, k, v, dout, ids),
+                "cudnn-varlen": lambda: varlen_step("cudnn", q, k, v, dout, ids),
+                "triton-doc": lambda: ours_step(q, k, v, dout, ids, "split"),
+                "flex": lambda: flex_step(q, k, v, dout, ids),
+            }
             for name, make in providers.items():
                 try:
                     step = make()

@@ -9,6 +9,7 @@ chooser takes the row with the largest min_seq_len not above the call's length, 
 measured length speaks for the lengths up to the next one. Head dims or dtypes that were not
 measured keep the conservative fallback rows at the bottom.
 """
+
 from __future__ import annotations
 
 import json

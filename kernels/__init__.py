@@ -25,6 +25,7 @@ built once by the caller (``longctx.documents``) for every layer; fa4 then reads
 back to the host (without them it cuts the ids into runs itself, one device-to-host copy
 per call). The other backends mask with the ids.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -59,8 +60,7 @@ VENDOR_BACKENDS = ("cudnn", "flash", "fa4")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Backend name -> module in this package. Modules are imported on first use so that a
 # machine without triton (or a torch without the vendor ops) can still use the others.
-_MODULES = {"torch": "reference", "triton": "triton_attention", "cudnn": "vendor", "flash": "vendor",
-            "fa4": "fa4"}
+_MODULES = {"torch": "reference", "triton": "triton_attention", "cudnn": "vendor", "flash": "vendor", "fa4": "fa4"}
 
 
 def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> None:
@@ -69,9 +69,7 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(
-                f"{name} must have 4 dims (batch, seq, heads, head_dim), got shape {tuple(t.shape)}"
-            )
+            raise ValueError(f"{name} must have 4 dims (batch, seq, heads, head_dim), got shape {tuple(t.shape)}")
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; expected one of bf16, fp16, fp32, fp64")
     if not (q.dtype == k.dtype == v.dtype):
@@ -106,9 +104,7 @@ def check_document_ids(q: torch.Tensor, k: torch.Tensor, q_document_ids, k_docum
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise TypeError(f"{name} must hold integers, got dtype {ids.dtype}")
         if tuple(ids.shape) != tuple(t.shape[:2]):
-            raise ValueError(
-                f"{name} must be (batch, seq) = {tuple(t.shape[:2])}, got shape {tuple(ids.shape)}"
-            )
+            raise ValueError(f"{name} must be (batch, seq) = {tuple(t.shape[:2])}, got shape {tuple(ids.shape)}")
         if ids.device != t.device:
             raise ValueError(f"{name} is on {ids.device}, the attention inputs on {t.device}")
     return q_document_ids, k_document_ids
@@ -149,8 +145,17 @@ def _fa4_refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> Opt
     return backend_refusal("fa4", device) or _module("fa4").unsupported_shape(device, dtype, head_dim)
 
 
-def select_backend(backend: str, device, dtype: torch.dtype, head_dim: int, seq_len_q: int, seq_len_k: int,
-                   causal: bool, *, documents: bool = False) -> str:
+def select_backend(
+    backend: str,
+    device,
+    dtype: torch.dtype,
+    head_dim: int,
+    seq_len_q: int,
+    seq_len_k: int,
+    causal: bool,
+    *,
+    documents: bool = False,
+) -> str:
     """The concrete backend for blocks of this device, dtype, head dim and lengths; ``"auto"``
     picks from recorded measurements (selection.py's table). ``resolve_backend`` asks it per
     call; ``longctx.run_plan`` once per run for each block kind, and hands the answer down.
@@ -185,17 +190,17 @@ def select_backend(backend: str, device, dtype: torch.dtype, head_dim: int, seq_
         raise ValueError(f"attention backend {backend!r} is not available on device {device}")
     if documents and backend in ("cudnn", "flash"):
         fallback = _document_fallback(device)
-        warnings.warn(f"attention backend {backend!r} takes no document mask; document-masked "
-                      f"blocks run on {fallback!r}", stacklevel=4)
+        warnings.warn(
+            f"attention backend {backend!r} takes no document mask; document-masked blocks run on {fallback!r}",
+            stacklevel=4,
+        )
         return fallback
     return backend
 
 
-def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, causal: bool, *,
-                    documents: bool = False) -> str:
+def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, causal: bool, *, documents: bool = False) -> str:
     """``select_backend`` for these inputs (``documents=True``: the call carries document ids)."""
-    return select_backend(backend, q.device, q.dtype, q.shape[-1], q.shape[1], k.shape[1], causal,
-                          documents=documents)
+    return select_backend(backend, q.device, q.dtype, q.shape[-1], q.shape[1], k.shape[1], causal, documents=documents)
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -221,8 +226,9 @@ def _check_segments(segments, docs, q, k, causal) -> None:
     if not isinstance(segments, Segments):
         raise TypeError(f"segments must be a longctx.kernels.Segments, got {type(segments).__name__}")
     if docs[0] is None:
-        raise ValueError("segments go with q_document_ids / k_document_ids (the kernels without "
-                         "varlen support mask with the ids)")
+        raise ValueError(
+            "segments go with q_document_ids / k_document_ids (the kernels without varlen support mask with the ids)"
+        )
     segments.check(q, k, causal)
 
 
@@ -306,7 +312,8 @@ def attention_backward(
         grads = mod.backward(dout, q, k, v, out, lse, causal, scale, delta, grad_dtype, *docs)
         if grads is None:  # fa4: ids that varlen runs cannot express (same test as forward)
             grads = _module(_document_fallback(q.device)).backward(
-                dout, q, k, v, out, lse, causal, scale, delta, grad_dtype, *docs)
+                dout, q, k, v, out, lse, causal, scale, delta, grad_dtype, *docs
+            )
         return grads
     if name in ("cudnn", "flash"):
         return mod.backward(dout, q, k, v, out, lse, causal, scale, delta, grad_dtype, which=name)

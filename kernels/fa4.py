@@ -26,6 +26,7 @@ Compilation: FA4 compiles each kernel variant on its first call (seconds). The o
 switched on by default here, under ``~/.cache/longctx/fa4``, so later processes load them;
 ``compile_seconds`` records the first call of every variant in this process (also logged).
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,8 +45,9 @@ log = logging.getLogger(__name__)
 
 # Read by flash_attn.cute when it is imported: set before the (lazy) import below.
 os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
-os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR",
-                      os.path.join(os.path.expanduser("~"), ".cache", "longctx", "fa4"))
+os.environ.setdefault(
+    "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "longctx", "fa4")
+)
 
 SUPPORTED_ARCH = (9, 10)  # compute capability majors: sm90 (H100/H200), sm100 (B200)
 INSTALL_HINT = "pip install 'longctx[fa4]'"
@@ -70,8 +72,10 @@ def unavailable_reason(device) -> Optional[str]:
         return f"FlashAttention-4 runs on CUDA GPUs only, not on {device}"
     major, minor = torch.cuda.get_device_capability(device)
     if major not in SUPPORTED_ARCH:
-        return (f"FlashAttention-4 needs an sm90 or sm100 GPU (H100/H200/B200); "
-                f"{torch.cuda.get_device_name(device)} is sm{major}{minor}")
+        return (
+            f"FlashAttention-4 needs an sm90 or sm100 GPU (H100/H200/B200); "
+            f"{torch.cuda.get_device_name(device)} is sm{major}{minor}"
+        )
     iface = _interface()
     if isinstance(iface, str):
         return f"FlashAttention-4 is not installed or does not import ({iface}): {INSTALL_HINT}"
@@ -114,8 +118,14 @@ def _timed_first_call(key, fn):
 
 
 def _variant(kind, q, k, causal, varlen):
-    return (kind, str(q.dtype).replace("torch.", ""), q.shape[-1], q.shape[2] // k.shape[2],
-            "causal" if causal else "full", "varlen" if varlen else "dense")
+    return (
+        kind,
+        str(q.dtype).replace("torch.", ""),
+        q.shape[-1],
+        q.shape[2] // k.shape[2],
+        "causal" if causal else "full",
+        "varlen" if varlen else "dense",
+    )
 
 
 def forward(q, k, v, causal, softmax_scale, out_dtype=None, q_doc=None, k_doc=None):
@@ -127,11 +137,16 @@ def forward(q, k, v, causal, softmax_scale, out_dtype=None, q_doc=None, k_doc=No
             return None
         if plan.empty:
             return _nothing_visible(q, v, out_dtype)
-        return _forward_varlen(iface, q, k, v, softmax_scale, out_dtype, plan.causal,
-                               _device_plan(plan, q.device), plan.q_covered)
+        return _forward_varlen(
+            iface, q, k, v, softmax_scale, out_dtype, plan.causal, _device_plan(plan, q.device), plan.q_covered
+        )
     with torch.cuda.device(q.device):
-        out, lse = _timed_first_call(_variant("fwd", q, k, causal, False), lambda: iface._flash_attn_fwd(
-            q, k, v, softmax_scale=float(softmax_scale), causal=bool(causal), return_lse=True)[:2])
+        out, lse = _timed_first_call(
+            _variant("fwd", q, k, causal, False),
+            lambda: iface._flash_attn_fwd(
+                q, k, v, softmax_scale=float(softmax_scale), causal=bool(causal), return_lse=True
+            )[:2],
+        )
     out, lse = _keep_nan(out, lse, None)
     if out_dtype is not None and out_dtype != out.dtype:
         out = out.to(out_dtype)
@@ -155,8 +170,7 @@ def _keep_nan(out, lse, covered):
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dtype=None,
-             q_doc=None, k_doc=None):
+def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dtype=None, q_doc=None, k_doc=None):
     """(dq, dk, dv) from the final out/lse; ``delta`` is ignored (FA4 computes it from out).
     None if document ids are not varlen-able."""
     iface = _interface()
@@ -168,13 +182,26 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dt
         if plan.empty:
             grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         else:
-            grads = _backward_varlen(iface, dout, q, k, v, out, lse, softmax_scale, plan.causal,
-                                     _device_plan(plan, q.device), plan.q_covered is not None,
-                                     plan.k_covered is not None)
+            grads = _backward_varlen(
+                iface,
+                dout,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                softmax_scale,
+                plan.causal,
+                _device_plan(plan, q.device),
+                plan.q_covered is not None,
+                plan.k_covered is not None,
+            )
     else:
         with torch.cuda.device(q.device):
-            grads = _timed_first_call(_variant("bwd", q, k, causal, False), lambda: iface._flash_attn_bwd(
-                q, k, v, out, dout, lse, float(softmax_scale), bool(causal))[:3])
+            grads = _timed_first_call(
+                _variant("bwd", q, k, causal, False),
+                lambda: iface._flash_attn_bwd(q, k, v, out, dout, lse, float(softmax_scale), bool(causal))[:3],
+            )
     grad_dtype = grad_dtype or q.dtype
     return tuple(g.to(grad_dtype) for g in grads)
 
@@ -182,8 +209,9 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dt
 def backward_segments(dout, q, k, v, out, lse, causal, softmax_scale, grad_dtype, segments):
     """``backward`` of a document block with caller-built (tight) segments."""
     out, dout, lse = _backward_inputs(q, out, dout, lse)
-    grads = _backward_varlen(_interface(), dout, q, k, v, out, lse, softmax_scale, causal,
-                             segments.kernel_args(), False, False)
+    grads = _backward_varlen(
+        _interface(), dout, q, k, v, out, lse, softmax_scale, causal, segments.kernel_args(), False, False
+    )
     grad_dtype = grad_dtype or q.dtype
     return tuple(g.to(grad_dtype) for g in grads)
 
@@ -228,8 +256,7 @@ class VarlenPlan:
         n = len(self.cu_seqlens_q) - 1
         q_len = self.seqused_q if self.seqused_q is not None else np.diff(self.cu_seqlens_q)
         k_len = self.seqused_k if self.seqused_k is not None else np.diff(self.cu_seqlens_k)
-        return [(int(self.cu_seqlens_q[i]), int(q_len[i]), int(self.cu_seqlens_k[i]), int(k_len[i]))
-                for i in range(n)]
+        return [(int(self.cu_seqlens_q[i]), int(q_len[i]), int(self.cu_seqlens_k[i]), int(k_len[i])) for i in range(n)]
 
 
 def _runs(ids: np.ndarray):
@@ -286,27 +313,42 @@ def plan_documents(q_doc: torch.Tensor, k_doc: torch.Tensor, causal: bool) -> Op
         segs.append(np.stack([qs[qi] + b * sq, qe[qi] - qs[qi], ks[ki] + b * sk, ke[ki] - ks[ki]], 1))
     seg = np.concatenate(segs).astype(np.int64)
     if not len(seg):
-        return VarlenPlan(False, None, None, None, None, 0, 0, np.zeros(batch * sq, dtype=bool),
-                          np.zeros(batch * sk, dtype=bool))
+        return VarlenPlan(
+            False, None, None, None, None, 0, 0, np.zeros(batch * sq, dtype=bool), np.zeros(batch * sk, dtype=bool)
+        )
     q_covered = _cover(seg[:, 0], seg[:, 1], batch * sq)
     k_covered = _cover(seg[:, 2], seg[:, 3], batch * sk)
     # cu_seqlens: each segment's start, then the end of the last one (FA4 reads a segment's
     # rows from cu_seqlens[i] and its length from seqused[i]: gaps between segments are fine).
     cu_q = np.concatenate((seg[:, 0], [seg[-1, 0] + seg[-1, 1]])).astype(np.int32)
     cu_k = np.concatenate((seg[:, 2], [seg[-1, 2] + seg[-1, 3]])).astype(np.int32)
-    return VarlenPlan(False, cu_q, cu_k, seg[:, 1].astype(np.int32), seg[:, 3].astype(np.int32),
-                      int(seg[:, 1].max()), int(seg[:, 3].max()),
-                      None if q_covered.all() else q_covered, None if k_covered.all() else k_covered)
+    return VarlenPlan(
+        False,
+        cu_q,
+        cu_k,
+        seg[:, 1].astype(np.int32),
+        seg[:, 3].astype(np.int32),
+        int(seg[:, 1].max()),
+        int(seg[:, 3].max()),
+        None if q_covered.all() else q_covered,
+        None if k_covered.all() else k_covered,
+    )
 
 
 def _device_plan(plan: VarlenPlan, device) -> dict:
     """The kernels' varlen keywords of a (non-empty) plan, on ``device``."""
+
     def put(a):
         return None if a is None else torch.from_numpy(a).to(device, non_blocking=True)
 
-    return dict(cu_seqlens_q=put(plan.cu_seqlens_q), cu_seqlens_k=put(plan.cu_seqlens_k),
-                seqused_q=put(plan.seqused_q), seqused_k=put(plan.seqused_k),
-                max_seqlen_q=max(plan.max_seqlen_q, 1), max_seqlen_k=max(plan.max_seqlen_k, 1))
+    return dict(
+        cu_seqlens_q=put(plan.cu_seqlens_q),
+        cu_seqlens_k=put(plan.cu_seqlens_k),
+        seqused_q=put(plan.seqused_q),
+        seqused_k=put(plan.seqused_k),
+        max_seqlen_q=max(plan.max_seqlen_q, 1),
+        max_seqlen_k=max(plan.max_seqlen_k, 1),
+    )
 
 
 def _flat(t):
@@ -328,9 +370,20 @@ def _forward_varlen(iface, q, k, v, softmax_scale, out_dtype, causal, kernel_arg
     out = torch.zeros(B * Sq, Hq, v.shape[-1], dtype=q.dtype, device=q.device) if partial else None
     lse = torch.full((Hq, B * Sq), float("-inf"), dtype=torch.float32, device=q.device) if partial else None
     with torch.cuda.device(q.device):
-        out, lse = _timed_first_call(_variant("fwd", q, k, causal, True), lambda: iface._flash_attn_fwd(
-            _flat(q), _flat(k), _flat(v), softmax_scale=float(softmax_scale), causal=causal,
-            return_lse=True, out=out, lse=lse, **kernel_args)[:2])
+        out, lse = _timed_first_call(
+            _variant("fwd", q, k, causal, True),
+            lambda: iface._flash_attn_fwd(
+                _flat(q),
+                _flat(k),
+                _flat(v),
+                softmax_scale=float(softmax_scale),
+                causal=causal,
+                return_lse=True,
+                out=out,
+                lse=lse,
+                **kernel_args,
+            )[:2],
+        )
     out = out.view(B, Sq, Hq, -1)
     lse = lse.view(Hq, B, Sq).transpose(0, 1).contiguous()
     covered = None
@@ -350,7 +403,21 @@ def _backward_varlen(iface, dout, q, k, v, out, lse, softmax_scale, causal, kern
     dk = torch.zeros_like(_flat(k)) if k_partial else None
     dv = torch.zeros_like(_flat(v)) if k_partial else None
     with torch.cuda.device(q.device):
-        dq, dk, dv = _timed_first_call(_variant("bwd", q, k, causal, True), lambda: iface._flash_attn_bwd(
-            _flat(q), _flat(k), _flat(v), _flat(out), _flat(dout), lse_flat, float(softmax_scale),
-            causal, dq=dq, dk=dk, dv=dv, **kernel_args)[:3])
+        dq, dk, dv = _timed_first_call(
+            _variant("bwd", q, k, causal, True),
+            lambda: iface._flash_attn_bwd(
+                _flat(q),
+                _flat(k),
+                _flat(v),
+                _flat(out),
+                _flat(dout),
+                lse_flat,
+                float(softmax_scale),
+                causal,
+                dq=dq,
+                dk=dk,
+                dv=dv,
+                **kernel_args,
+            )[:3],
+        )
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)

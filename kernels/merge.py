@@ -18,6 +18,7 @@ in the kernels' dtype too (a first call's output kept as written): the merge is 
 fp32 and rounded once on the store. ``rows=`` merges the block into some rows of ``out``
 (a slice, or gathered int64 indices: the document ring's exchanged rows) in the same pass.
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,13 +46,30 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(
-        out, lse, out_b, lse_b, row_index,
-        seq_len, n_heads, head_dim, row_offset,
-        so_b, so_s, so_h,
-        sob_b, sob_s, sob_h,
-        sl_b, sl_h, sl_s,
-        slb_b, slb_h, slb_s,
-        INDEXED: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+        out,
+        lse,
+        out_b,
+        lse_b,
+        row_index,
+        seq_len,
+        n_heads,
+        head_dim,
+        row_offset,
+        so_b,
+        so_s,
+        so_h,
+        sob_b,
+        sob_s,
+        sob_h,
+        sl_b,
+        sl_h,
+        sl_s,
+        slb_b,
+        slb_h,
+        slb_s,
+        INDEXED: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):
         pid_s = tl.program_id(0)
         bh = tl.program_id(1)
@@ -68,8 +86,7 @@ if triton is not None:
 
         lse_ptr = lse + b * sl_b + h * sl_h + target * sl_s
         l_run = tl.load(lse_ptr, mask=row_ok, other=float("-inf")).to(tl.float32)
-        l_blk = tl.load(lse_b + b * slb_b + h * slb_h + rows * slb_s, mask=row_ok,
-                        other=float("-inf")).to(tl.float32)
+        l_blk = tl.load(lse_b + b * slb_b + h * slb_h + rows * slb_s, mask=row_ok, other=float("-inf")).to(tl.float32)
         # Only rows with no key on either side are special-cased; a NaN lse (NaN in q
         # or k) makes its weight NaN (whatever tl.maximum picks for top) and so the row.
         empty = (l_run == float("-inf")) & (l_blk == float("-inf"))
@@ -90,7 +107,12 @@ if triton is not None:
 
 
 def merge_partials_(
-    out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor, *, rows: Rows = None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    *,
+    rows: Rows = None,
     impl: str = "auto",
 ) -> None:
     """In place: ``out`` (B, S, H, D) and ``lse`` (B, H, S) fp32 absorb ``(out_b, lse_b)``.
@@ -102,8 +124,11 @@ def merge_partials_(
     CPU under TRITON_INTERPRET=1).
     """
     n = count_rows(out, rows)
-    if out_b.shape != (out.shape[0], n, *out.shape[2:]) or lse_b.shape != (*lse.shape[:2], n) \
-            or lse.shape[2] != out.shape[1]:
+    if (
+        out_b.shape != (out.shape[0], n, *out.shape[2:])
+        or lse_b.shape != (*lse.shape[:2], n)
+        or lse.shape[2] != out.shape[1]
+    ):
         raise ValueError(
             f"merge shapes differ: out {tuple(out.shape)} at {n} rows vs {tuple(out_b.shape)}, "
             f"lse {tuple(lse.shape)} vs {tuple(lse_b.shape)}"
@@ -133,10 +158,29 @@ def merge_partials_(
     grid = (triton.cdiv(n, block_s), b * h)
     indexed = isinstance(rows, torch.Tensor)
     _merge_kernel[grid](
-        out, lse, out_b, lse_b, rows if indexed else lse, n, h, d, rows.start if isinstance(rows, slice) else 0,
-        out.stride(0), out.stride(1), out.stride(2),
-        out_b.stride(0), out_b.stride(1), out_b.stride(2),
-        lse.stride(0), lse.stride(1), lse.stride(2),
-        lse_b.stride(0), lse_b.stride(1), lse_b.stride(2),
-        INDEXED=indexed, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
+        out,
+        lse,
+        out_b,
+        lse_b,
+        rows if indexed else lse,
+        n,
+        h,
+        d,
+        rows.start if isinstance(rows, slice) else 0,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        out_b.stride(0),
+        out_b.stride(1),
+        out_b.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        lse.stride(2),
+        lse_b.stride(0),
+        lse_b.stride(1),
+        lse_b.stride(2),
+        INDEXED=indexed,
+        BLOCK_S=block_s,
+        BLOCK_D=block_d,
+        num_warps=4,
     )

@@ -8,6 +8,7 @@ GQA is handled by viewing the query heads as (Hkv, group) instead of repeating K
 the K/V tensors are never copied per query head, and dK/dV come out already summed
 over each query-head group.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -25,8 +26,15 @@ def _grouped(q: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
     return q.reshape(b, s, n_kv_heads, hq // n_kv_heads, d)
 
 
-def _probabilities(q, k, causal: bool, softmax_scale: float, lse: Optional[torch.Tensor] = None,
-                   q_doc: Optional[torch.Tensor] = None, k_doc: Optional[torch.Tensor] = None):
+def _probabilities(
+    q,
+    k,
+    causal: bool,
+    softmax_scale: float,
+    lse: Optional[torch.Tensor] = None,
+    q_doc: Optional[torch.Tensor] = None,
+    k_doc: Optional[torch.Tensor] = None,
+):
     """Scores -> (probabilities, lse), computed in the compute dtype. Shapes: (B, Hkv, G, Sq, Sk)."""
     ct = _compute_dtype(q.dtype)
     qg = _grouped(q.to(ct), k.shape[2])
@@ -52,8 +60,16 @@ def _probabilities(q, k, causal: bool, softmax_scale: float, lse: Optional[torch
     return probs, lse
 
 
-def forward(q, k, v, causal: bool, softmax_scale: float, out_dtype: Optional[torch.dtype],
-            q_doc: Optional[torch.Tensor] = None, k_doc: Optional[torch.Tensor] = None):
+def forward(
+    q,
+    k,
+    v,
+    causal: bool,
+    softmax_scale: float,
+    out_dtype: Optional[torch.dtype],
+    q_doc: Optional[torch.Tensor] = None,
+    k_doc: Optional[torch.Tensor] = None,
+):
     probs, lse = _probabilities(q, k, causal, softmax_scale, q_doc=q_doc, k_doc=k_doc)
     out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v.to(probs.dtype))
     b, sq, hq, d = q.shape

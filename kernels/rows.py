@@ -17,6 +17,7 @@ in order), a slice, or an int64 index tensor of distinct rows (each is written o
 atomics). CPU tensors take the PyTorch form; ``impl="triton"`` runs the kernels under
 ``TRITON_INTERPRET=1`` (tests).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -65,9 +66,24 @@ def _use_triton(impl: str, *tensors: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _add_rows_kernel(dst, src, rows, n_rows, n_heads, head_dim, row_offset,
-                         sd_b, sd_s, sd_h, ss_b, ss_s, ss_h,
-                         INDEXED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _add_rows_kernel(
+        dst,
+        src,
+        rows,
+        n_rows,
+        n_heads,
+        head_dim,
+        row_offset,
+        sd_b,
+        sd_s,
+        sd_h,
+        ss_b,
+        ss_s,
+        ss_h,
+        INDEXED: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         pid_r = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // n_heads
@@ -87,9 +103,24 @@ if triton is not None:
         tl.store(dst_ptr, acc.to(dst.dtype.element_ty), mask=tile_ok)
 
     @triton.jit
-    def _mark_rows_kernel(out, lse, covered, seq_len, n_heads, head_dim,
-                          so_b, so_s, so_h, sl_b, sl_h, sl_s, sc_b,
-                          HAS_COVERED: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _mark_rows_kernel(
+        out,
+        lse,
+        covered,
+        seq_len,
+        n_heads,
+        head_dim,
+        so_b,
+        so_s,
+        so_h,
+        sl_b,
+        sl_h,
+        sl_s,
+        sc_b,
+        HAS_COVERED: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         pid_s = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // n_heads
@@ -144,13 +175,29 @@ def add_rows_(dst: torch.Tensor, rows: Rows, src: torch.Tensor, *, impl: str = "
     offset = rows.start if isinstance(rows, slice) else 0
     index = rows if indexed else dst  # any pointer: not read unless INDEXED
     _add_rows_kernel[(triton.cdiv(n, block_r), b * h)](
-        dst, src, index, n, h, d, offset,
-        dst.stride(0), dst.stride(1), dst.stride(2), src.stride(0), src.stride(1), src.stride(2),
-        INDEXED=indexed, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
+        dst,
+        src,
+        index,
+        n,
+        h,
+        d,
+        offset,
+        dst.stride(0),
+        dst.stride(1),
+        dst.stride(2),
+        src.stride(0),
+        src.stride(1),
+        src.stride(2),
+        INDEXED=indexed,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        num_warps=4,
+    )
 
 
-def mark_nonfinite_rows_(out: torch.Tensor, lse: torch.Tensor, covered: Optional[torch.Tensor] = None, *,
-                         impl: str = "auto") -> None:
+def mark_nonfinite_rows_(
+    out: torch.Tensor, lse: torch.Tensor, covered: Optional[torch.Tensor] = None, *, impl: str = "auto"
+) -> None:
     """In place: where ``lse`` (``(B, H, S)`` fp32) is not finite, and ``covered`` (bool
     ``(B, 1, S)``, or None: every row) holds, ``lse`` and that row of ``out`` (``(B, S, H, D)``)
     become NaN."""
@@ -168,6 +215,21 @@ def mark_nonfinite_rows_(out: torch.Tensor, lse: torch.Tensor, covered: Optional
     has_covered = covered is not None
     cov = covered.view(torch.uint8) if has_covered else lse  # bool is one byte: no copy
     _mark_rows_kernel[(triton.cdiv(s, block_s), b * h)](
-        out, lse, cov, s, h, d, out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1), lse.stride(2), cov.stride(0) if has_covered else 0,
-        HAS_COVERED=has_covered, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)
+        out,
+        lse,
+        cov,
+        s,
+        h,
+        d,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        lse.stride(2),
+        cov.stride(0) if has_covered else 0,
+        HAS_COVERED=has_covered,
+        BLOCK_S=block_s,
+        BLOCK_D=block_d,
+        num_warps=4,
+    )

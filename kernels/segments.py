@@ -11,6 +11,7 @@ moves them to the device in one copy, so a kernel call reads no ids back to the 
 The same block's ``q_document_ids`` / ``k_document_ids`` (each row's segment number) still
 go along: the kernels that take a per-token mask (Triton, the reference) use those.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,5 +39,9 @@ class Segments:
             raise ValueError("causal segments need aligned blocks (equal q and k rows)")
 
     def kernel_args(self) -> dict:
-        return dict(cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_k=self.cu_seqlens_k,
-                    max_seqlen_q=max(self.max_seqlen_q, 1), max_seqlen_k=max(self.max_seqlen_k, 1))
+        return dict(
+            cu_seqlens_q=self.cu_seqlens_q,
+            cu_seqlens_k=self.cu_seqlens_k,
+            max_seqlen_q=max(self.max_seqlen_q, 1),
+            max_seqlen_k=max(self.max_seqlen_k, 1),
+        )

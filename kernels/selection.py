@@ -8,6 +8,7 @@ in it that can run the call (device, installed package, head dim) wins.
 
 Calls with document ids do not use this table: see resolve_backend in __init__.py.
 """
+
 from __future__ import annotations
 
 import torch

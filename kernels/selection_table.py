@@ -5,29 +5,30 @@ Measured on: NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, 2026-11-25 (CUDA-event m
 Rows: (dtypes, head dims or None = any, min_seq_len, causal or None = either, backends
 fastest first). kernels/selection.py scans them top to bottom; the first row that matches
 and names a backend available for the call wins."""
+
 import torch
 
 HALF = (torch.float16, torch.bfloat16)
 FP32 = (torch.float32,)
 
 TABLE = [
-    (HALF, (128,), 131072, True, ('fa4', 'cudnn', 'triton')),
-    (HALF, (64,), 65536, True, ('fa4', 'cudnn', 'triton')),
-    (HALF, (128,), 65536, True, ('fa4', 'cudnn', 'triton')),
-    (HALF, (64,), 32768, False, ('fa4', 'cudnn', 'triton')),
-    (HALF, (128,), 32768, False, ('fa4', 'cudnn', 'triton')),
-    (HALF, (64,), 16384, False, ('fa4', 'cudnn', 'triton')),
-    (HALF, (64,), 16384, True, ('fa4', 'cudnn', 'triton')),
-    (HALF, (128,), 16384, False, ('fa4', 'cudnn', 'triton')),
-    (HALF, (128,), 16384, True, ('fa4', 'cudnn', 'triton')),
-    (HALF, (64,), 4096, False, ('fa4', 'triton', 'cudnn')),
-    (HALF, (64,), 4096, True, ('fa4', 'triton', 'cudnn')),
-    (HALF, (128,), 4096, False, ('fa4', 'cudnn', 'triton')),
-    (HALF, (128,), 4096, True, ('fa4', 'cudnn', 'triton')),
-    (HALF, (64,), 0, False, ('cudnn', 'fa4', 'triton')),
-    (HALF, (64,), 0, True, ('fa4', 'cudnn', 'triton')),
-    (HALF, (128,), 0, False, ('cudnn', 'fa4', 'triton')),
-    (HALF, (128,), 0, True, ('cudnn', 'fa4', 'triton')),
-    (HALF, None, 0, None, ('flash', 'triton')),
-    (FP32, None, 0, None, ('triton',)),
+    (HALF, (128,), 131072, True, ("fa4", "cudnn", "triton")),
+    (HALF, (64,), 65536, True, ("fa4", "cudnn", "triton")),
+    (HALF, (128,), 65536, True, ("fa4", "cudnn", "triton")),
+    (HALF, (64,), 32768, False, ("fa4", "cudnn", "triton")),
+    (HALF, (128,), 32768, False, ("fa4", "cudnn", "triton")),
+    (HALF, (64,), 16384, False, ("fa4", "cudnn", "triton")),
+    (HALF, (64,), 16384, True, ("fa4", "cudnn", "triton")),
+    (HALF, (128,), 16384, False, ("fa4", "cudnn", "triton")),
+    (HALF, (128,), 16384, True, ("fa4", "cudnn", "triton")),
+    (HALF, (64,), 4096, False, ("fa4", "triton", "cudnn")),
+    (HALF, (64,), 4096, True, ("fa4", "triton", "cudnn")),
+    (HALF, (128,), 4096, False, ("fa4", "cudnn", "triton")),
+    (HALF, (128,), 4096, True, ("fa4", "cudnn", "triton")),
+    (HALF, (64,), 0, False, ("cudnn", "fa4", "triton")),
+    (HALF, (64,), 0, True, ("fa4", "cudnn", "triton")),
+    (HALF, (128,), 0, False, ("cudnn", "fa4", "triton")),
+    (HALF, (128,), 0, True, ("cudnn", "fa4", "triton")),
+    (HALF, None, 0, None, ("flash", "triton")),
+    (FP32, None, 0, None, ("triton",)),
 ]

@@ -90,11 +90,16 @@ def is_available(device) -> bool:
 def _tma_available(device: torch.device) -> bool:
     """TMA reduce-add for dQ: Hopper+ CUDA, a triton with host tensor descriptors and
     descriptor atomics, compiled mode. Elsewhere the atomic mode uses pointer atomics."""
-    return (TensorDescriptor is not None and not _INTERPRET and device.type == "cuda"
-            and torch.version.hip is None and hasattr(tl, "tensor_descriptor")
-            and hasattr(tl.tensor_descriptor, "atomic_add")
-            and torch.cuda.get_device_capability(device)[0] >= 9
-            and os.environ.get("LONGCTX_TRITON_TMA", "1") != "0")
+    return (
+        TensorDescriptor is not None
+        and not _INTERPRET
+        and device.type == "cuda"
+        and torch.version.hip is None
+        and hasattr(tl, "tensor_descriptor")
+        and hasattr(tl.tensor_descriptor, "atomic_add")
+        and torch.cuda.get_device_capability(device)[0] >= 9
+        and os.environ.get("LONGCTX_TRITON_TMA", "1") != "0"
+    )
 
 
 def _device_guard(t: torch.Tensor):
@@ -134,8 +139,10 @@ def _check_qkv(q, k, v, causal):
     if B * Hq >= 65536:
         raise ValueError(f"batch*heads = {B * Hq} exceeds the CUDA grid limit (65535)")
     if not is_available(q.device):
-        raise RuntimeError(f"triton attention is not available on {q.device}"
-                           + (" (set TRITON_INTERPRET=1 before import for CPU)" if q.device.type == "cpu" else ""))
+        raise RuntimeError(
+            f"triton attention is not available on {q.device}"
+            + (" (set TRITON_INTERPRET=1 before import for CPU)" if q.device.type == "cpu" else "")
+        )
 
 
 def forward(q, k, v, causal, softmax_scale, out_dtype=None, q_doc=None, k_doc=None):
@@ -161,8 +168,7 @@ def forward(q, k, v, causal, softmax_scale, out_dtype=None, q_doc=None, k_doc=No
         from . import triton_document_launch
 
         with _device_guard(q):
-            triton_document_launch.launch_forward(q, k, v, out, lse, q_doc, k_doc, causal,
-                                                  float(softmax_scale) * LOG2E)
+            triton_document_launch.launch_forward(q, k, v, out, lse, q_doc, k_doc, causal, float(softmax_scale) * LOG2E)
         return out, lse
 
     def grid(meta):
@@ -170,11 +176,26 @@ def forward(q, k, v, causal, softmax_scale, out_dtype=None, q_doc=None, k_doc=No
 
     with _device_guard(q):
         _fwd_kernel[grid](
-            q, k, v, out, lse,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-            Hq, Hq // Hkv, Sq, Sk, float(softmax_scale) * LOG2E,
-            _bucket(Sq), _bucket(Sk),
-            HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=bool(causal),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *out.stride(),
+            *lse.stride(),
+            Hq,
+            Hq // Hkv,
+            Sq,
+            Sk,
+            float(softmax_scale) * LOG2E,
+            _bucket(Sq),
+            _bucket(Sk),
+            HEAD_DIM=D,
+            BLOCK_D=_block_d(D),
+            CAUSAL=bool(causal),
         )
     return out, lse
 
@@ -195,13 +216,23 @@ def _compute_delta(out, dout, lse_shape):
     delta = torch.empty(lse_shape, dtype=torch.float32, device=out.device)
     block_m = 16 if _INTERPRET else 64
     grid = (triton.cdiv(Sq, block_m), B * Hq)
-    _delta_kernel[grid](out, dout, delta, *out.stride(), *dout.stride(), *delta.stride(),
-                        Hq, Sq, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=block_m)
+    _delta_kernel[grid](
+        out,
+        dout,
+        delta,
+        *out.stride(),
+        *dout.stride(),
+        *delta.stride(),
+        Hq,
+        Sq,
+        HEAD_DIM=D,
+        BLOCK_D=_block_d(D),
+        BLOCK_M=block_m,
+    )
     return delta
 
 
-def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dtype=None,
-             q_doc=None, k_doc=None):
+def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dtype=None, q_doc=None, k_doc=None):
     """(dq, dk, dv) in grad_dtype (None -> q.dtype). dK/dV are reduced over GQA groups.
     q_doc / k_doc: document ids as in forward()."""
     _check_qkv(q, k, v, causal)
@@ -252,8 +283,9 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dt
             if _tma_available(q.device) and D % 4 == 0:
                 # (B, Hq, Sq, D) so that each head's rows are one contiguous 2D block.
                 dq_acc = torch.zeros((B, Hq, Sq, D), dtype=torch.float32, device=q.device)
-                desc = TensorDescriptor(dq_acc.view(B * Hq * Sq, D), [B * Hq * Sq, D], [D, 1],
-                                        [16, 16])  # box set per config by _set_dq_block
+                desc = TensorDescriptor(
+                    dq_acc.view(B * Hq * Sq, D), [B * Hq * Sq, D], [D, 1], [16, 16]
+                )  # box set per config by _set_dq_block
                 dq_view = dq_acc.transpose(1, 2)
                 kernel, tma = (doc_dkdv._dkdv_atomic_tma if doc else _dkdv_atomic_tma), True
             else:
@@ -261,41 +293,143 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dt
                 desc, dq_view, tma = dq_acc, dq_acc, False
                 kernel = doc_dkdv._dkdv_atomic if doc else _dkdv_atomic
             if doc:
-                doc.launch_dkdv(kernel, q, k, v, dout, lse, delta, dk, dv, dq_view, desc, q_doc,
-                                k_doc, causal, float(softmax_scale), qk_scale, dq_atomic=True,
-                                dq_tma=tma)
+                doc.launch_dkdv(
+                    kernel,
+                    q,
+                    k,
+                    v,
+                    dout,
+                    lse,
+                    delta,
+                    dk,
+                    dv,
+                    dq_view,
+                    desc,
+                    q_doc,
+                    k_doc,
+                    causal,
+                    float(softmax_scale),
+                    qk_scale,
+                    dq_atomic=True,
+                    dq_tma=tma,
+                )
             else:
                 kernel[grid_kv](
-                    q, k, v, dout, lse, delta, dk, dv, dq_view, desc,
-                    *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
-                    *delta.stride(), *dk.stride(), *dv.stride(), *dq_view.stride(),
-                    Hkv, Hq // Hkv, Sq, Sk, float(softmax_scale), qk_scale, *buckets,
-                    DQ_ATOMIC=True, DQ_TMA=tma, **common)
+                    q,
+                    k,
+                    v,
+                    dout,
+                    lse,
+                    delta,
+                    dk,
+                    dv,
+                    dq_view,
+                    desc,
+                    *q.stride(),
+                    *k.stride(),
+                    *v.stride(),
+                    *dout.stride(),
+                    *lse.stride(),
+                    *delta.stride(),
+                    *dk.stride(),
+                    *dv.stride(),
+                    *dq_view.stride(),
+                    Hkv,
+                    Hq // Hkv,
+                    Sq,
+                    Sk,
+                    float(softmax_scale),
+                    qk_scale,
+                    *buckets,
+                    DQ_ATOMIC=True,
+                    DQ_TMA=tma,
+                    **common,
+                )
             dq = dq_view.to(grad_dtype, memory_format=torch.contiguous_format)
             return dq, dk, dv
 
         dq = torch.empty((B, Sq, Hq, D), dtype=grad_dtype, device=q.device)
         if doc:
-            doc.launch_dkdv(doc_dkdv._dkdv_split, q, k, v, dout, lse, delta, dk, dv, dq, dq, q_doc,
-                            k_doc, causal, float(softmax_scale), qk_scale, dq_atomic=False,
-                            dq_tma=False)
-            doc.launch_dq(q, k, v, dout, lse, delta, dq, q_doc, k_doc, causal,
-                          float(softmax_scale), qk_scale)
+            doc.launch_dkdv(
+                doc_dkdv._dkdv_split,
+                q,
+                k,
+                v,
+                dout,
+                lse,
+                delta,
+                dk,
+                dv,
+                dq,
+                dq,
+                q_doc,
+                k_doc,
+                causal,
+                float(softmax_scale),
+                qk_scale,
+                dq_atomic=False,
+                dq_tma=False,
+            )
+            doc.launch_dq(q, k, v, dout, lse, delta, dq, q_doc, k_doc, causal, float(softmax_scale), qk_scale)
             return dq, dk, dv
         # dq is passed as the unused DQ / DQ_DESC arguments of the split dK/dV kernel.
         _dkdv_split[grid_kv](
-            q, k, v, dout, lse, delta, dk, dv, dq, dq,
-            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
-            *delta.stride(), *dk.stride(), *dv.stride(), *dq.stride(),
-            Hkv, Hq // Hkv, Sq, Sk, float(softmax_scale), qk_scale, *buckets,
-            DQ_ATOMIC=False, DQ_TMA=False, **common)
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            dk,
+            dv,
+            dq,
+            dq,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *dout.stride(),
+            *lse.stride(),
+            *delta.stride(),
+            *dk.stride(),
+            *dv.stride(),
+            *dq.stride(),
+            Hkv,
+            Hq // Hkv,
+            Sq,
+            Sk,
+            float(softmax_scale),
+            qk_scale,
+            *buckets,
+            DQ_ATOMIC=False,
+            DQ_TMA=False,
+            **common,
+        )
 
         def grid_q(meta):
             return (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)
 
         _dq_tuned[grid_q](
-            q, k, v, dout, lse, delta, dq,
-            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
-            *delta.stride(), *dq.stride(),
-            Hq, Hq // Hkv, Sq, Sk, float(softmax_scale), qk_scale, *buckets, **common)
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            dq,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *dout.stride(),
+            *lse.stride(),
+            *delta.stride(),
+            *dq.stride(),
+            Hq,
+            Hq // Hkv,
+            Sq,
+            Sk,
+            float(softmax_scale),
+            qk_scale,
+            *buckets,
+            **common,
+        )
     return dq, dk, dv

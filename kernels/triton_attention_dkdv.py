@@ -3,7 +3,6 @@ delta = rowsum(dO * O), and dK/dV, one program per (key tile, batch*kv-head) loo
 the group's query heads and query tiles; in "atomic" mode it also adds dQ with fp32
 atomics (pointers, or a TMA descriptor on Hopper+)."""
 
-
 from .triton_tiles import (
     _BWD_KEY,
     _DKDV_CONFIGS,
@@ -20,12 +19,27 @@ from .triton_tiles import (
 
 
 @_triton.jit
-def _delta_kernel(Out, DO, Delta,
-                  stride_ob, stride_os, stride_oh, stride_od,
-                  stride_db, stride_ds, stride_dh, stride_dd,
-                  stride_tb, stride_th, stride_ts,
-                  n_heads_q, seqlen_q,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+def _delta_kernel(
+    Out,
+    DO,
+    Delta,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_od,
+    stride_db,
+    stride_ds,
+    stride_dh,
+    stride_dd,
+    stride_tb,
+    stride_th,
+    stride_ts,
+    n_heads_q,
+    seqlen_q,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = pid_bh // n_heads_q
@@ -33,10 +47,20 @@ def _delta_kernel(Out, DO, Delta,
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    o_ptrs = (Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-              + rows.to(tl.int64)[:, None] * stride_os + offs_d[None, :] * stride_od)
-    do_ptrs = (DO + off_b.to(tl.int64) * stride_db + off_h.to(tl.int64) * stride_dh
-               + rows.to(tl.int64)[:, None] * stride_ds + offs_d[None, :] * stride_dd)
+    o_ptrs = (
+        Out
+        + off_b.to(tl.int64) * stride_ob
+        + off_h.to(tl.int64) * stride_oh
+        + rows.to(tl.int64)[:, None] * stride_os
+        + offs_d[None, :] * stride_od
+    )
+    do_ptrs = (
+        DO
+        + off_b.to(tl.int64) * stride_db
+        + off_h.to(tl.int64) * stride_dh
+        + rows.to(tl.int64)[:, None] * stride_ds
+        + offs_d[None, :] * stride_dd
+    )
     o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(do_ptrs, mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(o * do, axis=1)
@@ -45,12 +69,41 @@ def _delta_kernel(Out, DO, Delta,
 
 
 @_triton.jit
-def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs, dq_desc, dq_row,
-                step_q, step_do, step_lse, step_delta, step_dq,
-                offs_n, offs_mb, offs_d, lo, hi, seqlen_q, seqlen_k, sm_scale, qk_scale,
-                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
-                EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PAD_D: tl.constexpr,
-                DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr):
+def _dkdv_inner(
+    dk,
+    dv,
+    k,
+    v,
+    q_ptrs,
+    do_ptrs,
+    lse_ptrs,
+    delta_ptrs,
+    dq_ptrs,
+    dq_desc,
+    dq_row,
+    step_q,
+    step_do,
+    step_lse,
+    step_delta,
+    step_dq,
+    offs_n,
+    offs_mb,
+    offs_d,
+    lo,
+    hi,
+    seqlen_q,
+    seqlen_k,
+    sm_scale,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    MASK: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    PAD_D: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
+    DQ_TMA: tl.constexpr,
+):
     # Works in the transposed frame (keys x queries) so that dK/dV accumulate as
     # [BLOCK_N, D] with the key tile as the MMA's M dimension.
     # Out-of-range query rows load q = dO = 0, lse = delta = 0: their p is 1 but every
@@ -95,22 +148,69 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs, dq
 
 
 @_triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, Delta, DK, DV, DQ, DQ_DESC,
-                 stride_qb, stride_qs, stride_qh, stride_qd,
-                 stride_kb, stride_ks, stride_kh, stride_kd,
-                 stride_vb, stride_vs, stride_vh, stride_vd,
-                 stride_db, stride_ds, stride_dh, stride_dd,
-                 stride_lb, stride_lh, stride_ls,
-                 stride_tb, stride_th, stride_ts,
-                 stride_dkb, stride_dks, stride_dkh, stride_dkd,
-                 stride_dvb, stride_dvs, stride_dvh, stride_dvd,
-                 stride_dqb, stride_dqs, stride_dqh, stride_dqd,
-                 n_heads_kv, group, seqlen_q, seqlen_k, sm_scale, qk_scale,
-                 Q_BUCKET, K_BUCKET,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                 DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+def _dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    Delta,
+    DK,
+    DV,
+    DQ,
+    DQ_DESC,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_db,
+    stride_ds,
+    stride_dh,
+    stride_dd,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    stride_tb,
+    stride_th,
+    stride_ts,
+    stride_dkb,
+    stride_dks,
+    stride_dkh,
+    stride_dkd,
+    stride_dvb,
+    stride_dvs,
+    stride_dvh,
+    stride_dvd,
+    stride_dqb,
+    stride_dqs,
+    stride_dqh,
+    stride_dqd,
+    n_heads_kv,
+    group,
+    seqlen_q,
+    seqlen_k,
+    sm_scale,
+    qk_scale,
+    Q_BUCKET,
+    K_BUCKET,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
+    DQ_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+):
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     pid_n = tl.program_id(0)  # causal: low key tiles have the most work and launch first
     pid_bh = tl.program_id(1)
@@ -122,12 +222,22 @@ def _dkdv_kernel(Q, K, V, DO, LSE, Delta, DK, DV, DQ, DQ_DESC,
     offs_mb = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
 
-    k_ptrs = (K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
-              + start_n.to(tl.int64) * stride_ks
-              + tl.arange(0, BLOCK_N)[:, None] * stride_ks + offs_d[None, :] * stride_kd)
-    v_ptrs = (V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
-              + start_n.to(tl.int64) * stride_vs
-              + tl.arange(0, BLOCK_N)[:, None] * stride_vs + offs_d[None, :] * stride_vd)
+    k_ptrs = (
+        K
+        + off_b.to(tl.int64) * stride_kb
+        + off_hk.to(tl.int64) * stride_kh
+        + start_n.to(tl.int64) * stride_ks
+        + tl.arange(0, BLOCK_N)[:, None] * stride_ks
+        + offs_d[None, :] * stride_kd
+    )
+    v_ptrs = (
+        V
+        + off_b.to(tl.int64) * stride_vb
+        + off_hk.to(tl.int64) * stride_vh
+        + start_n.to(tl.int64) * stride_vs
+        + tl.arange(0, BLOCK_N)[:, None] * stride_vs
+        + offs_d[None, :] * stride_vd
+    )
     k = _load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
     v = _load_tile(v_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -165,45 +275,105 @@ def _dkdv_kernel(Q, K, V, DO, LSE, Delta, DK, DV, DQ, DQ_DESC,
         # TMA dQ buffer is (B * Hq * Sq, D): this head's rows start here.
         dq_row = (off_b * n_heads_kv * group + off_h) * seqlen_q
         if CAUSAL:
-            dk, dv = _dkdv_inner(dk, dv, k, v,
-                                 q_base + lo64 * stride_qs + q_tile,
-                                 do_base + lo64 * stride_ds + do_tile,
-                                 lse_base + lo64 * stride_ls + offs_mb * stride_ls,
-                                 delta_base + lo64 * stride_ts + offs_mb * stride_ts,
-                                 dq_base + lo64 * stride_dqs + dq_tile, DQ_DESC, dq_row,
-                                 step_q, step_do, step_lse, step_delta, step_dq,
-                                 offs_n, offs_mb, offs_d, lo, mid, seqlen_q, seqlen_k,
-                                 sm_scale, qk_scale, HEAD_DIM, BLOCK_M, 1, EVEN_M, EVEN_N,
-                                 PAD_D, DQ_ATOMIC, DQ_TMA)
-        dk, dv = _dkdv_inner(dk, dv, k, v,
-                             q_base + mid64 * stride_qs + q_tile,
-                             do_base + mid64 * stride_ds + do_tile,
-                             lse_base + mid64 * stride_ls + offs_mb * stride_ls,
-                             delta_base + mid64 * stride_ts + offs_mb * stride_ts,
-                             dq_base + mid64 * stride_dqs + dq_tile, DQ_DESC, dq_row,
-                             step_q, step_do, step_lse, step_delta, step_dq,
-                             offs_n, offs_mb, offs_d, mid, seqlen_q, seqlen_q, seqlen_k,
-                             sm_scale, qk_scale, HEAD_DIM, BLOCK_M, 0, EVEN_M, EVEN_N,
-                             PAD_D, DQ_ATOMIC, DQ_TMA)
+            dk, dv = _dkdv_inner(
+                dk,
+                dv,
+                k,
+                v,
+                q_base + lo64 * stride_qs + q_tile,
+                do_base + lo64 * stride_ds + do_tile,
+                lse_base + lo64 * stride_ls + offs_mb * stride_ls,
+                delta_base + lo64 * stride_ts + offs_mb * stride_ts,
+                dq_base + lo64 * stride_dqs + dq_tile,
+                DQ_DESC,
+                dq_row,
+                step_q,
+                step_do,
+                step_lse,
+                step_delta,
+                step_dq,
+                offs_n,
+                offs_mb,
+                offs_d,
+                lo,
+                mid,
+                seqlen_q,
+                seqlen_k,
+                sm_scale,
+                qk_scale,
+                HEAD_DIM,
+                BLOCK_M,
+                1,
+                EVEN_M,
+                EVEN_N,
+                PAD_D,
+                DQ_ATOMIC,
+                DQ_TMA,
+            )
+        dk, dv = _dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            q_base + mid64 * stride_qs + q_tile,
+            do_base + mid64 * stride_ds + do_tile,
+            lse_base + mid64 * stride_ls + offs_mb * stride_ls,
+            delta_base + mid64 * stride_ts + offs_mb * stride_ts,
+            dq_base + mid64 * stride_dqs + dq_tile,
+            DQ_DESC,
+            dq_row,
+            step_q,
+            step_do,
+            step_lse,
+            step_delta,
+            step_dq,
+            offs_n,
+            offs_mb,
+            offs_d,
+            mid,
+            seqlen_q,
+            seqlen_q,
+            seqlen_k,
+            sm_scale,
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_M,
+            0,
+            EVEN_M,
+            EVEN_N,
+            PAD_D,
+            DQ_ATOMIC,
+            DQ_TMA,
+        )
 
     dk = dk * sm_scale
-    dk_ptrs = (DK + off_b.to(tl.int64) * stride_dkb + off_hk.to(tl.int64) * stride_dkh
-               + start_n.to(tl.int64) * stride_dks
-               + tl.arange(0, BLOCK_N)[:, None] * stride_dks + offs_d[None, :] * stride_dkd)
-    dv_ptrs = (DV + off_b.to(tl.int64) * stride_dvb + off_hk.to(tl.int64) * stride_dvh
-               + start_n.to(tl.int64) * stride_dvs
-               + tl.arange(0, BLOCK_N)[:, None] * stride_dvs + offs_d[None, :] * stride_dvd)
-    _store_tile(dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM,
-                EVEN_N, PAD_D)
-    _store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM,
-                EVEN_N, PAD_D)
+    dk_ptrs = (
+        DK
+        + off_b.to(tl.int64) * stride_dkb
+        + off_hk.to(tl.int64) * stride_dkh
+        + start_n.to(tl.int64) * stride_dks
+        + tl.arange(0, BLOCK_N)[:, None] * stride_dks
+        + offs_d[None, :] * stride_dkd
+    )
+    dv_ptrs = (
+        DV
+        + off_b.to(tl.int64) * stride_dvb
+        + off_hk.to(tl.int64) * stride_dvh
+        + start_n.to(tl.int64) * stride_dvs
+        + tl.arange(0, BLOCK_N)[:, None] * stride_dvs
+        + offs_d[None, :] * stride_dvd
+    )
+    _store_tile(dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+    _store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
 
 
 _dkdv_split = _autotune(_DKDV_CONFIGS, key=_BWD_KEY)(_triton.heuristics(_EVEN_HEURISTICS)(_dkdv_kernel))
 # Autotuning the atomic flavour runs it several times: dQ must be re-zeroed each time.
 _dkdv_atomic = _autotune(_DKDV_CONFIGS, key=_BWD_KEY, reset_to_zero=["DQ"])(
-    _triton.heuristics(_EVEN_HEURISTICS)(_dkdv_kernel))
+    _triton.heuristics(_EVEN_HEURISTICS)(_dkdv_kernel)
+)
 
 
 _dkdv_atomic_tma = _autotune(_with_hook(_DKDV_CONFIGS), key=_BWD_KEY, reset_to_zero=["DQ"])(
-    _triton.heuristics(_EVEN_HEURISTICS)(_dkdv_kernel))
+    _triton.heuristics(_EVEN_HEURISTICS)(_dkdv_kernel)
+)

@@ -2,7 +2,6 @@
 (query tile, batch*q-head); off-diagonal key tiles unmasked, the diagonal band and a ragged
 key tail masked, online softmax in base 2, lse in natural log."""
 
-
 from .triton_tiles import (
     _EVEN_HEURISTICS,
     _FWD_CONFIGS,
@@ -16,10 +15,28 @@ from .triton_tiles import (
 
 
 @_triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, step_k, step_v, rows, offs_n, offs_d,
-               lo, hi, seqlen_k, qk_scale,
-               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-               EVEN_N: tl.constexpr, PAD_D: tl.constexpr):
+def _fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_ptrs,
+    v_ptrs,
+    step_k,
+    step_v,
+    rows,
+    offs_n,
+    offs_d,
+    lo,
+    hi,
+    seqlen_k,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    PAD_D: tl.constexpr,
+):
     # MASK: 0 = none (interior tiles), 1 = causal band, 2 = ragged key tail (full mode).
     # k_ptrs / v_ptrs point at key row `lo` on entry.
     for start_n in range(lo, hi, BLOCK_N):
@@ -56,17 +73,46 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, step_k, step_v, rows, offs_n, o
 @_autotune(_FWD_CONFIGS, key=["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "CAUSAL"])
 @_triton.heuristics(_EVEN_HEURISTICS)
 @_triton.jit
-def _fwd_kernel(Q, K, V, Out, LSE,
-                stride_qb, stride_qs, stride_qh, stride_qd,
-                stride_kb, stride_ks, stride_kh, stride_kd,
-                stride_vb, stride_vs, stride_vh, stride_vd,
-                stride_ob, stride_os, stride_oh, stride_od,
-                stride_lb, stride_lh, stride_ls,
-                n_heads_q, group, seqlen_q, seqlen_k, qk_scale,
-                Q_BUCKET, K_BUCKET,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    LSE,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    n_heads_q,
+    group,
+    seqlen_q,
+    seqlen_k,
+    qk_scale,
+    Q_BUCKET,
+    K_BUCKET,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+):
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     pid_m = tl.program_id(0)
     if CAUSAL:
@@ -90,8 +136,7 @@ def _fwd_kernel(Q, K, V, Out, LSE,
     step_k = BLOCK_N * stride_ks
     step_v = BLOCK_N * stride_vs
 
-    q_ptrs = (q_base + start_m.to(tl.int64) * stride_qs
-              + offs_mb[:, None] * stride_qs + offs_d[None, :] * stride_qd)
+    q_ptrs = q_base + start_m.to(tl.int64) * stride_qs + offs_mb[:, None] * stride_qs + offs_d[None, :] * stride_qd
     q = _load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -101,42 +146,137 @@ def _fwd_kernel(Q, K, V, Out, LSE,
     if CAUSAL:
         # Key tiles ending at or before this query tile's first row: no mask at all.
         band_lo = (start_m // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base + k_tile, v_base + v_tile,
-                                   step_k, step_v, rows, offs_n, offs_d, 0, band_lo,
-                                   seqlen_k, qk_scale, HEAD_DIM, BLOCK_N, 0, True, PAD_D)
+        acc, l_i, m_i = _fwd_inner(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_base + k_tile,
+            v_base + v_tile,
+            step_k,
+            step_v,
+            rows,
+            offs_n,
+            offs_d,
+            0,
+            band_lo,
+            seqlen_k,
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_N,
+            0,
+            True,
+            PAD_D,
+        )
         # Diagonal band; its first tile starts at or before every row, so each row sees
         # at least one key there. Nothing above the diagonal is visited.
         band_hi = tl.minimum(start_m + BLOCK_M, seqlen_k)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q,
-                                   k_base + band_lo.to(tl.int64) * stride_ks + k_tile,
-                                   v_base + band_lo.to(tl.int64) * stride_vs + v_tile,
-                                   step_k, step_v, rows, offs_n, offs_d, band_lo, band_hi,
-                                   seqlen_k, qk_scale, HEAD_DIM, BLOCK_N, 1, EVEN_N, PAD_D)
+        acc, l_i, m_i = _fwd_inner(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_base + band_lo.to(tl.int64) * stride_ks + k_tile,
+            v_base + band_lo.to(tl.int64) * stride_vs + v_tile,
+            step_k,
+            step_v,
+            rows,
+            offs_n,
+            offs_d,
+            band_lo,
+            band_hi,
+            seqlen_k,
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_N,
+            1,
+            EVEN_N,
+            PAD_D,
+        )
     else:
         if EVEN_N:
-            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base + k_tile, v_base + v_tile,
-                                       step_k, step_v, rows, offs_n, offs_d, 0, seqlen_k,
-                                       seqlen_k, qk_scale, HEAD_DIM, BLOCK_N, 0, True, PAD_D)
+            acc, l_i, m_i = _fwd_inner(
+                acc,
+                l_i,
+                m_i,
+                q,
+                k_base + k_tile,
+                v_base + v_tile,
+                step_k,
+                step_v,
+                rows,
+                offs_n,
+                offs_d,
+                0,
+                seqlen_k,
+                seqlen_k,
+                qk_scale,
+                HEAD_DIM,
+                BLOCK_N,
+                0,
+                True,
+                PAD_D,
+            )
         else:
             n_full = (seqlen_k // BLOCK_N) * BLOCK_N
-            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base + k_tile, v_base + v_tile,
-                                       step_k, step_v, rows, offs_n, offs_d, 0, n_full,
-                                       seqlen_k, qk_scale, HEAD_DIM, BLOCK_N, 0, True, PAD_D)
-            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q,
-                                       k_base + n_full.to(tl.int64) * stride_ks + k_tile,
-                                       v_base + n_full.to(tl.int64) * stride_vs + v_tile,
-                                       step_k, step_v, rows, offs_n, offs_d, n_full, seqlen_k,
-                                       seqlen_k, qk_scale, HEAD_DIM, BLOCK_N, 2, False, PAD_D)
+            acc, l_i, m_i = _fwd_inner(
+                acc,
+                l_i,
+                m_i,
+                q,
+                k_base + k_tile,
+                v_base + v_tile,
+                step_k,
+                step_v,
+                rows,
+                offs_n,
+                offs_d,
+                0,
+                n_full,
+                seqlen_k,
+                qk_scale,
+                HEAD_DIM,
+                BLOCK_N,
+                0,
+                True,
+                PAD_D,
+            )
+            acc, l_i, m_i = _fwd_inner(
+                acc,
+                l_i,
+                m_i,
+                q,
+                k_base + n_full.to(tl.int64) * stride_ks + k_tile,
+                v_base + n_full.to(tl.int64) * stride_vs + v_tile,
+                step_k,
+                step_v,
+                rows,
+                offs_n,
+                offs_d,
+                n_full,
+                seqlen_k,
+                seqlen_k,
+                qk_scale,
+                HEAD_DIM,
+                BLOCK_N,
+                2,
+                False,
+                PAD_D,
+            )
 
     inv_l = 1.0 / l_i
     acc = acc * inv_l[:, None]
     lse = (m_i + tl.math.log2(l_i)) * _LN2
 
-    o_ptrs = (Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-              + start_m.to(tl.int64) * stride_os
-              + offs_mb[:, None] * stride_os + offs_d[None, :] * stride_od)
-    _store_tile(o_ptrs, acc.to(Out.dtype.element_ty), rows, seqlen_q, offs_d, HEAD_DIM,
-                EVEN_M, PAD_D)
+    o_ptrs = (
+        Out
+        + off_b.to(tl.int64) * stride_ob
+        + off_h.to(tl.int64) * stride_oh
+        + start_m.to(tl.int64) * stride_os
+        + offs_mb[:, None] * stride_os
+        + offs_d[None, :] * stride_od
+    )
+    _store_tile(o_ptrs, acc.to(Out.dtype.element_ty), rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
     l_ptrs = LSE + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + rows * stride_ls
     if EVEN_M:
         tl.store(l_ptrs, lse)

@@ -27,6 +27,7 @@ among configs with those tile sizes (warps, stages).
 
 A query row that sees no key in the block gets out = 0, lse = -inf and zero gradients.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -40,6 +41,7 @@ from .triton_tiles import _triton, triton
 class BlockMap(NamedTuple):
     """Compressed tile map; rows are the outer tiles of a kernel (query tiles for the
     forward and dQ, key tiles for dK/dV)."""
+
     num_full: torch.Tensor  # (B, rows) int32: leading entries of `indices` that need no mask
     num_visit: torch.Tensor  # (B, rows) int32: entries of `indices` to visit (full + masked)
     indices: torch.Tensor  # (B, rows, cols) int32: column tiles, full first, then masked
@@ -66,8 +68,7 @@ def tile_classes(q_ids, k_ids, block_q: int, block_k: int, causal: bool) -> torc
     q_min, q_max = _tile_id_ranges(q_ids, block_q)
     k_min, k_max = _tile_id_ranges(k_ids, block_k)
     visit = (q_min[:, :, None] <= k_max[:, None, :]) & (k_min[:, None, :] <= q_max[:, :, None])
-    one_doc = ((q_min == q_max)[:, :, None] & (k_min == k_max)[:, None, :]
-               & (q_min[:, :, None] == k_min[:, None, :]))
+    one_doc = (q_min == q_max)[:, :, None] & (k_min == k_max)[:, None, :] & (q_min[:, :, None] == k_min[:, None, :])
     device = q_ids.device
     q_start = torch.arange(q_min.shape[1], device=device) * block_q
     k_start = torch.arange(k_min.shape[1], device=device) * block_k
@@ -87,12 +88,15 @@ def compress(classes: torch.Tensor) -> BlockMap:
     # Longest rows launch first within each head: the work per row tile follows
     # document lengths, and the long ones last would leave SMs idle at the end.
     order = torch.sort(num_visit, dim=-1, descending=True, stable=True).indices
-    return BlockMap(num_full=(classes == FULL).sum(-1, dtype=torch.int32), num_visit=num_visit,
-                    indices=columns.to(torch.int32), order=order.to(torch.int32))
+    return BlockMap(
+        num_full=(classes == FULL).sum(-1, dtype=torch.int32),
+        num_visit=num_visit,
+        indices=columns.to(torch.int32),
+        order=order.to(torch.int32),
+    )
 
 
-def build_block_map(q_ids, k_ids, block_q: int, block_k: int, causal: bool, *,
-                    key_major: bool = False) -> BlockMap:
+def build_block_map(q_ids, k_ids, block_q: int, block_k: int, causal: bool, *, key_major: bool = False) -> BlockMap:
     classes = tile_classes(q_ids, k_ids, block_q, block_k, causal)
     return compress(classes.transpose(1, 2) if key_major else classes)
 
@@ -128,6 +132,10 @@ def _autotune(table, **kwargs):
     key = ["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "CAUSAL"]
     if tt._INTERPRET or triton is None:
         return _triton.autotune(configs=tt._all_configs(table), key=key, **kwargs)
-    return _triton.autotune(configs=tt._all_configs(table), key=key,
-                            prune_configs_by={"early_config_prune": _pruner(table)},
-                            do_bench=tt._tuned_bench, **kwargs)
+    return _triton.autotune(
+        configs=tt._all_configs(table),
+        key=key,
+        prune_configs_by={"early_config_prune": _pruner(table)},
+        do_bench=tt._tuned_bench,
+        **kwargs,
+    )

@@ -1,17 +1,39 @@
 """The document-masked dQ kernel of "split" mode (see triton_document.py for the block map
 it walks, triton_document_launch.py for its launch)."""
 
-
 from . import triton_tiles as tt
 from .triton_document import _autotune
 from .triton_tiles import _LOG2E, _load_row, _load_tile, _store_tile, _triton, tl
 
 
 @_triton.jit
-def _dq_tile(dq, q, do, lse2, delta, q_doc, k_base, v_base, kdoc_base, k_tile, v_tile,
-             stride_ks, stride_vs, stride_kds, start_n, rows, offs_n, offs_d, seqlen_k,
-             qk_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-             EVEN_N: tl.constexpr, PAD_D: tl.constexpr):
+def _dq_tile(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    q_doc,
+    k_base,
+    v_base,
+    kdoc_base,
+    k_tile,
+    v_tile,
+    stride_ks,
+    stride_vs,
+    stride_kds,
+    start_n,
+    rows,
+    offs_n,
+    offs_d,
+    seqlen_k,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    PAD_D: tl.constexpr,
+):
     cols = start_n + offs_n
     k_ptrs = k_base + start_n.to(tl.int64) * stride_ks + k_tile
     v_ptrs = v_base + start_n.to(tl.int64) * stride_vs + v_tile
@@ -42,22 +64,73 @@ def _dq_tile(dq, q, do, lse2, delta, q_doc, k_base, v_base, kdoc_base, k_tile, v
 @_autotune(tt._DQ_CONFIGS)
 @_triton.heuristics(tt._EVEN_HEURISTICS)
 @_triton.jit
-def _dq_kernel(Q, K, V, DO, LSE, Delta, DQ, QDOC, KDOC, NUM_FULL, NUM_VISIT, INDICES, ORDER,
-               stride_qb, stride_qs, stride_qh, stride_qd,
-               stride_kb, stride_ks, stride_kh, stride_kd,
-               stride_vb, stride_vs, stride_vh, stride_vd,
-               stride_db, stride_ds, stride_dh, stride_dd,
-               stride_lb, stride_lh, stride_ls,
-               stride_tb, stride_th, stride_ts,
-               stride_dqb, stride_dqs, stride_dqh, stride_dqd,
-               stride_qdb, stride_qds, stride_kdb, stride_kds,
-               stride_nb, stride_nr, stride_ib, stride_ir, stride_ic,
-               n_heads_q, group, seqlen_q, seqlen_k, sm_scale, qk_scale,
-               Q_BUCKET, K_BUCKET,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-               MAP_M: tl.constexpr, MAP_N: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+def _dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    Delta,
+    DQ,
+    QDOC,
+    KDOC,
+    NUM_FULL,
+    NUM_VISIT,
+    INDICES,
+    ORDER,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_db,
+    stride_ds,
+    stride_dh,
+    stride_dd,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    stride_tb,
+    stride_th,
+    stride_ts,
+    stride_dqb,
+    stride_dqs,
+    stride_dqh,
+    stride_dqd,
+    stride_qdb,
+    stride_qds,
+    stride_kdb,
+    stride_kds,
+    stride_nb,
+    stride_nr,
+    stride_ib,
+    stride_ir,
+    stride_ic,
+    n_heads_q,
+    group,
+    seqlen_q,
+    seqlen_k,
+    sm_scale,
+    qk_scale,
+    Q_BUCKET,
+    K_BUCKET,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MAP_M: tl.constexpr,
+    MAP_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+):
     tl.static_assert(BLOCK_M == MAP_M)  # the block map was built for these tiles
     tl.static_assert(BLOCK_N == MAP_N)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
@@ -79,19 +152,38 @@ def _dq_kernel(Q, K, V, DO, LSE, Delta, DQ, QDOC, KDOC, NUM_FULL, NUM_VISIT, IND
     idx_ptr = INDICES + off_b.to(tl.int64) * stride_ib + pid_m.to(tl.int64) * stride_ir
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if n_visit > 0:
-        q_ptrs = (Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-                  + start_m64 * stride_qs + offs_mb[:, None] * stride_qs + offs_d[None, :] * stride_qd)
-        do_ptrs = (DO + off_b.to(tl.int64) * stride_db + off_h.to(tl.int64) * stride_dh
-                   + start_m64 * stride_ds + offs_mb[:, None] * stride_ds + offs_d[None, :] * stride_dd)
+        q_ptrs = (
+            Q
+            + off_b.to(tl.int64) * stride_qb
+            + off_h.to(tl.int64) * stride_qh
+            + start_m64 * stride_qs
+            + offs_mb[:, None] * stride_qs
+            + offs_d[None, :] * stride_qd
+        )
+        do_ptrs = (
+            DO
+            + off_b.to(tl.int64) * stride_db
+            + off_h.to(tl.int64) * stride_dh
+            + start_m64 * stride_ds
+            + offs_mb[:, None] * stride_ds
+            + offs_d[None, :] * stride_dd
+        )
         q = _load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
         do = _load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
-        lse = _load_row(LSE + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
-                        + rows * stride_ls, rows, seqlen_q, EVEN_M)
-        delta = _load_row(Delta + off_b.to(tl.int64) * stride_tb + off_h.to(tl.int64) * stride_th
-                          + rows * stride_ts, rows, seqlen_q, EVEN_M)
+        lse = _load_row(
+            LSE + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + rows * stride_ls,
+            rows,
+            seqlen_q,
+            EVEN_M,
+        )
+        delta = _load_row(
+            Delta + off_b.to(tl.int64) * stride_tb + off_h.to(tl.int64) * stride_th + rows * stride_ts,
+            rows,
+            seqlen_q,
+            EVEN_M,
+        )
         lse2 = lse * _LOG2E
-        q_doc = tl.load(QDOC + off_b.to(tl.int64) * stride_qdb + rows * stride_qds,
-                        mask=rows < seqlen_q, other=0)
+        q_doc = tl.load(QDOC + off_b.to(tl.int64) * stride_qdb + rows * stride_qds, mask=rows < seqlen_q, other=0)
         k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
         v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
         kdoc_base = KDOC + off_b.to(tl.int64) * stride_kdb
@@ -99,18 +191,70 @@ def _dq_kernel(Q, K, V, DO, LSE, Delta, DQ, QDOC, KDOC, NUM_FULL, NUM_VISIT, IND
         v_tile = offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
         for i in range(0, n_full):
             start_n = tl.load(idx_ptr + i * stride_ic) * BLOCK_N
-            dq = _dq_tile(dq, q, do, lse2, delta, q_doc, k_base, v_base, kdoc_base, k_tile,
-                          v_tile, stride_ks, stride_vs, stride_kds, start_n, rows, offs_n, offs_d,
-                          seqlen_k, qk_scale, HEAD_DIM, CAUSAL, False, EVEN_N, PAD_D)
+            dq = _dq_tile(
+                dq,
+                q,
+                do,
+                lse2,
+                delta,
+                q_doc,
+                k_base,
+                v_base,
+                kdoc_base,
+                k_tile,
+                v_tile,
+                stride_ks,
+                stride_vs,
+                stride_kds,
+                start_n,
+                rows,
+                offs_n,
+                offs_d,
+                seqlen_k,
+                qk_scale,
+                HEAD_DIM,
+                CAUSAL,
+                False,
+                EVEN_N,
+                PAD_D,
+            )
         for i in range(n_full, n_visit):
             start_n = tl.load(idx_ptr + i * stride_ic) * BLOCK_N
-            dq = _dq_tile(dq, q, do, lse2, delta, q_doc, k_base, v_base, kdoc_base, k_tile,
-                          v_tile, stride_ks, stride_vs, stride_kds, start_n, rows, offs_n, offs_d,
-                          seqlen_k, qk_scale, HEAD_DIM, CAUSAL, True, EVEN_N, PAD_D)
+            dq = _dq_tile(
+                dq,
+                q,
+                do,
+                lse2,
+                delta,
+                q_doc,
+                k_base,
+                v_base,
+                kdoc_base,
+                k_tile,
+                v_tile,
+                stride_ks,
+                stride_vs,
+                stride_kds,
+                start_n,
+                rows,
+                offs_n,
+                offs_d,
+                seqlen_k,
+                qk_scale,
+                HEAD_DIM,
+                CAUSAL,
+                True,
+                EVEN_N,
+                PAD_D,
+            )
 
     dq = dq * sm_scale
-    dq_ptrs = (DQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
-               + start_m64 * stride_dqs + offs_mb[:, None] * stride_dqs
-               + offs_d[None, :] * stride_dqd)
-    _store_tile(dq_ptrs, dq.to(DQ.dtype.element_ty), rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M,
-                PAD_D)
+    dq_ptrs = (
+        DQ
+        + off_b.to(tl.int64) * stride_dqb
+        + off_h.to(tl.int64) * stride_dqh
+        + start_m64 * stride_dqs
+        + offs_mb[:, None] * stride_dqs
+        + offs_d[None, :] * stride_dqd
+    )
+    _store_tile(dq_ptrs, dq.to(DQ.dtype.element_ty), rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)

@@ -2,17 +2,38 @@
 triton_document_launch.py for its launch): per query tile the key tiles its map lists,
 full ones unmasked, the rest with the exact document mask."""
 
-
 from . import triton_tiles as tt
 from .triton_document import _autotune
 from .triton_tiles import _LN2, _load_tile, _store_tile, _triton, tl
 
 
 @_triton.jit
-def _fwd_tile(acc, l_i, m_i, q, q_doc, k_base, v_base, kdoc_base, k_tile, v_tile,
-              stride_ks, stride_vs, stride_kds, start_n, rows, offs_n, offs_d, seqlen_k,
-              qk_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-              EVEN_N: tl.constexpr, PAD_D: tl.constexpr):
+def _fwd_tile(
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_doc,
+    k_base,
+    v_base,
+    kdoc_base,
+    k_tile,
+    v_tile,
+    stride_ks,
+    stride_vs,
+    stride_kds,
+    start_n,
+    rows,
+    offs_n,
+    offs_d,
+    seqlen_k,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    PAD_D: tl.constexpr,
+):
     cols = start_n + offs_n
     k_ptrs = k_base + start_n.to(tl.int64) * stride_ks + k_tile
     v_ptrs = v_base + start_n.to(tl.int64) * stride_vs + v_tile
@@ -54,20 +75,63 @@ def _fwd_tile(acc, l_i, m_i, q, q_doc, k_base, v_base, kdoc_base, k_tile, v_tile
 @_autotune(tt._FWD_CONFIGS)
 @_triton.heuristics(tt._EVEN_HEURISTICS)
 @_triton.jit
-def _fwd_kernel(Q, K, V, Out, LSE, QDOC, KDOC, NUM_FULL, NUM_VISIT, INDICES, ORDER,
-                stride_qb, stride_qs, stride_qh, stride_qd,
-                stride_kb, stride_ks, stride_kh, stride_kd,
-                stride_vb, stride_vs, stride_vh, stride_vd,
-                stride_ob, stride_os, stride_oh, stride_od,
-                stride_lb, stride_lh, stride_ls,
-                stride_qdb, stride_qds, stride_kdb, stride_kds,
-                stride_nb, stride_nr, stride_ib, stride_ir, stride_ic,
-                n_heads_q, group, seqlen_q, seqlen_k, qk_scale,
-                Q_BUCKET, K_BUCKET,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                MAP_M: tl.constexpr, MAP_N: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    LSE,
+    QDOC,
+    KDOC,
+    NUM_FULL,
+    NUM_VISIT,
+    INDICES,
+    ORDER,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    stride_qdb,
+    stride_qds,
+    stride_kdb,
+    stride_kds,
+    stride_nb,
+    stride_nr,
+    stride_ib,
+    stride_ir,
+    stride_ic,
+    n_heads_q,
+    group,
+    seqlen_q,
+    seqlen_k,
+    qk_scale,
+    Q_BUCKET,
+    K_BUCKET,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MAP_M: tl.constexpr,
+    MAP_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+):
     tl.static_assert(BLOCK_M == MAP_M)  # the block map was built for these tiles
     tl.static_assert(BLOCK_N == MAP_N)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
@@ -83,12 +147,16 @@ def _fwd_kernel(Q, K, V, Out, LSE, QDOC, KDOC, NUM_FULL, NUM_VISIT, INDICES, ORD
     offs_d = tl.arange(0, BLOCK_D)
     rows = start_m + offs_mb
 
-    q_ptrs = (Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-              + start_m.to(tl.int64) * stride_qs + offs_mb[:, None] * stride_qs
-              + offs_d[None, :] * stride_qd)
+    q_ptrs = (
+        Q
+        + off_b.to(tl.int64) * stride_qb
+        + off_h.to(tl.int64) * stride_qh
+        + start_m.to(tl.int64) * stride_qs
+        + offs_mb[:, None] * stride_qs
+        + offs_d[None, :] * stride_qd
+    )
     q = _load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
-    q_doc = tl.load(QDOC + off_b.to(tl.int64) * stride_qdb + rows * stride_qds,
-                    mask=rows < seqlen_q, other=0)
+    q_doc = tl.load(QDOC + off_b.to(tl.int64) * stride_qdb + rows * stride_qds, mask=rows < seqlen_q, other=0)
     k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
     v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
     kdoc_base = KDOC + off_b.to(tl.int64) * stride_kdb
@@ -104,26 +172,74 @@ def _fwd_kernel(Q, K, V, Out, LSE, QDOC, KDOC, NUM_FULL, NUM_VISIT, INDICES, ORD
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for i in range(0, n_full):
         start_n = tl.load(idx_ptr + i * stride_ic) * BLOCK_N
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, q_doc, k_base, v_base, kdoc_base, k_tile,
-                                  v_tile, stride_ks, stride_vs, stride_kds, start_n, rows,
-                                  offs_n, offs_d, seqlen_k, qk_scale, HEAD_DIM, CAUSAL, False,
-                                  EVEN_N, PAD_D)
+        acc, l_i, m_i = _fwd_tile(
+            acc,
+            l_i,
+            m_i,
+            q,
+            q_doc,
+            k_base,
+            v_base,
+            kdoc_base,
+            k_tile,
+            v_tile,
+            stride_ks,
+            stride_vs,
+            stride_kds,
+            start_n,
+            rows,
+            offs_n,
+            offs_d,
+            seqlen_k,
+            qk_scale,
+            HEAD_DIM,
+            CAUSAL,
+            False,
+            EVEN_N,
+            PAD_D,
+        )
     for i in range(n_full, n_visit):
         start_n = tl.load(idx_ptr + i * stride_ic) * BLOCK_N
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, q_doc, k_base, v_base, kdoc_base, k_tile,
-                                  v_tile, stride_ks, stride_vs, stride_kds, start_n, rows,
-                                  offs_n, offs_d, seqlen_k, qk_scale, HEAD_DIM, CAUSAL, True,
-                                  EVEN_N, PAD_D)
+        acc, l_i, m_i = _fwd_tile(
+            acc,
+            l_i,
+            m_i,
+            q,
+            q_doc,
+            k_base,
+            v_base,
+            kdoc_base,
+            k_tile,
+            v_tile,
+            stride_ks,
+            stride_vs,
+            stride_kds,
+            start_n,
+            rows,
+            offs_n,
+            offs_d,
+            seqlen_k,
+            qk_scale,
+            HEAD_DIM,
+            CAUSAL,
+            True,
+            EVEN_N,
+            PAD_D,
+        )
 
     # No visible key: l = 0 -> out 0, lse -inf. A NaN row keeps NaN in both.
     empty = l_i == 0.0
     acc = acc * tl.where(empty, 0.0, 1.0 / l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * _LN2)
-    o_ptrs = (Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-              + start_m.to(tl.int64) * stride_os
-              + offs_mb[:, None] * stride_os + offs_d[None, :] * stride_od)
-    _store_tile(o_ptrs, acc.to(Out.dtype.element_ty), rows, seqlen_q, offs_d, HEAD_DIM,
-                EVEN_M, PAD_D)
+    o_ptrs = (
+        Out
+        + off_b.to(tl.int64) * stride_ob
+        + off_h.to(tl.int64) * stride_oh
+        + start_m.to(tl.int64) * stride_os
+        + offs_mb[:, None] * stride_os
+        + offs_d[None, :] * stride_od
+    )
+    _store_tile(o_ptrs, acc.to(Out.dtype.element_ty), rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
     l_ptrs = LSE + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + rows * stride_ls
     if EVEN_M:
         tl.store(l_ptrs, lse)

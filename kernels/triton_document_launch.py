@@ -25,8 +25,9 @@ def _grid(batch_heads: int, bmap: BlockMap):
     # together (longest first, per `order`) and share that head's K/V in L2 (heads-fastest
     # measured slower: benchmarks/NOTES.md). grid y holds at most 65535.
     if batch_heads > 65535:
-        raise ValueError(f"batch x heads = {batch_heads} exceeds the CUDA grid limit (65535); "
-                         "use smaller micro-batches")
+        raise ValueError(
+            f"batch x heads = {batch_heads} exceeds the CUDA grid limit (65535); use smaller micro-batches"
+        )
     return (bmap.num_visit.shape[1], batch_heads)
 
 
@@ -42,15 +43,58 @@ def launch_forward(q, k, v, out, lse, q_doc, k_doc, causal, qk_scale):
     block_m, block_n = _tiles(tt._FWD_CONFIGS, D, q.dtype)
     bmap = build_block_map(q_doc, k_doc, block_m, block_n, causal)
     _fwd_kernel[_grid(B * Hq, bmap)](
-        q, k, v, out, lse, q_doc, k_doc, *_map_args(bmap),
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-        *q_doc.stride(), *k_doc.stride(), *_map_strides(bmap),
-        Hq, Hq // Hkv, Sq, Sk, qk_scale, tt._bucket(Sq), tt._bucket(Sk),
-        HEAD_DIM=D, BLOCK_D=tt._block_d(D), CAUSAL=bool(causal), MAP_M=block_m, MAP_N=block_n)
+        q,
+        k,
+        v,
+        out,
+        lse,
+        q_doc,
+        k_doc,
+        *_map_args(bmap),
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *out.stride(),
+        *lse.stride(),
+        *q_doc.stride(),
+        *k_doc.stride(),
+        *_map_strides(bmap),
+        Hq,
+        Hq // Hkv,
+        Sq,
+        Sk,
+        qk_scale,
+        tt._bucket(Sq),
+        tt._bucket(Sk),
+        HEAD_DIM=D,
+        BLOCK_D=tt._block_d(D),
+        CAUSAL=bool(causal),
+        MAP_M=block_m,
+        MAP_N=block_n,
+    )
 
 
-def launch_dkdv(kernel, q, k, v, dout, lse, delta, dk, dv, dq, dq_desc, q_doc, k_doc, causal,
-                sm_scale, qk_scale, *, dq_atomic, dq_tma):
+def launch_dkdv(
+    kernel,
+    q,
+    k,
+    v,
+    dout,
+    lse,
+    delta,
+    dk,
+    dv,
+    dq,
+    dq_desc,
+    q_doc,
+    k_doc,
+    causal,
+    sm_scale,
+    qk_scale,
+    *,
+    dq_atomic,
+    dq_tma,
+):
     """dK/dV (and with dq_atomic dQ by atomics into `dq`) through `kernel`, one of
     _dkdv_split / _dkdv_atomic / _dkdv_atomic_tma of triton_document_dkdv (triton_attention picks as
     for plain)."""
@@ -60,13 +104,47 @@ def launch_dkdv(kernel, q, k, v, dout, lse, delta, dk, dv, dq, dq_desc, q_doc, k
     block_m, block_n = _tiles(tt._DKDV_CONFIGS, D, q.dtype)
     bmap = build_block_map(q_doc, k_doc, block_m, block_n, causal, key_major=True)
     kernel[_grid(B * Hkv, bmap)](
-        q, k, v, dout, lse, delta, dk, dv, dq, dq_desc, q_doc, k_doc, *_map_args(bmap),
-        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
-        *delta.stride(), *dk.stride(), *dv.stride(), *dq.stride(),
-        *q_doc.stride(), *k_doc.stride(), *_map_strides(bmap),
-        Hkv, Hq // Hkv, Sq, Sk, sm_scale, qk_scale, tt._bucket(Sq), tt._bucket(Sk),
-        HEAD_DIM=D, BLOCK_D=tt._block_d(D), CAUSAL=bool(causal), DQ_ATOMIC=dq_atomic,
-        DQ_TMA=dq_tma, MAP_M=block_m, MAP_N=block_n)
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dk,
+        dv,
+        dq,
+        dq_desc,
+        q_doc,
+        k_doc,
+        *_map_args(bmap),
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *dout.stride(),
+        *lse.stride(),
+        *delta.stride(),
+        *dk.stride(),
+        *dv.stride(),
+        *dq.stride(),
+        *q_doc.stride(),
+        *k_doc.stride(),
+        *_map_strides(bmap),
+        Hkv,
+        Hq // Hkv,
+        Sq,
+        Sk,
+        sm_scale,
+        qk_scale,
+        tt._bucket(Sq),
+        tt._bucket(Sk),
+        HEAD_DIM=D,
+        BLOCK_D=tt._block_d(D),
+        CAUSAL=bool(causal),
+        DQ_ATOMIC=dq_atomic,
+        DQ_TMA=dq_tma,
+        MAP_M=block_m,
+        MAP_N=block_n,
+    )
 
 
 def launch_dq(q, k, v, dout, lse, delta, dq, q_doc, k_doc, causal, sm_scale, qk_scale):
@@ -76,8 +154,37 @@ def launch_dq(q, k, v, dout, lse, delta, dq, q_doc, k_doc, causal, sm_scale, qk_
     block_m, block_n = _tiles(tt._DQ_CONFIGS, D, q.dtype)
     bmap = build_block_map(q_doc, k_doc, block_m, block_n, causal)
     _dq_kernel[_grid(B * Hq, bmap)](
-        q, k, v, dout, lse, delta, dq, q_doc, k_doc, *_map_args(bmap),
-        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(),
-        *delta.stride(), *dq.stride(), *q_doc.stride(), *k_doc.stride(), *_map_strides(bmap),
-        Hq, Hq // Hkv, Sq, Sk, sm_scale, qk_scale, tt._bucket(Sq), tt._bucket(Sk),
-        HEAD_DIM=D, BLOCK_D=tt._block_d(D), CAUSAL=bool(causal), MAP_M=block_m, MAP_N=block_n)
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dq,
+        q_doc,
+        k_doc,
+        *_map_args(bmap),
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *dout.stride(),
+        *lse.stride(),
+        *delta.stride(),
+        *dq.stride(),
+        *q_doc.stride(),
+        *k_doc.stride(),
+        *_map_strides(bmap),
+        Hq,
+        Hq // Hkv,
+        Sq,
+        Sk,
+        sm_scale,
+        qk_scale,
+        tt._bucket(Sq),
+        tt._bucket(Sk),
+        HEAD_DIM=D,
+        BLOCK_D=tt._block_d(D),
+        CAUSAL=bool(causal),
+        MAP_M=block_m,
+        MAP_N=block_n,
+    )

@@ -34,8 +34,12 @@ except ImportError:  # no triton (e.g. macOS): keep the module importable, repor
             return x
 
     tl = _ShimTL()
-    _shim = types.SimpleNamespace(jit=_identity_decorator, autotune=_identity_decorator,
-                                  heuristics=_identity_decorator, Config=lambda *a, **k: None)
+    _shim = types.SimpleNamespace(
+        jit=_identity_decorator,
+        autotune=_identity_decorator,
+        heuristics=_identity_decorator,
+        Config=lambda *a, **k: None,
+    )
 else:
     _shim = None
 
@@ -61,8 +65,7 @@ def _bucket(n: int) -> int:
 
 
 def _cfg(block_m, block_n, warps, stages):
-    return _triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps,
-                          num_stages=stages)
+    return _triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
 
 
 # Each list is (head_dim upper bound -> configs). Kept short: compile time of every
@@ -73,8 +76,10 @@ if _INTERPRET:
     # default so the CPU tests cover multi-tile loops, the band split with
     # BLOCK_M != BLOCK_N and ragged tails; the tests swap the shapes through
     # LONGCTX_TRITON_INTERP_TILES="fwd,dkdv,dq" (each BLOCK_MxBLOCK_N).
-    _tiles = [tuple(int(x) for x in t.split("x")) for t in
-              os.environ.get("LONGCTX_TRITON_INTERP_TILES", "32x16,16x32,32x16").split(",")]
+    _tiles = [
+        tuple(int(x) for x in t.split("x"))
+        for t in os.environ.get("LONGCTX_TRITON_INTERP_TILES", "32x16,16x32,32x16").split(",")
+    ]
     _FWD_CONFIGS = {256: [_cfg(*_tiles[0], 4, 1)]}
     _DKDV_CONFIGS = {256: [_cfg(*_tiles[1], 4, 1)]}
     _DQ_CONFIGS = {256: [_cfg(*_tiles[2], 4, 1)]}
@@ -141,8 +146,9 @@ def _autotune(table, key, **kwargs):
         return _triton.autotune(configs=_all_configs(table), key=key, **kwargs)
     prune = {"early_config_prune": _pruner(table)}
     try:
-        return _triton.autotune(configs=_all_configs(table), key=key, prune_configs_by=prune,
-                                do_bench=_tuned_bench, **kwargs)
+        return _triton.autotune(
+            configs=_all_configs(table), key=key, prune_configs_by=prune, do_bench=_tuned_bench, **kwargs
+        )
     except TypeError:  # triton < 3.2 has no do_bench hook: default timing, slower tuning
         return _triton.autotune(configs=_all_configs(table), key=key, prune_configs_by=prune, **kwargs)
 
@@ -159,8 +165,7 @@ _EVEN_HEURISTICS = {
 
 
 @_triton.jit
-def _load_tile(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, EVEN: tl.constexpr,
-               PAD_D: tl.constexpr):
+def _load_tile(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, EVEN: tl.constexpr, PAD_D: tl.constexpr):
     """Load a [rows, BLOCK_D] tile; masks only where the shape needs them."""
     if EVEN:
         if PAD_D:
@@ -169,16 +174,14 @@ def _load_tile(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, EVEN: tl.cons
             x = tl.load(ptrs)
     else:
         if PAD_D:
-            x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM),
-                        other=0.0)
+            x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
         else:
             x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
     return x
 
 
 @_triton.jit
-def _store_tile(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, EVEN: tl.constexpr,
-                PAD_D: tl.constexpr):
+def _store_tile(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, EVEN: tl.constexpr, PAD_D: tl.constexpr):
     if EVEN:
         if PAD_D:
             tl.store(ptrs, x, mask=offs_d[None, :] < HEAD_DIM)
@@ -200,6 +203,7 @@ def _load_row(ptrs, rows, n_rows, EVEN: tl.constexpr):
         x = tl.load(ptrs, mask=rows < n_rows, other=0.0)
     return x
 
+
 # ----------------------------------------------------------------------------- launch helpers
 
 
@@ -209,9 +213,17 @@ def _set_dq_block(nargs):
 
 
 def _with_hook(table):
-    return {b: [_triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=c.num_stages,
-                               pre_hook=_set_dq_block) for c in cfgs]
-            for b, cfgs in table.items()} if triton is not None else table
+    return (
+        {
+            b: [
+                _triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_set_dq_block)
+                for c in cfgs
+            ]
+            for b, cfgs in table.items()
+        }
+        if triton is not None
+        else table
+    )
 
 
 def _block_d(head_dim: int) -> int:

@@ -13,6 +13,7 @@ Limits (why the ring prefers "triton" where it measures as fast):
     bf16/fp16 result, not extra precision.
   * backward recomputes delta = rowsum(dO * O) itself and so needs `out`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -96,11 +97,12 @@ def forward(q, k, v, causal, softmax_scale, out_dtype=None, *, which):
     with torch.cuda.device(q.device):
         if which == "flash":
             out, lse = aten._scaled_dot_product_flash_attention(
-                _bhsd(q), _bhsd(k), _bhsd(v), 0.0, bool(causal), False, scale=float(softmax_scale))[:2]
+                _bhsd(q), _bhsd(k), _bhsd(v), 0.0, bool(causal), False, scale=float(softmax_scale)
+            )[:2]
         else:
             out, lse = aten._scaled_dot_product_cudnn_attention(
-                _bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, bool(causal), False,
-                scale=float(softmax_scale))[:2]
+                _bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, bool(causal), False, scale=float(softmax_scale)
+            )[:2]
     out = out.transpose(1, 2)  # back to (B, Sq, Hq, D); a view
     if out_dtype is not None and out_dtype != out.dtype:
         out = out.to(out_dtype)  # vendor kernels write the input dtype only
@@ -130,13 +132,42 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dt
             # read when dropout_p > 0.
             empty = torch.empty((), dtype=torch.int64, device=q.device)
             dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-                _bhsd(dout), _bhsd(q), _bhsd(k_in), _bhsd(v_in), _bhsd(out), lse,
-                None, None, Sq, Sk, 0.0, bool(causal), empty, empty, scale=scale)
+                _bhsd(dout),
+                _bhsd(q),
+                _bhsd(k_in),
+                _bhsd(v_in),
+                _bhsd(out),
+                lse,
+                None,
+                None,
+                Sq,
+                Sk,
+                0.0,
+                bool(causal),
+                empty,
+                empty,
+                scale=scale,
+            )
         else:
             empty = torch.empty((), dtype=torch.int64, device=q.device)
             dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
-                _bhsd(dout), _bhsd(q), _bhsd(k_in), _bhsd(v_in), _bhsd(out), lse.unsqueeze(-1),
-                empty, empty, None, None, None, Sq, Sk, 0.0, bool(causal), scale=scale)
+                _bhsd(dout),
+                _bhsd(q),
+                _bhsd(k_in),
+                _bhsd(v_in),
+                _bhsd(out),
+                lse.unsqueeze(-1),
+                empty,
+                empty,
+                None,
+                None,
+                None,
+                Sq,
+                Sk,
+                0.0,
+                bool(causal),
+                scale=scale,
+            )
     dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     if not NATIVE_GQA[which]:
         dk, dv = _reduce_group(dk.float(), group), _reduce_group(dv.float(), group)

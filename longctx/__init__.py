@@ -5,6 +5,7 @@
 here; the strategy name ``"context_parallel"`` is registered with Lightning then, or at
 once when Lightning is already imported.
 """
+
 import importlib.abc
 import importlib.util
 import sys

@@ -31,6 +31,7 @@ masking. Labels (shifted on the full sequence) and position ids travel with thei
 RoPE and the (token-sum) loss are unchanged. Not valid for attention across documents
 (plain causal): there the permutation changes the result.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -160,8 +161,7 @@ def _arrange(lengths: list, world_size: int, chunk: int, causal: bool, split: se
         regions[r][1].extend(inner2 + [(d, 0, lengths[d]) for d in w2])
         free.append((f1, f2))
     # The room line in chunk order: room a of chunks 0..P-1, then room b of chunks P..2P-1.
-    line = [(r, 0, free[r][0]) for r in range(world_size)] + \
-           [(r, 1, free[r][1]) for r in reversed(range(world_size))]
+    line = [(r, 0, free[r][0]) for r in range(world_size)] + [(r, 1, free[r][1]) for r in reversed(range(world_size))]
     poured = [[[], []] for _ in range(world_size)]
     holes = iter(line)
     r, side, left = next(holes)
@@ -232,8 +232,10 @@ def balance_permutation(
     ``world_size == 1`` gives the identity.
     """
     if not isinstance(document_ids, torch.Tensor) or document_ids.dim() != 1:
-        raise ValueError("document_ids must be a 1-D tensor of the full sequence's ids, got "
-                         f"{getattr(document_ids, 'shape', type(document_ids).__name__)}")
+        raise ValueError(
+            "document_ids must be a 1-D tensor of the full sequence's ids, got "
+            f"{getattr(document_ids, 'shape', type(document_ids).__name__)}"
+        )
     if document_ids.dtype.is_floating_point or document_ids.dtype.is_complex or document_ids.dtype == torch.bool:
         raise TypeError(f"document_ids must hold integers, got dtype {document_ids.dtype}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -243,7 +245,8 @@ def balance_permutation(
         raise ValueError(
             f"load balance needs layout='zigzag' (got {layout!r}): its head-tail pairing of chunks "
             "is what balances cut documents; with the contiguous layout rank r's piece of a "
-            "document always sees more keys than rank r-1's")
+            "document always sees more keys than rank r-1's"
+        )
     seq_len = document_ids.numel()
     check_seq_len(seq_len, world_size, layout)
     device = document_ids.device
@@ -256,8 +259,9 @@ def balance_permutation(
         packed = document_work_per_rank(ids, world_size, causal=causal).double()
         if float(packed.max() / packed.mean()) <= ratio:
             return torch.arange(seq_len, device=device)
-    seg_doc, seg_start, seg_size = torch.tensor([piece for pieces in chunks for piece in pieces],
-                                                dtype=torch.int64).view(-1, 3).unbind(1)
+    seg_doc, seg_start, seg_size = (
+        torch.tensor([piece for pieces in chunks for piece in pieces], dtype=torch.int64).view(-1, 3).unbind(1)
+    )
     source = doc_starts[seg_doc] + seg_start  # where each piece starts in `tokens`
     out_start = torch.cumsum(seg_size, 0) - seg_size
     perm = torch.repeat_interleave(source - out_start, seg_size) + torch.arange(seq_len)
@@ -286,8 +290,9 @@ def balance_documents(batch: Mapping[str, Any], *, world_size: int, layout: str 
     if not isinstance(batch, Mapping) or not isinstance(batch.get("document_ids"), torch.Tensor):
         raise ValueError("balance_documents needs a mapping batch with a 'document_ids' tensor (B, S)")
     if is_sharded(batch):
-        raise ValueError("balance_documents takes full sequences: this batch is already sharded "
-                         "(balance before sharding)")
+        raise ValueError(
+            "balance_documents takes full sequences: this batch is already sharded (balance before sharding)"
+        )
     docs = batch["document_ids"]
     if docs.dim() != 2:
         raise ValueError(f"document_ids must be (B, S), got shape {tuple(docs.shape)}")

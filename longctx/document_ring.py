@@ -20,6 +20,7 @@ shard); otherwise the backward exchanges them again.
 ``forward_calls`` / ``backward_calls`` run a list of the plan's calls on one device;
 Ulysses uses them over the whole sequence.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -54,8 +55,7 @@ class _Accumulator:
             if rows is None:
                 self.value = grad.contiguous()
                 return
-            self.value = torch.zeros(self.like.shape, dtype=accumulator_dtype(self.like.dtype),
-                                     device=self.like.device)
+            self.value = torch.zeros(self.like.shape, dtype=accumulator_dtype(self.like.dtype), device=self.like.device)
         elif rows is None and self.value.dtype != accumulator_dtype(self.like.dtype):
             self.value = self.value.to(accumulator_dtype(self.like.dtype))  # a second full contribution
         add_rows_(self.value, rows, grad)
@@ -69,9 +69,17 @@ def _call_forward(call: BlockCall, q, k, v, out, lse, scale, backend, only: bool
     """Runs ``call`` and merges it into ``(out, lse)``; ``only``: the plan's one call, whose
     output is final as the kernel writes it (no fp32 accumulator, no casts)."""
     out_b, lse_b = attention_forward(
-        rows_of(q, call.q_rows), rows_of(k, call.k_rows), rows_of(v, call.k_rows), causal=call.causal,
-        softmax_scale=scale, backend=backend, out_dtype=None if only else partial_dtype(backend, q.dtype),
-        q_document_ids=call.q_ids, k_document_ids=call.k_ids, segments=call.segments)
+        rows_of(q, call.q_rows),
+        rows_of(k, call.k_rows),
+        rows_of(v, call.k_rows),
+        causal=call.causal,
+        softmax_scale=scale,
+        backend=backend,
+        out_dtype=None if only else partial_dtype(backend, q.dtype),
+        q_document_ids=call.q_ids,
+        k_document_ids=call.k_ids,
+        segments=call.segments,
+    )
     if only:
         return out_b, lse_b
     if out is None:  # the first call of a plan covers every row: kept as the kernel wrote it
@@ -86,10 +94,20 @@ def _call_forward(call: BlockCall, q, k, v, out, lse, scale, backend, only: bool
 def _call_backward(call: BlockCall, dout, q, k, v, out, lse, scale, backend):
     rows = call.q_rows
     return attention_backward(
-        rows_of(dout, rows), rows_of(q, rows), rows_of(k, call.k_rows), rows_of(v, call.k_rows),
-        rows_of(out, rows), rows_of(lse, rows, dim=2).contiguous(), causal=call.causal, softmax_scale=scale,
-        backend=backend, grad_dtype=partial_dtype(backend, q.dtype),
-        q_document_ids=call.q_ids, k_document_ids=call.k_ids, segments=call.segments)
+        rows_of(dout, rows),
+        rows_of(q, rows),
+        rows_of(k, call.k_rows),
+        rows_of(v, call.k_rows),
+        rows_of(out, rows),
+        rows_of(lse, rows, dim=2).contiguous(),
+        causal=call.causal,
+        softmax_scale=scale,
+        backend=backend,
+        grad_dtype=partial_dtype(backend, q.dtype),
+        q_document_ids=call.q_ids,
+        k_document_ids=call.k_ids,
+        segments=call.segments,
+    )
 
 
 def forward_calls(q, k, v, calls: list, scale, backend: str, only: bool = False):
@@ -215,14 +233,15 @@ class _DocumentAttention(torch.autograd.Function):
         steps = plan.world_size - 1
 
         def run(dout_h, q_h, k_h, v_h, out_h, lse_h, g):
-            kept = messages[g * steps:(g + 1) * steps] if keep else None
+            kept = messages[g * steps : (g + 1) * steps] if keep else None
             return _ring_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, kept, plan, comm, scale, name)
 
         dq, dk, dv = grads_by_head_groups(dout.contiguous(), q, k, v, out, lse, chunks, run)
         return dq, dk, dv, None, None, None, None, None
 
 
-def document_attention(q, k, v, plan: DocumentPlan, group, softmax_scale, backend: str,
-                       head_chunks: int = 1) -> torch.Tensor:
+def document_attention(
+    q, k, v, plan: DocumentPlan, group, softmax_scale, backend: str, head_chunks: int = 1
+) -> torch.Tensor:
     """Exact document-masked attention of this rank's shard by ``plan`` (checked by the caller)."""
     return _DocumentAttention.apply(q, k, v, plan, group, softmax_scale, backend, head_chunks)

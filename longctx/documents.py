@@ -25,6 +25,7 @@ in two copies per plan, so a layer reads nothing back to the host.
 Visibility is the contract of ``ring_attention``: query i sees key j iff both carry the
 same id in the same batch row (and j <= i in the sequence when causal).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -76,8 +77,24 @@ class DocumentPlan:
     queries (``pairs[r] / pairs.mean()`` is the load imbalance); ``received[r]``: K/V rows
     rank r receives in a forward (``moved``: their sum)."""
 
-    def __init__(self, *, world_size, rank, layout, causal, batch, seq_len, device, one_document,
-                 local_calls, exchanges, pairs, received, fingerprint, full_doc=None):
+    def __init__(
+        self,
+        *,
+        world_size,
+        rank,
+        layout,
+        causal,
+        batch,
+        seq_len,
+        device,
+        one_document,
+        local_calls,
+        exchanges,
+        pairs,
+        received,
+        fingerprint,
+        full_doc=None,
+    ):
         self.world_size, self.rank, self.layout, self.causal = world_size, rank, layout, causal
         self.batch, self.seq_len, self.local_len = batch, seq_len, seq_len // world_size
         self.device = device
@@ -92,8 +109,10 @@ class DocumentPlan:
         self._sequence_calls: Optional[list[BlockCall]] = None
 
     def __repr__(self) -> str:
-        return (f"DocumentPlan(rank {self.rank} of {self.world_size}, {self.layout}, B={self.batch}, "
-                f"S={self.seq_len}, imbalance {self.imbalance:.3f}, K/V rows moved {self.moved})")
+        return (
+            f"DocumentPlan(rank {self.rank} of {self.world_size}, {self.layout}, B={self.batch}, "
+            f"S={self.seq_len}, imbalance {self.imbalance:.3f}, K/V rows moved {self.moved})"
+        )
 
     @property
     def calls(self) -> int:
@@ -121,15 +140,17 @@ class DocumentPlan:
         rank = 0 if group is None else dist.get_rank(group)
         problems = []
         if (world, rank) != (self.world_size, self.rank):
-            problems.append(f"the plan is for rank {self.rank} of {self.world_size}, the call runs on rank "
-                            f"{rank} of {world}")
+            problems.append(
+                f"the plan is for rank {self.rank} of {self.world_size}, the call runs on rank {rank} of {world}"
+            )
         if layout != self.layout and self.world_size > 1:  # one rank: any layout is the sequence
             problems.append(f"the plan is for layout {self.layout!r}, the call uses {layout!r}")
         if bool(causal) != self.causal:
             problems.append(f"the plan is for causal={self.causal}, the call has causal={causal}")
         if tuple(q.shape[:2]) != (self.batch, self.local_len):
-            problems.append(f"the plan is for shards (B, S_local) = {(self.batch, self.local_len)}, q has "
-                            f"{tuple(q.shape[:2])}")
+            problems.append(
+                f"the plan is for shards (B, S_local) = {(self.batch, self.local_len)}, q has {tuple(q.shape[:2])}"
+            )
         if torch.device(q.device) != self.device:
             problems.append(f"the plan's tensors are on {self.device}, q on {q.device}")
         if problems:
@@ -146,19 +167,23 @@ class DocumentPlan:
         dist.all_gather(everyone, mine, group=group)
         differ = [r for r, t in enumerate(everyone) if not torch.equal(t, everyone[0])]
         if differ:
-            raise ValueError(f"document plans differ across the context-parallel group (ranks {differ} "
-                             "built theirs from other ids, sizes or layout than rank 0): every rank of a "
-                             "group must plan the same full batch")
+            raise ValueError(
+                f"document plans differ across the context-parallel group (ranks {differ} "
+                "built theirs from other ids, sizes or layout than rank 0): every rank of a "
+                "group must plan the same full batch"
+            )
 
 
-def plan_documents(document_ids: torch.Tensor, *, world_size: int, rank: int, layout: str = "zigzag",
-                   causal: bool = True, device=None) -> DocumentPlan:
+def plan_documents(
+    document_ids: torch.Tensor, *, world_size: int, rank: int, layout: str = "zigzag", causal: bool = True, device=None
+) -> DocumentPlan:
     """Rank ``rank``'s ``DocumentPlan`` for the FULL sequence ids ``document_ids`` ``(B, S)``
     (or ``(S,)``), sharded over ``world_size`` ranks by ``layout``. One copy of the ids to
     the host; the plan's tensors go to ``device`` (default: the ids' device)."""
     if not isinstance(document_ids, torch.Tensor):
-        raise TypeError(f"document_ids must be a torch.Tensor of the full sequence's ids, got "
-                        f"{type(document_ids).__name__}")
+        raise TypeError(
+            f"document_ids must be a torch.Tensor of the full sequence's ids, got {type(document_ids).__name__}"
+        )
     if document_ids.dtype.is_floating_point or document_ids.dtype.is_complex or document_ids.dtype == torch.bool:
         raise TypeError(f"document_ids must hold integers, got dtype {document_ids.dtype}")
     ids = document_ids[None] if document_ids.dim() == 1 else document_ids
@@ -204,12 +229,26 @@ def plan_documents(document_ids: torch.Tensor, *, world_size: int, rank: int, la
         q_index, k_index, q_lens, k_lens = seen[rank]
         call = None if not len(q_index) else ship.call(False, ship.rows(q_index, s_local * batch), None, q_lens, k_lens)
         send = seen[(rank + step) % world_size][1]
-        exchanges.append(Exchange(ship.rows(send, s_local * batch) if len(send) else None,
-                                  len(send), len(k_index), call))
+        exchanges.append(
+            Exchange(ship.rows(send, s_local * batch) if len(send) else None, len(send), len(k_index), call)
+        )
     local_calls, exchanges = ship.send((local_calls, exchanges), device)
-    return DocumentPlan(world_size=world_size, rank=rank, layout=layout, causal=bool(causal), batch=batch,
-                        seq_len=seq_len, device=device, one_document=one_document, local_calls=local_calls,
-                        exchanges=exchanges, pairs=pairs, received=received, fingerprint=fingerprint, full_doc=doc)
+    return DocumentPlan(
+        world_size=world_size,
+        rank=rank,
+        layout=layout,
+        causal=bool(causal),
+        batch=batch,
+        seq_len=seq_len,
+        device=device,
+        one_document=one_document,
+        local_calls=local_calls,
+        exchanges=exchanges,
+        pairs=pairs,
+        received=received,
+        fingerprint=fingerprint,
+        full_doc=doc,
+    )
 
 
 # ------------------------------------------------------------------------ host side
@@ -241,8 +280,8 @@ def _layout_maps(seq_len: int, world_size: int, layout: str) -> tuple[np.ndarray
     for r in range(world_size):
         chunks = rank_chunks(r, world_size, layout) if world_size > 1 else (0,)
         for i, c in enumerate(chunks):
-            owner[c * chunk:(c + 1) * chunk] = r
-            local[c * chunk:(c + 1) * chunk] = np.arange(i * chunk, (i + 1) * chunk)
+            owner[c * chunk : (c + 1) * chunk] = r
+            local[c * chunk : (c + 1) * chunk] = np.arange(i * chunk, (i + 1) * chunk)
     return owner, local
 
 
@@ -366,12 +405,19 @@ class _Shipper:
         cu_q = np.concatenate(([0], np.cumsum(q_lens)))
         cu_k = np.concatenate(([0], np.cumsum(k_lens)))
         return BlockCall(
-            causal=bool(causal), q_rows=q_rows, k_rows=k_rows,
-            segments=Segments(self._add(cu_q, np.int32), self._add(cu_k, np.int32),
-                              int(q_lens.max(initial=0)), int(k_lens.max(initial=0))),
+            causal=bool(causal),
+            q_rows=q_rows,
+            k_rows=k_rows,
+            segments=Segments(
+                self._add(cu_q, np.int32),
+                self._add(cu_k, np.int32),
+                int(q_lens.max(initial=0)),
+                int(k_lens.max(initial=0)),
+            ),
             q_ids=self._add(np.repeat(segment, q_lens)[None], np.int32),
             k_ids=self._add(np.repeat(segment, k_lens)[None], np.int32),
-            pairs=float(np.dot(q_lens, k_lens)) if pairs is None else pairs)
+            pairs=float(np.dot(q_lens, k_lens)) if pairs is None else pairs,
+        )
 
     def send(self, value, device):
         """``value`` with every pending array replaced by its tensor on ``device``."""
@@ -386,7 +432,7 @@ class _Shipper:
                 flat = flat.to(device)
             offset = 0
             for i, a in enumerate(store):
-                tensors[(wide, i)] = flat[offset:offset + a.size].view(a.shape)
+                tensors[(wide, i)] = flat[offset : offset + a.size].view(a.shape)
                 offset += a.size
         return _resolve(value, tensors)
 
@@ -405,8 +451,12 @@ def _resolve(value, tensors):
     if isinstance(value, tuple):
         return tuple(_resolve(v, tensors) for v in value)
     if isinstance(value, Segments):
-        return Segments(_resolve(value.cu_seqlens_q, tensors), _resolve(value.cu_seqlens_k, tensors),
-                        value.max_seqlen_q, value.max_seqlen_k)
+        return Segments(
+            _resolve(value.cu_seqlens_q, tensors),
+            _resolve(value.cu_seqlens_k, tensors),
+            value.max_seqlen_q,
+            value.max_seqlen_k,
+        )
     if isinstance(value, (BlockCall, Exchange)):
         return type(value)(**{f: _resolve(getattr(value, f), tensors) for f in value.__dataclass_fields__})
     return value

@@ -27,6 +27,7 @@ waits in the ring.
 model's ``forward`` through every decoder layer to the attention function, which hands them
 to ``ring_attention(document_ids=...)``.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -40,8 +41,10 @@ try:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import flash_attention_mask
 except ImportError as e:
-    raise ImportError("longctx.hf needs transformers >= 4.53 (AttentionInterface and "
-                      f"AttentionMaskInterface): pip install 'longctx[hf]' ({e})") from None
+    raise ImportError(
+        "longctx.hf needs transformers >= 4.53 (AttentionInterface and "
+        f"AttentionMaskInterface): pip install 'longctx[hf]' ({e})"
+    ) from None
 
 from .layouts import check_layout
 from .layouts import position_ids as global_positions
@@ -60,8 +63,14 @@ _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length
 class ContextParallelContext:
     """The CP context of one model: process group (None = plain attention), layout, backend."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup], layout: str, backend: str,
-                 model_name: Optional[str] = None, document_backend: Optional[str] = None):
+    def __init__(
+        self,
+        group: Optional[dist.ProcessGroup],
+        layout: str,
+        backend: str,
+        model_name: Optional[str] = None,
+        document_backend: Optional[str] = None,
+    ):
         self.group, self.layout, self.backend = group, layout, backend
         self.document_backend = document_backend  # None: ``backend`` for document-masked calls too
         self.model_name = model_name  # for error messages
@@ -73,8 +82,7 @@ class ContextParallelContext:
         return self  # a copied model runs in the same group (process groups cannot be copied)
 
     def __repr__(self) -> str:
-        return (f"ContextParallelContext(world_size={self.world_size}, layout={self.layout!r}, "
-                f"backend={self.backend!r})")
+        return f"ContextParallelContext(world_size={self.world_size}, layout={self.layout!r}, backend={self.backend!r})"
 
 
 _PLAIN = ContextParallelContext(None, "zigzag", "auto")
@@ -84,9 +92,14 @@ def _accepts(fn: Callable, name: str) -> bool:
     return name in inspect.signature(fn).parameters
 
 
-def set_context_parallel_group(model: torch.nn.Module, group: Optional[dist.ProcessGroup],
-                               layout: str = "zigzag", *, backend: str = "auto",
-                               document_backend: Optional[str] = None) -> None:
+def set_context_parallel_group(
+    model: torch.nn.Module,
+    group: Optional[dist.ProcessGroup],
+    layout: str = "zigzag",
+    *,
+    backend: str = "auto",
+    document_backend: Optional[str] = None,
+) -> None:
     """Run ``model``'s attention over ``group`` with sequences sharded by ``layout``.
 
     ``group=None`` (or a group of size 1): plain local attention through the same kernels.
@@ -106,22 +119,29 @@ def set_context_parallel_group(model: torch.nn.Module, group: Optional[dist.Proc
             f"attn_implementation={RING!r} (or {ULYSSES!r}) after `import longctx.hf`"
         )
     if getattr(config, "is_causal", True) is False:
-        raise ValueError(f"{name}: config.is_causal=False (bidirectional attention) is not supported "
-                         f"by {implementation}, which is causal only")
+        raise ValueError(
+            f"{name}: config.is_causal=False (bidirectional attention) is not supported "
+            f"by {implementation}, which is causal only"
+        )
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap is not None:
-        raise ValueError(f"{name}: attention logit soft-capping (attn_logit_softcapping={softcap}) "
-                         f"is not supported by {implementation}")
+        raise ValueError(
+            f"{name}: attention logit soft-capping (attn_logit_softcapping={softcap}) "
+            f"is not supported by {implementation}"
+        )
     context = ContextParallelContext(group, layout, backend, name, document_backend)
     for module in model.modules():
         # Every submodule: which modules call the attention function is the model's business.
         setattr(module, _CONTEXT_ATTR, context)
         if getattr(module, "is_causal", True) is False:
-            raise ValueError(f"{type(module).__name__} in {name} is not causal (is_causal=False); "
-                             f"{implementation} supports causal self-attention only")
+            raise ValueError(
+                f"{type(module).__name__} in {name} is not causal (is_causal=False); "
+                f"{implementation} supports causal self-attention only"
+            )
         if isinstance(getattr(module, "sinks", None), torch.Tensor):
-            raise ValueError(f"{type(module).__name__} in {name} has attention sinks, which "
-                             f"{implementation} does not support")
+            raise ValueError(
+                f"{type(module).__name__} in {name} has attention sinks, which {implementation} does not support"
+            )
 
 
 def _refuse(module: torch.nn.Module, implementation: str, feature: str) -> None:
@@ -130,36 +150,52 @@ def _refuse(module: torch.nn.Module, implementation: str, feature: str) -> None:
     raise ValueError(f"{where}: {feature} is not supported by attn_implementation={implementation!r}")
 
 
-def _data_problem(context: ContextParallelContext, attention_mask: Optional[torch.Tensor],
-                  position_ids: Optional[torch.Tensor], has_documents: bool) -> Optional[str]:
+def _data_problem(
+    context: ContextParallelContext,
+    attention_mask: Optional[torch.Tensor],
+    position_ids: Optional[torch.Tensor],
+    has_documents: bool,
+) -> Optional[str]:
     """What this rank's inputs ask for that the kernels cannot do, or None."""
     if attention_mask is not None:
         kind = "a padding" if attention_mask.dim() == 2 else f"a custom {attention_mask.dim()}-D"
-        return (f"{kind} attention_mask (an all-ones mask or none is fine; packed documents "
-                "take document_ids)")
+        return f"{kind} attention_mask (an all-ones mask or none is fine; packed documents take document_ids)"
     if has_documents or position_ids is None:
         return None  # with documents, positions may restart per document: RoPE only
     # transformers reads any jump in the position ids as a packed-document boundary, and
     # the ring orders tokens by the layout: positions must be exactly that order.
     if context.world_size == 1:
         if bool((position_ids.diff(dim=-1) != 1).any()):
-            return ("position_ids that are not consecutive (transformers reads a jump as a "
-                    "packed-document boundary); packed documents take document_ids")
+            return (
+                "position_ids that are not consecutive (transformers reads a jump as a "
+                "packed-document boundary); packed documents take document_ids"
+            )
         return None
     rank = dist.get_rank(context.group)
-    expected = global_positions(position_ids.shape[-1] * context.world_size, rank=rank,
-                                world_size=context.world_size, layout=context.layout,
-                                device=position_ids.device)
+    expected = global_positions(
+        position_ids.shape[-1] * context.world_size,
+        rank=rank,
+        world_size=context.world_size,
+        layout=context.layout,
+        device=position_ids.device,
+    )
     if not bool((position_ids == expected).all()):
-        return (f"position_ids that are not this rank's global positions (rank {rank} of "
-                f"{context.world_size}, layout {context.layout!r}: longctx.position_ids(seq_len, "
-                "rank=, world_size=, layout=)); per-document positions need document_ids")
+        return (
+            f"position_ids that are not this rank's global positions (rank {rank} of "
+            f"{context.world_size}, layout {context.layout!r}: longctx.position_ids(seq_len, "
+            "rank=, world_size=, layout=)); per-document positions need document_ids"
+        )
     return None
 
 
-def _check_data(module: torch.nn.Module, context: ContextParallelContext, implementation: str,
-                attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
-                has_documents: bool) -> None:
+def _check_data(
+    module: torch.nn.Module,
+    context: ContextParallelContext,
+    implementation: str,
+    attention_mask: Optional[torch.Tensor],
+    position_ids: Optional[torch.Tensor],
+    has_documents: bool,
+) -> None:
     """Checks that depend on this rank's data, agreed on by the whole group: a rank raising
     alone would leave the others waiting in the ring. Once per forward (every layer gets
     the same position_ids tensor), so it costs one host sync and one tiny all-reduce."""
@@ -173,21 +209,33 @@ def _check_data(module: torch.nn.Module, context: ContextParallelContext, implem
         failed = torch.tensor([problem is not None], dtype=torch.int32, device=device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=context.group)
         if failed.item() and problem is None:
-            problem = ("inputs another rank of the context-parallel group rejected (its error "
-                       "says why); every rank stops here")
+            problem = (
+                "inputs another rank of the context-parallel group rejected (its error says why); every rank stops here"
+            )
     if problem is not None:
         _refuse(module, implementation, problem)
     if position_ids is not None:
         context.checked_positions = weakref.ref(position_ids)
 
 
-def _attention_forward(implementation: str, module: torch.nn.Module, query: torch.Tensor,
-                       key: torch.Tensor, value: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                       dropout: float = 0.0, scaling: Optional[float] = None,
-                       sliding_window: Optional[int] = None, softcap: Optional[float] = None,
-                       is_causal: Optional[bool] = None, s_aux: Optional[torch.Tensor] = None,
-                       document_ids: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                       output_attentions: bool = False, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def _attention_forward(
+    implementation: str,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    s_aux: Optional[torch.Tensor] = None,
+    document_ids: Optional[torch.Tensor] = None,
+    position_ids: Optional[torch.Tensor] = None,
+    output_attentions: bool = False,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: q (B, Hq, S, D), k/v (B, Hkv, S, D) ->
     (out (B, S, Hq, D), no weights)."""
     context: ContextParallelContext = getattr(module, _CONTEXT_ATTR, _PLAIN)
@@ -209,26 +257,42 @@ def _attention_forward(implementation: str, module: torch.nn.Module, query: torc
     if packing:
         _refuse(module, implementation, f"packed sequences through {packing}; pass document_ids instead")
     if key.shape[2] != query.shape[2]:
-        _refuse(module, implementation, f"a KV cache (queries {query.shape[2]}, keys {key.shape[2]}: "
-                                        "generation); pass use_cache=False or generate with 'sdpa'")
+        _refuse(
+            module,
+            implementation,
+            f"a KV cache (queries {query.shape[2]}, keys {key.shape[2]}: "
+            "generation); pass use_cache=False or generate with 'sdpa'",
+        )
     global_len = query.shape[2] * context.world_size
     if sliding_window is not None and sliding_window < global_len:
-        _refuse(module, implementation,
-                f"a sliding window of {sliding_window} tokens shorter than the sequence "
-                f"({global_len} tokens); windows >= the sequence length are exact full attention")
+        _refuse(
+            module,
+            implementation,
+            f"a sliding window of {sliding_window} tokens shorter than the sequence "
+            f"({global_len} tokens); windows >= the sequence length are exact full attention",
+        )
     _check_data(module, context, implementation, attention_mask, position_ids, document_ids is not None)
     attention = _ATTENTION[implementation]
     extra = {}
     if document_ids is not None:
         if not _accepts(attention, "document_ids"):
-            raise NotImplementedError(f"{attention.__name__} in this longctx has no document_ids "
-                                      f"parameter yet; {type(module).__name__} got document_ids")
+            raise NotImplementedError(
+                f"{attention.__name__} in this longctx has no document_ids "
+                f"parameter yet; {type(module).__name__} got document_ids"
+            )
         extra["document_ids"] = document_ids
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # HF (B, H, S, D) -> (B, S, H, D)
-    out = attention(q, k, v, group=context.group, causal=True, layout=context.layout,
-                    softmax_scale=scaling if scaling is not None else module.scaling,
-                    backend=(context.document_backend or context.backend) if document_ids is not None
-                    else context.backend, **extra)
+    out = attention(
+        q,
+        k,
+        v,
+        group=context.group,
+        causal=True,
+        layout=context.layout,
+        softmax_scale=scaling if scaling is not None else module.scaling,
+        backend=(context.document_backend or context.backend) if document_ids is not None else context.backend,
+        **extra,
+    )
     return out, None
 
 

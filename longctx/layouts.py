@@ -11,6 +11,7 @@ Two layouts, both splitting the sequence into equal chunks:
 Everything here is pure index arithmetic and slicing, except ``unshard_sequence``,
 which gathers over a process group.
 """
+
 from __future__ import annotations
 
 from typing import Literal, Optional, get_args
@@ -49,7 +50,8 @@ def check_seq_len(seq_len: int, world_size: int, layout: str) -> None:
         raise ValueError(
             f"sequence length {seq_len} cannot be split by layout {layout!r} over "
             f"P={world_size} ranks: it must be a positive multiple of {multiple}"
-            + (" (2 x P)" if layout == "zigzag" and world_size > 1 else "") + f"; nearest valid: {nearest}"
+            + (" (2 x P)" if layout == "zigzag" and world_size > 1 else "")
+            + f"; nearest valid: {nearest}"
         )
 
 
@@ -63,9 +65,7 @@ def rank_chunks(rank: int, world_size: int, layout: str) -> tuple[int, ...]:
     return (rank,)
 
 
-def shard_sequence(
-    x: torch.Tensor, dim: int, *, rank: int, world_size: int, layout: str = "zigzag"
-) -> torch.Tensor:
+def shard_sequence(x: torch.Tensor, dim: int, *, rank: int, world_size: int, layout: str = "zigzag") -> torch.Tensor:
     """This rank's slice of ``x`` along ``dim`` (no communication).
 
     Differentiable (slicing + cat), so it can shard tensors that carry gradients.
@@ -93,8 +93,7 @@ def unshard_sequence(
     per_rank = chunks_per_rank(layout)
     if x_local.shape[dim] % per_rank != 0:
         raise ValueError(
-            f"local length {x_local.shape[dim]} along dim {dim} is not a multiple of {per_rank} "
-            f"(layout {layout!r})"
+            f"local length {x_local.shape[dim]} along dim {dim} is not a multiple of {per_rank} (layout {layout!r})"
         )
     x_local = x_local.contiguous()
     gathered = [torch.empty_like(x_local) for _ in range(world_size)]
@@ -116,9 +115,7 @@ def position_ids(
     device: Optional[torch.device] = None,
 ) -> torch.Tensor:
     """Global positions (int64, shape ``(seq_len // world_size,)``) of the tokens ``rank`` holds."""
-    return shard_sequence(
-        torch.arange(seq_len, device=device), 0, rank=rank, world_size=world_size, layout=layout
-    )
+    return shard_sequence(torch.arange(seq_len, device=device), 0, rank=rank, world_size=world_size, layout=layout)
 
 
 def document_work_per_rank(
@@ -151,7 +148,6 @@ def document_work_per_rank(
             sizes = torch.diff(starts, append=torch.tensor([len(row_ids)]))
             count = sizes[group]
         row[order] = count
-    return torch.stack([
-        shard_sequence(visible, 1, rank=r, world_size=world_size, layout=layout).sum()
-        for r in range(world_size)
-    ])
+    return torch.stack(
+        [shard_sequence(visible, 1, rank=r, world_size=world_size, layout=layout).sum() for r in range(world_size)]
+    )

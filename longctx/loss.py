@@ -21,6 +21,7 @@ whole accumulated batch, which is unknown while the first micro-batches are back
 exact gradient of the token mean over all ``K`` micro-batches; with ``K = 1`` the rescale
 factor is exactly 1 and is skipped.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -114,8 +115,9 @@ def causal_lm_loss(
             f"logits shape {tuple(logits.shape)} does not match labels {tuple(labels.shape)}: "
             "expected logits (..., vocab) for labels (...)"
         )
-    loss_sum = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+    loss_sum = F.cross_entropy(
+        logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
     return global_token_loss(loss_sum, (labels != IGNORE_INDEX).sum(), group=group).loss
 
 

@@ -54,6 +54,7 @@ What fits (the longest sequence, the escalation ladder, the check before the fir
 ``longctx.memory_fit``'s job, on this estimate. ``longctx`` never imports ``longctx.models``:
 the config is read duck-typed (GPTConfig or a Hugging Face Llama-style config).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -86,9 +87,11 @@ class MemoryEstimate:
     def summary(self) -> str:
         top = sorted(((v, k) for k, v in self.items.items()), reverse=True)[:4]
         parts = ", ".join(f"{k} {v / GiB:.1f}" for v, k in top)
-        return (f"memory (predicted, per rank): GPU {self.gpu_bytes / GiB:.1f} GiB "
-                f"({self.allocated_bytes / GiB:.1f} allocated) at {self.phase} ({parts} GiB), "
-                f"host {self.host_bytes / GiB:.1f} GiB; {self.tokens_per_rank:,} tokens per rank")
+        return (
+            f"memory (predicted, per rank): GPU {self.gpu_bytes / GiB:.1f} GiB "
+            f"({self.allocated_bytes / GiB:.1f} allocated) at {self.phase} ({parts} GiB), "
+            f"host {self.host_bytes / GiB:.1f} GiB; {self.tokens_per_rank:,} tokens per rank"
+        )
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,7 @@ class _Shape:
 
 def model_shape(config: Any) -> _Shape:
     """The sizes the memory model reads, from a ``GPTConfig`` or a Hugging Face Llama-style config."""
+
     def get(*names, default=None):
         for n in names:
             v = getattr(config, n, None)
@@ -133,8 +137,16 @@ def model_shape(config: Any) -> _Shape:
     hkv = int(get("n_kv_head", "num_key_value_heads", default=hq))
     hd = int(get("head_dim", default=d // hq))
     tied = bool(get("tie_embeddings", "tie_word_embeddings", default=False))
-    return _Shape(L=int(get("n_layer", "num_hidden_layers")), d=d, hq=hq, hkv=hkv, hd=hd,
-                  F=int(get("intermediate_size")), V=int(get("vocab_size")), tied=tied)
+    return _Shape(
+        L=int(get("n_layer", "num_hidden_layers")),
+        d=d,
+        hq=hq,
+        hkv=hkv,
+        hd=hd,
+        F=int(get("intermediate_size")),
+        V=int(get("vocab_size")),
+        tied=tied,
+    )
 
 
 def _plan(plan):
@@ -171,9 +183,20 @@ def auto_attention_kernel(head_dim: int = 128, seq_len: int = 128 * 1024) -> str
     return kernel_family(select_backend("auto", "cuda", torch.bfloat16, head_dim, seq_len, seq_len, True))
 
 
-def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, data_parallel: str = "fsdp",
-             cpu_offload: bool = False, batch_size: int = 1, precision: str = "bf16-mixed",
-             attention_kernel: str = "auto", hf_modules: bool = False) -> MemoryEstimate:
+def estimate(
+    config: Any,
+    seq_len: int,
+    *,
+    plan=None,
+    cp: int = 1,
+    dp: int = 1,
+    data_parallel: str = "fsdp",
+    cpu_offload: bool = False,
+    batch_size: int = 1,
+    precision: str = "bf16-mixed",
+    attention_kernel: str = "auto",
+    hf_modules: bool = False,
+) -> MemoryEstimate:
     """Predicted peak GPU and host bytes of one rank for one training step (forward,
     backward, AdamW step) of ``batch_size`` sequences of ``seq_len`` tokens.
 
@@ -203,8 +226,7 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     s = model_shape(config)
     if attention_kernel == "auto":  # the plan's backend; "auto" as the kernels will choose it
         chosen = plan.attention_backend
-        attention_kernel = (kernel_family(chosen) if chosen != "auto"
-                            else auto_attention_kernel(s.hd, -(-seq_len // cp)))
+        attention_kernel = kernel_family(chosen) if chosen != "auto" else auto_attention_kernel(s.hd, -(-seq_len // cp))
     world = cp * dp
     T = batch_size * -(-seq_len // cp)
     mixed = precision == "bf16-mixed"
@@ -237,8 +259,7 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
         mlp = (3 if fused else 4) * a * F
     block_input = r * d
     residual_mid = 0 if hf_modules else r * d
-    none_layer = (block_input + norm + casts_attn + rope + attn + ring_kept + residual_mid + mlp_norm
-                  + casts_mlp + mlp)
+    none_layer = block_input + norm + casts_attn + rope + attn + ring_kept + residual_mid + mlp_norm + casts_mlp + mlp
     mlp_part = mlp_norm + casts_mlp + mlp  # freed once the MLP's backward is done
     saved_layer = {
         "full": block_input,
@@ -352,18 +373,56 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
         return name, {k: int(v) for k, v in items.items() if v}
 
     phases = [
-        phase("the loss backward", saved_gpu_layers, gpu_head_grad, work_fwd_end, "loss_chunk", loss_chunk,
-              {"final_hidden": hidden}),
-        phase("the last layer's backward", last_layers, gpu_head_grad, work_bwd, "layer_recompute_backward",
-              layer_live, {"residual_grad": r * d * T}),
-        phase("the first layer's backward", first_layers, gpu_grads_first, work_first, "layer_recompute_backward",
-              layer_live, {"residual_grad": r * d * T}),
+        phase(
+            "the loss backward",
+            saved_gpu_layers,
+            gpu_head_grad,
+            work_fwd_end,
+            "loss_chunk",
+            loss_chunk,
+            {"final_hidden": hidden},
+        ),
+        phase(
+            "the last layer's backward",
+            last_layers,
+            gpu_head_grad,
+            work_bwd,
+            "layer_recompute_backward",
+            layer_live,
+            {"residual_grad": r * d * T},
+        ),
+        phase(
+            "the first layer's backward",
+            first_layers,
+            gpu_grads_first,
+            work_first,
+            "layer_recompute_backward",
+            layer_live,
+            {"residual_grad": r * d * T},
+        ),
     ]
     if own_embedding and mixed:  # the embedding gathered again, its unsharded gradient (bf16 -> fp32)
-        phases.append(phase("the embedding's backward", 0, gpu_grads_all, root + 2 * V * d, "embedding_gradient",
-                            (2 + 4) * V * d, {"residual_grad": r * d * T}))
-    phases.append(phase("the optimizer step", 0, grads_b if (fsdp and not cpu_offload) else gpu_grads_all, 0,
-                        "optimizer_temporaries", 4 * N // shard if not cpu_offload else 0))
+        phases.append(
+            phase(
+                "the embedding's backward",
+                0,
+                gpu_grads_all,
+                root + 2 * V * d,
+                "embedding_gradient",
+                (2 + 4) * V * d,
+                {"residual_grad": r * d * T},
+            )
+        )
+    phases.append(
+        phase(
+            "the optimizer step",
+            0,
+            grads_b if (fsdp and not cpu_offload) else gpu_grads_all,
+            0,
+            "optimizer_temporaries",
+            4 * N // shard if not cpu_offload else 0,
+        )
+    )
     for _, items in phases[3:]:  # after block 0's backward: no activations
         items.pop("saved_block_inputs", None)
         items.pop("rope_tables", None)
@@ -378,9 +437,18 @@ def estimate(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, 
     if n_off:
         host["offloaded_activations"] = n_off * _pow2(per_layer_saved)  # pinned, power-of-two blocks
     if cpu_offload:
-        host["params_grads_adamw"] = (params_b + grads_b + adam_b)
-    return MemoryEstimate(gpu_bytes=int(gpu), host_bytes=int(sum(host.values())), items=items, host_items=host,
-                          allocated_bytes=int(allocated), phase=name, tokens_per_rank=T, params=N, phases=totals)
+        host["params_grads_adamw"] = params_b + grads_b + adam_b
+    return MemoryEstimate(
+        gpu_bytes=int(gpu),
+        host_bytes=int(sum(host.values())),
+        items=items,
+        host_items=host,
+        allocated_bytes=int(allocated),
+        phase=name,
+        tokens_per_rank=T,
+        params=N,
+        phases=totals,
+    )
 
 
 def _pow2(n: int) -> int:

@@ -7,6 +7,7 @@ then the fewest attention head chunks, then the fewest blocks offloaded; a run t
 with one line naming where the same ladder, from full activation checkpointing, ends (or the
 CP size that fits).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,16 +17,34 @@ from typing import Any, Optional
 from .memory import GiB, MemoryEstimate, _plan, estimate, model_shape
 
 
-def max_seq_len(config: Any, gpu_bytes: int, *, plan=None, cp: int = 1, dp: int = 1, data_parallel: str = "fsdp",
-                cpu_offload: bool = False, batch_size: int = 1, precision: str = "bf16-mixed",
-                host_bytes: Optional[int] = None, multiple: Optional[int] = None,
-                limit: int = 1 << 30) -> int:
+def max_seq_len(
+    config: Any,
+    gpu_bytes: int,
+    *,
+    plan=None,
+    cp: int = 1,
+    dp: int = 1,
+    data_parallel: str = "fsdp",
+    cpu_offload: bool = False,
+    batch_size: int = 1,
+    precision: str = "bf16-mixed",
+    host_bytes: Optional[int] = None,
+    multiple: Optional[int] = None,
+    limit: int = 1 << 30,
+) -> int:
     """Longest sequence (a multiple of ``multiple``, default ``2 x cp``: zigzag) whose
     estimate fits ``gpu_bytes`` per GPU (and ``host_bytes`` per rank, when given); 0 if
     none does."""
     step = multiple or 2 * cp
-    kw = dict(plan=plan, cp=cp, dp=dp, data_parallel=data_parallel, cpu_offload=cpu_offload,
-              batch_size=batch_size, precision=precision)
+    kw = dict(
+        plan=plan,
+        cp=cp,
+        dp=dp,
+        data_parallel=data_parallel,
+        cpu_offload=cpu_offload,
+        batch_size=batch_size,
+        precision=precision,
+    )
 
     def fits(n: int) -> bool:
         e = estimate(config, n * step, **kw)
@@ -75,8 +94,9 @@ def _fix(config, seq_len, kw, plan, gpu_total, host_total) -> str:
 
     def predicted(p, **over) -> str:
         e = estimate(config, seq_len, plan=p, **{**kw, **over})
-        return f"predicted {e.gpu_bytes / GiB:.1f} GiB" + (f" GPU, {e.host_bytes / GiB:.1f} GiB host"
-                                                            if p.offload_activations else "")
+        return f"predicted {e.gpu_bytes / GiB:.1f} GiB" + (
+            f" GPU, {e.host_bytes / GiB:.1f} GiB host" if p.offload_activations else ""
+        )
 
     p = fitted()
     if p is not None:
@@ -86,16 +106,20 @@ def _fix(config, seq_len, kw, plan, gpu_total, host_total) -> str:
         p = fitted(cp=bigger)
         if p is not None:
             settings = _changes(plan, p)
-            return (f"use a context-parallel size of {bigger}" + (f" (with {settings})" if settings else "")
-                    + f" ({predicted(p, cp=bigger)} per GPU)")
+            return (
+                f"use a context-parallel size of {bigger}"
+                + (f" (with {settings})" if settings else "")
+                + f" ({predicted(p, cp=bigger)} per GPU)"
+            )
     return "shorten the sequence or use more GPUs"
 
 
 DEFAULT_MLP_TILE = 8192  # tokens per MLP tile where tiling is switched on for memory
 
 
-def fitting_plan(config: Any, seq_len: int, *, plan=None, gpu_total: int, host_total: Optional[int] = None,
-                 **kw) -> Optional[Any]:
+def fitting_plan(
+    config: Any, seq_len: int, *, plan=None, gpu_total: int, host_total: Optional[int] = None, **kw
+) -> Optional[Any]:
     """The cheapest plan predicted to fit: ``plan`` itself, else with the MLP tiled
     (``DEFAULT_MLP_TILE``), else also with the fewest attention head chunks that fit (ring
     attention only), else with the most chunks and the saved inputs of the first n blocks
@@ -145,16 +169,37 @@ class PredictedOutOfMemory(ValueError):
     """A run the memory model predicts not to fit (train.py prints it as one line, exit code 2)."""
 
 
-def check_fits(config: Any, seq_len: int, *, plan=None, cp: int = 1, dp: int = 1, data_parallel: str = "fsdp",
-               cpu_offload: bool = False, batch_size: int = 1, precision: str = "bf16-mixed",
-               attention_kernel: str = "auto", gpu_total: Optional[int] = None, host_total: Optional[int] = None,
-               host_ranks: int = 1, hf_modules: bool = False) -> MemoryEstimate:
+def check_fits(
+    config: Any,
+    seq_len: int,
+    *,
+    plan=None,
+    cp: int = 1,
+    dp: int = 1,
+    data_parallel: str = "fsdp",
+    cpu_offload: bool = False,
+    batch_size: int = 1,
+    precision: str = "bf16-mixed",
+    attention_kernel: str = "auto",
+    gpu_total: Optional[int] = None,
+    host_total: Optional[int] = None,
+    host_ranks: int = 1,
+    hf_modules: bool = False,
+) -> MemoryEstimate:
     """Estimate, then raise ``PredictedOutOfMemory`` (a ValueError: one line, naming what to change) when the
     prediction exceeds ``gpu_total`` bytes per GPU or ``host_total`` bytes of host memory
     shared by ``host_ranks`` ranks. A total of None is not checked (e.g. no GPU)."""
     plan = _plan(plan)
-    kw = dict(cp=cp, dp=dp, data_parallel=data_parallel, cpu_offload=cpu_offload, batch_size=batch_size,
-              precision=precision, attention_kernel=attention_kernel, hf_modules=hf_modules)
+    kw = dict(
+        cp=cp,
+        dp=dp,
+        data_parallel=data_parallel,
+        cpu_offload=cpu_offload,
+        batch_size=batch_size,
+        precision=precision,
+        attention_kernel=attention_kernel,
+        hf_modules=hf_modules,
+    )
     est = estimate(config, seq_len, plan=plan, **kw)
     per_rank_host = None if host_total is None else host_total // max(host_ranks, 1)
     too_big = []

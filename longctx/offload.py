@@ -17,6 +17,7 @@ On CPU tensors pack/unpack return the tensor itself (nothing to offload to) whil
 bookkeeping runs the same way; ``tests/test_offload.py`` checks exact gradients.
 Tensors named in ``keep`` (e.g. the RoPE tables every block shares) are never copied.
 """
+
 from __future__ import annotations
 
 import contextlib

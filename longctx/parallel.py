@@ -22,6 +22,7 @@ and the loss chunk go through the model's own setters (``set_activation_checkpoi
 ``set_pointwise_fusion``, ``loss_chunk_size``; ``longctx.models.HFCausalLM`` maps them to
 transformers' checkpointing for Hugging Face models).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,17 +71,31 @@ class ContextParallelAttention(nn.Module):
     ``document_backend`` (None: ``backend``) for document-masked calls.
     """
 
-    def __init__(self, n_head: int, n_kv_head: int, *, kind: str = "ring", backend: str = "auto",
-                 head_chunks: int = 1, document_backend: Optional[str] = None):
+    def __init__(
+        self,
+        n_head: int,
+        n_kv_head: int,
+        *,
+        kind: str = "ring",
+        backend: str = "auto",
+        head_chunks: int = 1,
+        document_backend: Optional[str] = None,
+    ):
         super().__init__()
         self.n_head, self.n_kv_head = n_head, n_kv_head
         self.cp = CPContext()
         self.kind, self.backend, self.document_backend, self.head_chunks = "ring", backend, document_backend, 1
         self.configure(kind=kind, head_chunks=head_chunks)
 
-    def configure(self, *, cp: Optional[CPContext] = None, kind: Optional[str] = None,
-                  backend: Optional[str] = None, head_chunks: Optional[int] = None,
-                  document_backend: Optional[str] = None) -> None:
+    def configure(
+        self,
+        *,
+        cp: Optional[CPContext] = None,
+        kind: Optional[str] = None,
+        backend: Optional[str] = None,
+        head_chunks: Optional[int] = None,
+        document_backend: Optional[str] = None,
+    ) -> None:
         cp = self.cp if cp is None else cp
         kind = self.kind if kind is None else kind
         head_chunks = self.head_chunks if head_chunks is None else head_chunks
@@ -88,8 +103,10 @@ class ContextParallelAttention(nn.Module):
             raise ValueError(f"cp_attention must be one of {CP_ATTENTION}, got {kind!r}")
         check_head_chunks(head_chunks, self.n_kv_head)
         if kind == "ulysses" and head_chunks != 1:
-            raise ValueError("attention_head_chunks applies to cp_attention='ring'; Ulysses already runs its "
-                             "heads in groups (longctx.ulysses.PIPELINE_CHUNKS)")
+            raise ValueError(
+                "attention_head_chunks applies to cp_attention='ring'; Ulysses already runs its "
+                "heads in groups (longctx.ulysses.PIPELINE_CHUNKS)"
+            )
         if kind == "ulysses" and self.n_kv_head % cp.size != 0:
             # Fail at hand-over, not at the first step on every rank.
             raise ValueError(
@@ -103,8 +120,9 @@ class ContextParallelAttention(nn.Module):
         if document_backend is not None:
             self.document_backend = document_backend
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         attention = ulysses_attention if self.kind == "ulysses" else ring_attention
         extra = {} if document_ids is None else {"document_ids": document_ids}
         if self.head_chunks != 1:
@@ -112,13 +130,14 @@ class ContextParallelAttention(nn.Module):
         # A step's plan of one document per row runs as the plain ring: the plain blocks' kernel.
         masked = document_ids is not None and not getattr(document_ids, "one_document", False)
         backend = (self.document_backend or self.backend) if masked else self.backend
-        return attention(q, k, v, group=self.cp.group, causal=True, layout=self.cp.layout,
-                         backend=backend, **extra)
+        return attention(q, k, v, group=self.cp.group, causal=True, layout=self.cp.layout, backend=backend, **extra)
 
     def extra_repr(self) -> str:
-        return (f"kind={self.kind!r}, backend={self.backend!r}, cp_size={self.cp.size}, layout={self.cp.layout!r}"
-                + (f", document_backend={self.document_backend!r}" if self.document_backend else "")
-                + (f", head_chunks={self.head_chunks}" if self.head_chunks != 1 else ""))
+        return (
+            f"kind={self.kind!r}, backend={self.backend!r}, cp_size={self.cp.size}, layout={self.cp.layout!r}"
+            + (f", document_backend={self.document_backend!r}" if self.document_backend else "")
+            + (f", head_chunks={self.head_chunks}" if self.head_chunks != 1 else "")
+        )
 
 
 @dataclass(frozen=True)
@@ -254,8 +273,9 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def parallelize(model: nn.Module, dims: Optional[ParallelDims] = None,
-                plan: Optional[ParallelPlan] = None) -> nn.Module:
+def parallelize(
+    model: nn.Module, dims: Optional[ParallelDims] = None, plan: Optional[ParallelPlan] = None
+) -> nn.Module:
     """Apply the parallel layout and the runtime plan to ``model`` (in place; returns it).
 
     Order: CP hand-over, runtime policy (checkpointing, fusion, loss chunk), then FSDP2
@@ -270,8 +290,9 @@ def parallelize(model: nn.Module, dims: Optional[ParallelDims] = None,
 
     cores = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
     for core in cores:
-        core.configure(cp=dims.cp, kind=plan.cp_attention, backend=plan.attention_backend,
-                       document_backend=plan.document_backend)
+        core.configure(
+            cp=dims.cp, kind=plan.cp_attention, backend=plan.attention_backend, document_backend=plan.document_backend
+        )
     if not cores:
         _hand_over_to_hf(model, dims.cp, plan)
 
@@ -294,12 +315,15 @@ def _hand_over_to_hf(model: nn.Module, cp: CPContext, plan: ParallelPlan) -> Non
                     f"cp_attention={plan.cp_attention!r}"
                 )
             if plan.attention_head_chunks != 1:
-                raise ValueError(f"attention_head_chunks={plan.attention_head_chunks} is not supported for "
-                                 f"Hugging Face models ({type(m).__name__}); leave it at 1")
+                raise ValueError(
+                    f"attention_head_chunks={plan.attention_head_chunks} is not supported for "
+                    f"Hugging Face models ({type(m).__name__}); leave it at 1"
+                )
             from . import hf
 
-            hf.set_context_parallel_group(m, cp.group, layout=cp.layout, backend=plan.attention_backend,
-                                          document_backend=plan.document_backend)
+            hf.set_context_parallel_group(
+                m, cp.group, layout=cp.layout, backend=plan.attention_backend, document_backend=plan.document_backend
+            )
             return
     if cp.size > 1:
         raise ValueError(
@@ -334,8 +358,9 @@ def _apply_run_settings(model: nn.Module, plan: ParallelPlan) -> None:
         raise ValueError(f"{type(model).__name__} does not support mlp_tile_size")
     cores = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
     if not cores and plan.attention_head_chunks != 1 and not _loaded_for_longctx(model):
-        raise ValueError(f"{type(model).__name__} does not support attention_head_chunks (it has no "
-                         "ContextParallelAttention)")
+        raise ValueError(
+            f"{type(model).__name__} does not support attention_head_chunks (it has no ContextParallelAttention)"
+        )
     for core in cores:
         core.configure(head_chunks=plan.attention_head_chunks)
 
@@ -343,8 +368,11 @@ def _apply_run_settings(model: nn.Module, plan: ParallelPlan) -> None:
 def _loaded_for_longctx(model: nn.Module) -> bool:
     """A Hugging Face model (or a wrapper of one) on a longctx attention implementation,
     which ``parallelize`` checks itself."""
-    return any(isinstance(getattr(getattr(m, "config", None), "_attn_implementation", None), str)
-               and m.config._attn_implementation.startswith("longctx_") for m in model.modules())
+    return any(
+        isinstance(getattr(getattr(m, "config", None), "_attn_implementation", None), str)
+        and m.config._attn_implementation.startswith("longctx_")
+        for m in model.modules()
+    )
 
 
 def _apply_fsdp(model: nn.Module, dims: ParallelDims) -> None:
@@ -355,8 +383,9 @@ def _apply_fsdp(model: nn.Module, dims: ParallelDims) -> None:
         # cast_forward_inputs=False: the fp32 RoPE tables handed to every block must stay fp32
         # (bf16 cos/sin lose the positions of long sequences); activations come out of bf16
         # parameters in bf16 anyway.
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dims.param_dtype, reduce_dtype=torch.float32,
-                                                   cast_forward_inputs=False)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=dims.param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
     if dims.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     blocks = blocks_of(model)
@@ -381,6 +410,7 @@ def _apply_fsdp(model: nn.Module, dims: ParallelDims) -> None:
 def _untied_embedding(model: nn.Module) -> Optional[nn.Module]:
     """The input embedding (``get_input_embeddings()``, as Hugging Face models and ``GPT``
     name it) where its weight is not the output head's; else None."""
+
     def call(name):
         getter = getattr(model, name, None)
         try:

@@ -24,6 +24,7 @@ Packed documents (``document_ids``) do not take this ring: ``longctx.document_ri
 only the key/value rows each rank's queries see, by a ``longctx.documents.DocumentPlan``
 built once per step (or, given plain ids, once per call here).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -88,8 +89,7 @@ def _add_into(buf: torch.Tensor, index: slice, x: torch.Tensor, fresh: bool) -> 
     buf[:, start:stop].copy_(x)
 
 
-def _finish(buf: torch.Tensor, index: slice, x: torch.Tensor, fresh: bool,
-            dtype: torch.dtype) -> torch.Tensor:
+def _finish(buf: torch.Tensor, index: slice, x: torch.Tensor, fresh: bool, dtype: torch.dtype) -> torch.Tensor:
     """The last contribution: ``buf`` plus ``x`` at ``index``, returned as ``dtype``. Where
     ``index`` covers the whole buffer this is one pass (computed in fp32, rounded once on
     write) instead of an in-place add followed by a cast."""
@@ -103,15 +103,33 @@ def _finish(buf: torch.Tensor, index: slice, x: torch.Tensor, fresh: bool,
 
 
 # dtype <-> small integer for the cross-rank check (one table for activations and ids).
-_DTYPE_CODES = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
-                torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+_DTYPE_CODES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+)
 _NO_IDS = -1
 _INT64 = torch.iinfo(torch.int64)
 
 
-def check_cp_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, layout: str, *,
-                    name: str, causal: bool = True, document_ids: Optional[torch.Tensor] = None,
-                    extra=None) -> int:
+def check_cp_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group,
+    layout: str,
+    *,
+    name: str,
+    causal: bool = True,
+    document_ids: Optional[torch.Tensor] = None,
+    extra=None,
+) -> int:
     """Validate a context-parallel attention call. Returns the group size (1: run locally).
 
     With a real group every rank reaches the same verdict on every call: a problem found
@@ -128,9 +146,7 @@ def check_cp_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, la
         check_layout(layout)
         check_attention_inputs(q, k, v, causal=False)
         if q.shape[1] != k.shape[1]:
-            raise ValueError(
-                f"q and k/v must hold the same tokens: local lengths {q.shape[1]} and {k.shape[1]}"
-            )
+            raise ValueError(f"q and k/v must hold the same tokens: local lengths {q.shape[1]} and {k.shape[1]}")
         if document_ids is not None:
             try:
                 check_document_ids(q, k, document_ids, document_ids)
@@ -169,8 +185,7 @@ def _dtype_name(code: int) -> str:
 
 
 # Columns of the exchanged table.
-_Q_SHAPE, _K_SHAPE, _DTYPE, _LAYOUT, _CAUSAL, _IDS, _FAILED = (
-    slice(0, 4), slice(4, 8), 8, 9, 10, 11, 12)
+_Q_SHAPE, _K_SHAPE, _DTYPE, _LAYOUT, _CAUSAL, _IDS, _FAILED = (slice(0, 4), slice(4, 8), 8, 9, 10, 11, 12)
 _AGREED = 12  # columns 0..11 must be equal on every rank
 
 
@@ -178,11 +193,26 @@ def _exchange_call_summary(group, q, k, layout, causal, document_ids, failed: bo
     """All-gather one small int64 row per rank describing this call; returns the (P, 13)
     table on the CPU. Over NCCL it travels on the GPU, so reading it is one host sync."""
     device = q.device if dist.get_backend(group) == "nccl" and q.is_cuda else torch.device("cpu")
-    ids_code = (_NO_IDS if document_ids is None else _code(document_ids.dtype)
-                if isinstance(document_ids, torch.Tensor) else len(_DTYPE_CODES))
+    ids_code = (
+        _NO_IDS
+        if document_ids is None
+        else _code(document_ids.dtype)
+        if isinstance(document_ids, torch.Tensor)
+        else len(_DTYPE_CODES)
+    )
     mine = torch.tensor(
-        [*_shape_row(q), *_shape_row(k), _code(q.dtype), LAYOUTS.index(layout) if layout in LAYOUTS else -1,
-         int(bool(causal)), ids_code, int(failed)], dtype=torch.int64, device=device)
+        [
+            *_shape_row(q),
+            *_shape_row(k),
+            _code(q.dtype),
+            LAYOUTS.index(layout) if layout in LAYOUTS else -1,
+            int(bool(causal)),
+            ids_code,
+            int(failed),
+        ],
+        dtype=torch.int64,
+        device=device,
+    )
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     return torch.stack(everyone).cpu()
@@ -204,7 +234,8 @@ def _check_group_agrees(table: torch.Tensor, name: str) -> None:
     if differs(_Q_SHAPE) or differs(_K_SHAPE):
         problems.append(
             f"different shard shapes (q shape per rank: {per_rank(_Q_SHAPE, lambda t: tuple(t.tolist()))}, "
-            f"k/v shape per rank: {per_rank(_K_SHAPE, lambda t: tuple(t.tolist()))})")
+            f"k/v shape per rank: {per_rank(_K_SHAPE, lambda t: tuple(t.tolist()))})"
+        )
     if differs(_DTYPE):
         problems.append(f"different dtypes (per rank: {per_rank(_DTYPE, lambda t: _dtype_name(int(t)))})")
     if differs(_LAYOUT):
@@ -214,7 +245,8 @@ def _check_group_agrees(table: torch.Tensor, name: str) -> None:
     if differs(_IDS):
         problems.append(f"different document_ids (dtype per rank: {per_rank(_IDS, lambda t: _dtype_name(int(t)))})")
     raise ValueError(
-        f"{name}: ranks of the context-parallel group hold " + "; ".join(problems)
+        f"{name}: ranks of the context-parallel group hold "
+        + "; ".join(problems)
         + "; every rank must hold an equal slice of the same sequence and pass the same arguments"
     )
 
@@ -238,8 +270,9 @@ class _LocalAttention(torch.autograd.Function):
         causal, scale, backend, chunks = ctx.args
 
         def run(dout_h, q_h, k_h, v_h, out_h, lse_h, g):
-            return attention_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, causal=causal, softmax_scale=scale,
-                                      backend=backend)
+            return attention_backward(
+                dout_h, q_h, k_h, v_h, out_h, lse_h, causal=causal, softmax_scale=scale, backend=backend
+            )
 
         dq, dk, dv = grads_by_head_groups(dout, q, k, v, out, lse, chunks, run)
         return dq, dk, dv, None, None, None, None
@@ -265,8 +298,12 @@ def _ring_forward(q, k, v, comm, scale, backend, blocks):
         if blocks[step] is not None:
             rows, cols, masked = blocks[step]
             out_b, lse_b = attention_forward(
-                q[:, rows], current[0][:, cols], current[1][:, cols],
-                causal=masked, softmax_scale=scale, backend=backend,
+                q[:, rows],
+                current[0][:, cols],
+                current[1][:, cols],
+                causal=masked,
+                softmax_scale=scale,
+                backend=backend,
                 out_dtype=partial_dtype(backend, acc_dtype),
             )
             if out is None:
@@ -304,9 +341,15 @@ def _ring_backward(dout, q, k, v, out, lse, last_kv, comm, scale, backend, block
             return None
         rows, cols, masked = blocks[step]
         dq_b, dk_b, dv_b = attention_backward(
-            dout[:, rows], q[:, rows], block_k[:, cols], block_v[:, cols],
-            out[:, rows], lse[:, :, rows],
-            causal=masked, softmax_scale=scale, backend=backend,
+            dout[:, rows],
+            q[:, rows],
+            block_k[:, cols],
+            block_v[:, cols],
+            out[:, rows],
+            lse[:, :, rows],
+            causal=masked,
+            softmax_scale=scale,
+            backend=backend,
             delta=None if delta is None else delta[:, :, rows],
             grad_dtype=partial_dtype(backend, acc_dtype),
         )
@@ -320,8 +363,7 @@ def _ring_backward(dout, q, k, v, out, lse, last_kv, comm, scale, backend, block
     # K/V arrive from rank+1 into two receive buffers (the kept shard is never
     # overwritten: a second backward with retain_graph=True must find it intact).
     # dK/dV accumulators go to rank-1, double-buffered.
-    recv_kv = [torch.empty_like(last_kv) if world > 2 else None,
-               torch.empty_like(last_kv) if world > 3 else None]
+    recv_kv = [torch.empty_like(last_kv) if world > 2 else None, torch.empty_like(last_kv) if world > 3 else None]
     dkv = [torch.empty((2, *k.shape), dtype=acc_dtype, device=k.device) for _ in range(2)]
     dkv_pending = None
     for i, step in enumerate(range(world - 1, 0, -1)):
@@ -363,7 +405,7 @@ class _RingAttention(torch.autograd.Function):
             return _ring_forward(q_h, k_h, v_h, comm, scale, name, blocks)
 
         out, lse, kept = by_head_groups(q, k, v, chunks, run)
-        ctx.save_for_backward(q, k, v, out, lse, *(kv for kv, in kept))
+        ctx.save_for_backward(q, k, v, out, lse, *(kv for (kv,) in kept))
         ctx.args = (group, scale, name, blocks, chunks)
         return out
 
@@ -421,16 +463,22 @@ def ring_attention(
             return document_attention(q, k, v, plan, group, softmax_scale, backend, head_chunks)
         world = plan.world_size  # one document per row: the plain ring, checked already
     else:
-        world = check_cp_inputs(q, k, v, group, layout, name="ring_attention", causal=causal,
-                                document_ids=document_ids)
+        world = check_cp_inputs(q, k, v, group, layout, name="ring_attention", causal=causal, document_ids=document_ids)
         check_head_chunks(head_chunks, k.shape[2])
         if document_ids is not None:
             full = document_ids if world == 1 else unshard_sequence(document_ids, 1, group=group, layout=layout)
-            plan = plan_documents(full, world_size=world, rank=0 if world == 1 else dist.get_rank(group),
-                                  layout=layout, causal=causal, device=q.device)
+            plan = plan_documents(
+                full,
+                world_size=world,
+                rank=0 if world == 1 else dist.get_rank(group),
+                layout=layout,
+                causal=causal,
+                device=q.device,
+            )
             if not plan.one_document:
-                return document_attention(q, k, v, plan, group if world > 1 else None, softmax_scale, backend,
-                                          head_chunks)
+                return document_attention(
+                    q, k, v, plan, group if world > 1 else None, softmax_scale, backend, head_chunks
+                )
     if world == 1:
         return _LocalAttention.apply(q, k, v, causal, softmax_scale, backend, head_chunks)
     blocks = _ring_blocks(dist.get_rank(group), world, layout, causal, q.shape[1])

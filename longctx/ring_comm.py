@@ -9,6 +9,7 @@ buffer a queued kernel still reads; ``wait()`` only makes the current stream wai
 the transfer, it does not block the host. Compute queued after posting therefore runs
 concurrently with the transfer. On gloo (CPU) ``wait()`` blocks, which is fine there.
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -20,8 +21,9 @@ import torch.distributed as dist
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
-def new_ring_group(ranks: Sequence[int], *, timeout: Optional[timedelta] = None,
-                   high_priority: bool = False) -> dist.ProcessGroup:
+def new_ring_group(
+    ranks: Sequence[int], *, timeout: Optional[timedelta] = None, high_priority: bool = False
+) -> dist.ProcessGroup:
     """``dist.new_group(ranks)`` for a context-parallel group; every rank must call it.
 
     On NCCL, ``high_priority`` puts the group's communication stream at the highest CUDA

@@ -17,6 +17,7 @@ the layers run what the plan says, nothing re-resolves "auto"); ``config_entries
 that reproduce the run when written to its config.yaml; ``line()`` the line printed at start.
 A plan resolved again from its own entries is the same plan.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -97,9 +98,13 @@ class RunPlan:
     def model_plan(self) -> ParallelPlan:
         """The ``ParallelPlan`` that ``parallelize`` applies (and ``hparams["parallel"]`` records)."""
         p = self.parallel
-        return ParallelPlan(cp_attention=p.cp_attention, attention_backend=p.attention_backend,
-                            document_backend=p.document_backend, fuse_pointwise=p.fuse_pointwise,
-                            **dataclasses.asdict(self.memory))
+        return ParallelPlan(
+            cp_attention=p.cp_attention,
+            attention_backend=p.attention_backend,
+            document_backend=p.document_backend,
+            fuse_pointwise=p.fuse_pointwise,
+            **dataclasses.asdict(self.memory),
+        )
 
     def to_dict(self) -> dict:
         return {"parallel": dataclasses.asdict(self.parallel), "memory": dataclasses.asdict(self.memory)}
@@ -114,6 +119,7 @@ class RunPlan:
 
     def line(self) -> str:
         """The plan in one line, as printed at the start of a fit."""
+
         def fields(d):
             return ", ".join(f"{k}={v}" for k, v in d.items())
 
@@ -121,9 +127,10 @@ class RunPlan:
         return f"run plan: parallel({fields(d['parallel'])}); memory({fields(d['memory'])})"
 
 
-def resolve_data_parallel(requested: str, *, n_params: int, device_type: str, gpu_total: Optional[int],
-                          parallelizes: bool) -> str:
-    """"fsdp" or "ddp" for ``requested`` ("auto": FSDP2 when the replicated training state,
+def resolve_data_parallel(
+    requested: str, *, n_params: int, device_type: str, gpu_total: Optional[int], parallelizes: bool
+) -> str:
+    """ "fsdp" or "ddp" for ``requested`` ("auto": FSDP2 when the replicated training state,
     16 bytes a parameter, would take more than a quarter of the GPU; always DDP on CPU and for
     modules that do not apply ``longctx.parallelize`` themselves)."""
     if requested != "auto":
@@ -147,8 +154,9 @@ def check_replica_fits(n_params: int, *, world_size: int, gpu_total: int, device
         )
 
 
-def balances_documents(load_balance: Optional[bool], *, documents: bool, cp: int, layout: str,
-                       cp_attention: str) -> bool:
+def balances_documents(
+    load_balance: Optional[bool], *, documents: bool, cp: int, layout: str, cp_attention: str
+) -> bool:
     """Whether batches are reordered for balanced document work (``longctx.balance_documents``):
     ``load_balance`` True: wherever there is CP and document attention; None: also only under
     the ring and the zigzag layout; False: never."""
@@ -169,12 +177,24 @@ def compute_dtype(precision: str):
     return torch.float64 if precision.startswith("64") else torch.float32
 
 
-def resolve_run(config: Any, world: World, device: Any, *,
-                requested: Union[ParallelPlan, Mapping[str, Any], None] = None, precision: str = "32-true",
-                seq_len: Optional[int] = None, batch_size: Optional[int] = None, documents: bool = True,
-                load_balance: Optional[bool] = None, n_params: int = 0, parallelizes: bool = True,
-                memory_check: bool = True, gpu_total: Optional[int] = None,
-                host_total: Optional[int] = None, hf_modules: bool = False) -> RunPlan:
+def resolve_run(
+    config: Any,
+    world: World,
+    device: Any,
+    *,
+    requested: Union[ParallelPlan, Mapping[str, Any], None] = None,
+    precision: str = "32-true",
+    seq_len: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    documents: bool = True,
+    load_balance: Optional[bool] = None,
+    n_params: int = 0,
+    parallelizes: bool = True,
+    memory_check: bool = True,
+    gpu_total: Optional[int] = None,
+    host_total: Optional[int] = None,
+    hf_modules: bool = False,
+) -> RunPlan:
     """Every "auto" of the run, resolved once (see the module doc).
 
     ``config``: the model's shape (``GPTConfig`` or a Hugging Face config; read duck-typed).
@@ -199,9 +219,17 @@ def resolve_run(config: Any, world: World, device: Any, *,
     device = torch.device(device)
     plan.check_device(device)  # a named kernel that cannot run here: one line naming the option
     on_gpu = device.type == "cuda"
-    mode = world.data_parallel if world.data_parallel == "none" else resolve_data_parallel(
-        world.data_parallel, n_params=n_params, device_type=device.type, gpu_total=gpu_total,
-        parallelizes=parallelizes)
+    mode = (
+        world.data_parallel
+        if world.data_parallel == "none"
+        else resolve_data_parallel(
+            world.data_parallel,
+            n_params=n_params,
+            device_type=device.type,
+            gpu_total=gpu_total,
+            parallelizes=parallelizes,
+        )
+    )
     if world.cpu_offload and mode != "fsdp":
         raise ValueError("cpu_offload=True needs data_parallel='fsdp' (FSDP2 offloads the shards)")
     try:
@@ -223,8 +251,9 @@ def resolve_run(config: Any, world: World, device: Any, *,
     estimate, notes = None, ()
     memory_kw = None
     if memory_check and seq_len and batch_size and head_dim is not None:
-        memory_kw = _memory_kw(mode, world, plan, precision=precision, batch_size=batch_size, documents=documents,
-                               hf_modules=hf_modules)
+        memory_kw = _memory_kw(
+            mode, world, plan, precision=precision, batch_size=batch_size, documents=documents, hf_modules=hf_modules
+        )
         try:
             estimate = memory.estimate(config, seq_len, plan=plan, **memory_kw)
         except (ValueError, AttributeError, TypeError):
@@ -233,39 +262,80 @@ def resolve_run(config: Any, world: World, device: Any, *,
         host = None if host_total is None else host_total // world.local_ranks
         fitted = memory_fit.fitting_plan(config, seq_len, plan=plan, gpu_total=gpu_total, host_total=host, **memory_kw)
         if fitted is not None and fitted != plan:
-            notes = (f"memory: {estimate.gpu_bytes / memory.GiB:.1f} GiB predicted does not fit; running with "
-                     f"mlp_tile_size={fitted.mlp_tile_size}, attention_head_chunks={fitted.attention_head_chunks}, "
-                     f"offload_activations={fitted.offload_activations}",)
+            notes = (
+                f"memory: {estimate.gpu_bytes / memory.GiB:.1f} GiB predicted does not fit; running with "
+                f"mlp_tile_size={fitted.mlp_tile_size}, attention_head_chunks={fitted.attention_head_chunks}, "
+                f"offload_activations={fitted.offload_activations}",
+            )
             plan = fitted
-        estimate = memory_fit.check_fits(config, seq_len, plan=plan, **memory_kw, gpu_total=gpu_total,
-                                     host_total=host_total, host_ranks=world.local_ranks)
+        estimate = memory_fit.check_fits(
+            config,
+            seq_len,
+            plan=plan,
+            **memory_kw,
+            gpu_total=gpu_total,
+            host_total=host_total,
+            host_ranks=world.local_ranks,
+        )
 
     parallel = ParallelChoices(
-        data_parallel=mode, cp=world.cp, dp=world.dp, layout=world.layout, cpu_offload=world.cpu_offload,
-        cp_attention=plan.cp_attention, attention_backend=plan.attention_backend,
-        document_backend=plan.document_backend, fuse_pointwise=plan.fuse_pointwise,
-        balance_documents=balances_documents(load_balance, documents=documents, cp=world.cp, layout=world.layout,
-                                             cp_attention=plan.cp_attention))
+        data_parallel=mode,
+        cp=world.cp,
+        dp=world.dp,
+        layout=world.layout,
+        cpu_offload=world.cpu_offload,
+        cp_attention=plan.cp_attention,
+        attention_backend=plan.attention_backend,
+        document_backend=plan.document_backend,
+        fuse_pointwise=plan.fuse_pointwise,
+        balance_documents=balances_documents(
+            load_balance, documents=documents, cp=world.cp, layout=world.layout, cp_attention=plan.cp_attention
+        ),
+    )
     mem = MemoryChoices(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(MemoryChoices)})
     return RunPlan(parallel, mem, estimate=estimate, notes=notes)
 
 
-def _memory_kw(data_parallel: str, world: World, plan: ParallelPlan, *, precision: str, batch_size: int,
-               documents: bool, hf_modules: bool = False) -> dict:
+def _memory_kw(
+    data_parallel: str,
+    world: World,
+    plan: ParallelPlan,
+    *,
+    precision: str,
+    batch_size: int,
+    documents: bool,
+    hf_modules: bool = False,
+) -> dict:
     """``longctx.memory.estimate``'s arguments for a resolved plan: the memory model counts the
     kernel the layers run (the document-masked one with documents)."""
     from . import memory
 
     kernel = plan.document_backend if documents else plan.attention_backend
-    return dict(cp=world.cp, dp=world.dp, data_parallel=data_parallel, cpu_offload=world.cpu_offload,
-                batch_size=batch_size, precision="32-true" if str(precision)[:2] in ("32", "64") else "bf16-mixed",
-                attention_kernel="auto" if kernel in (None, "auto") else memory.kernel_family(kernel),
-                hf_modules=hf_modules)
+    return dict(
+        cp=world.cp,
+        dp=world.dp,
+        data_parallel=data_parallel,
+        cpu_offload=world.cpu_offload,
+        batch_size=batch_size,
+        precision="32-true" if str(precision)[:2] in ("32", "64") else "bf16-mixed",
+        attention_kernel="auto" if kernel in (None, "auto") else memory.kernel_family(kernel),
+        hf_modules=hf_modules,
+    )
 
 
-def check_memory(config: Any, run: RunPlan, seq_len: int, *, batch_size: int, precision: str, documents: bool,
-                 local_ranks: int = 1, gpu_total: Optional[int] = None, host_total: Optional[int] = None,
-                 hf_modules: bool = False):
+def check_memory(
+    config: Any,
+    run: RunPlan,
+    seq_len: int,
+    *,
+    batch_size: int,
+    precision: str,
+    documents: bool,
+    local_ranks: int = 1,
+    gpu_total: Optional[int] = None,
+    host_total: Optional[int] = None,
+    hf_modules: bool = False,
+):
     """The memory model's prediction for a resolved ``run`` (which it does not change): for data
     whose shapes were unknown when the plan was made, checked on the first batch. Raises
     ``PredictedOutOfMemory`` (one line, naming the change) where it exceeds ``gpu_total`` /
@@ -273,14 +343,28 @@ def check_memory(config: Any, run: RunPlan, seq_len: int, *, batch_size: int, pr
     from . import memory, memory_fit
 
     p = run.parallel
-    world = World(cp=p.cp, dp=p.dp, layout=p.layout, data_parallel=p.data_parallel, cpu_offload=p.cpu_offload,
-                  local_ranks=local_ranks)
+    world = World(
+        cp=p.cp,
+        dp=p.dp,
+        layout=p.layout,
+        data_parallel=p.data_parallel,
+        cpu_offload=p.cpu_offload,
+        local_ranks=local_ranks,
+    )
     plan = run.model_plan()
-    kw = _memory_kw(p.data_parallel, world, plan, precision=precision, batch_size=batch_size, documents=documents,
-                    hf_modules=hf_modules)
+    kw = _memory_kw(
+        p.data_parallel,
+        world,
+        plan,
+        precision=precision,
+        batch_size=batch_size,
+        documents=documents,
+        hf_modules=hf_modules,
+    )
     try:
         memory.estimate(config, seq_len, plan=plan, **kw)
     except (ValueError, AttributeError, TypeError):
         return None
-    return memory_fit.check_fits(config, seq_len, plan=plan, **kw, gpu_total=gpu_total, host_total=host_total,
-                                 host_ranks=local_ranks)
+    return memory_fit.check_fits(
+        config, seq_len, plan=plan, **kw, gpu_total=gpu_total, host_total=host_total, host_ranks=local_ranks
+    )

@@ -24,6 +24,7 @@ The result is marked (``ShardedBatch``, ``ShardedTuple``, ``ShardedList``; see
 can call ``shard_batch`` on whatever reaches it without double-slicing a batch the
 user already sharded.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -122,8 +123,7 @@ def shard_batch(
                 f"got shape {tuple(batch.shape)}"
             )
         full = batch.shape[seq_dim] - 1
-        _check_length(full, world_size, layout,
-                      f"a token tensor of length {full + 1} (read as S+1 tokens, S={full})")
+        _check_length(full, world_size, layout, f"a token tensor of length {full + 1} (read as S+1 tokens, S={full})")
         batch = {
             "input_ids": batch.narrow(seq_dim, 0, full),
             "labels": batch.narrow(seq_dim, 1, full),
@@ -150,8 +150,7 @@ def shard_batch(
             if world_size == 1:
                 local = torch.arange(seq_len, device=ids.device)
             else:
-                local = layout_position_ids(seq_len, rank=rank, world_size=world_size, layout=layout,
-                                            device=ids.device)
+                local = layout_position_ids(seq_len, rank=rank, world_size=world_size, layout=layout, device=ids.device)
             shape = [1] * seq_dim + [local.shape[0]]
             out["position_ids"] = local.view(shape).expand(*ids.shape[:seq_dim], -1).contiguous()
         return out

@@ -23,6 +23,7 @@ the recompute); only the weight-gradient sums are split over tiles (float64 test
 equality to rounding). The same idea as Arctic Long Sequence Training's TiledMLP,
 written from the description.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -54,13 +55,13 @@ class _Tiled(torch.autograd.Function):
         outs = None
         with torch.no_grad():
             for start in range(0, n, tile):
-                ys = fn(flat[start:start + tile], *weights)
+                ys = fn(flat[start : start + tile], *weights)
                 ys = ys if isinstance(ys, tuple) else (ys,)
                 if outs is None:
                     ctx.single = len(ys) == 1
                     outs = [torch.empty((n, y.shape[-1]), dtype=y.dtype, device=y.device) for y in ys]
                 for out, y in zip(outs, ys):
-                    out[start:start + y.shape[0]] = y
+                    out[start : start + y.shape[0]] = y
                 del ys
         outs = [out.view(*x.shape[:-1], out.shape[-1]) for out in outs]
         return outs[0] if ctx.single else tuple(outs)
@@ -72,7 +73,7 @@ class _Tiled(torch.autograd.Function):
 
         def tile_grads(start, ys):
             ys = ys if isinstance(ys, tuple) else (ys,)
-            pairs = [(y, g[start:start + y.shape[0]]) for y, g in zip(ys, gs) if g is not None]
+            pairs = [(y, g[start : start + y.shape[0]]) for y, g in zip(ys, gs) if g is not None]
             return [y for y, _ in pairs], [g for _, g in pairs]
 
         dx, dw = _tiled_backward(ctx, x, (), weights, ctx.needs_input_grad[2], ctx.needs_input_grad[3:], tile_grads)
@@ -87,24 +88,30 @@ def _tiled_backward(ctx, x, token_args, weights, want_x, want_w, tile_grads):
     Returns ``(dx or None, [dw or None, ...])``."""
     fn, tile = ctx.fn, ctx.tile
     flat = x.reshape(-1, x.shape[-1])
-    args = [a.reshape(-1, *a.shape[x.dim() - 1:]) for a in token_args]
+    args = [a.reshape(-1, *a.shape[x.dim() - 1 :]) for a in token_args]
     want_w = list(want_w)
     dx = torch.empty_like(flat) if want_x else None
-    dw = [torch.zeros_like(w, dtype=torch.float32 if w.dtype in (torch.float16, torch.bfloat16) else w.dtype)
-          if want else None for w, want in zip(weights, want_w)]
+    dw = [
+        torch.zeros_like(w, dtype=torch.float32 if w.dtype in (torch.float16, torch.bfloat16) else w.dtype)
+        if want
+        else None
+        for w, want in zip(weights, want_w)
+    ]
     device_type = x.device.type
     for start in range(0, flat.shape[0] if (want_x or any(want_w)) else 0, tile):
-        xt = flat[start:start + tile].detach().requires_grad_(want_x)
+        xt = flat[start : start + tile].detach().requires_grad_(want_x)
         wt = [w.detach().requires_grad_(want) for w, want in zip(weights, want_w)]
-        with torch.enable_grad(), torch.autocast(device_type, dtype=ctx.autocast or torch.bfloat16,
-                                                 enabled=ctx.autocast is not None):
-            ys = fn(xt, *(a[start:start + tile] for a in args), *wt)
+        with (
+            torch.enable_grad(),
+            torch.autocast(device_type, dtype=ctx.autocast or torch.bfloat16, enabled=ctx.autocast is not None),
+        ):
+            ys = fn(xt, *(a[start : start + tile] for a in args), *wt)
         outputs, grads_out = tile_grads(start, ys)
         inputs = ([xt] if want_x else []) + [w for w, want in zip(wt, want_w) if want]
         grads = list(torch.autograd.grad(outputs, inputs, grads_out, allow_unused=True))
         if want_x:
             got = grads.pop(0)
-            dx[start:start + xt.shape[0]] = 0 if got is None else got
+            dx[start : start + xt.shape[0]] = 0 if got is None else got
         for acc, want in zip(dw, want_w):
             if want:
                 got = grads.pop(0)
@@ -115,8 +122,9 @@ def _tiled_backward(ctx, x, token_args, weights, want_x, want_w, tile_grads):
     return (None if dx is None else dx.view(x.shape)), dw
 
 
-def tiled_apply(fn: Callable[..., torch.Tensor], x: torch.Tensor, weights: Sequence[torch.Tensor],
-                tile_size: int) -> torch.Tensor:
+def tiled_apply(
+    fn: Callable[..., torch.Tensor], x: torch.Tensor, weights: Sequence[torch.Tensor], tile_size: int
+) -> torch.Tensor:
     """``fn(x, *weights)`` computed over tiles of ``tile_size`` tokens (all leading dims of
     ``x`` flattened), exact, holding one tile's intermediates at a time, forward and
     backward. ``fn`` must act on each token independently (an MLP, not attention); it
@@ -139,11 +147,11 @@ class _TiledSum(torch.autograd.Function):
         ctx.autocast = _autocast_state(x.device.type)
         ctx.save_for_backward(x, *rest)
         flat = x.reshape(-1, x.shape[-1])
-        args = [a.reshape(-1, *a.shape[x.dim() - 1:]) for a in token_args]
+        args = [a.reshape(-1, *a.shape[x.dim() - 1 :]) for a in token_args]
         total = None
         with torch.no_grad():
             for start in range(0, flat.shape[0], tile):
-                part = fn(flat[start:start + tile], *(a[start:start + tile] for a in args), *weights)
+                part = fn(flat[start : start + tile], *(a[start : start + tile] for a in args), *weights)
                 total = part if total is None else total + part
         return total
 
@@ -152,13 +160,19 @@ class _TiledSum(torch.autograd.Function):
         x, *rest = ctx.saved_tensors
         n = ctx.n_token_args
         want = ctx.needs_input_grad
-        dx, dw = _tiled_backward(ctx, x, rest[:n], rest[n:], want[3], want[4 + n:],
-                                 lambda start, part: ([part], [grad]))
+        dx, dw = _tiled_backward(
+            ctx, x, rest[:n], rest[n:], want[3], want[4 + n :], lambda start, part: ([part], [grad])
+        )
         return (None, None, None, dx, *([None] * n), *dw)
 
 
-def tiled_sum(fn: Callable[..., torch.Tensor], x: torch.Tensor, token_args: Sequence[torch.Tensor],
-              weights: Sequence[torch.Tensor], tile_size: int) -> torch.Tensor:
+def tiled_sum(
+    fn: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    token_args: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor],
+    tile_size: int,
+) -> torch.Tensor:
     """``sum(fn(x_t, *token_args_t, *weights))`` over tiles of ``tile_size`` tokens, where
     ``fn`` returns a scalar per tile (a loss) and ``token_args`` (e.g. labels) are sliced
     with ``x``'s tokens. Holds one tile's intermediates at a time, forward and backward;

@@ -18,6 +18,7 @@ order on the communication stream while the groups' attention runs on the comput
 stream, each group's output going back as soon as it is ready.
 ``benchmarks/ring.py`` measures both.
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -66,8 +67,12 @@ def _sequence_to_ranks(full: torch.Tensor, world: int, layout: str) -> torch.Ten
         return full.view(b, world, s // world, h, d).transpose(0, 1).contiguous()
     chunks = full.view(b, 2 * world, s // (2 * world), h, d).transpose(0, 1)
     halves = chunks.index_select(0, _zigzag_index(world, full.device)[1])  # rank-major
-    return halves.view(world, 2, b, s // (2 * world), h, d).transpose(1, 2).reshape(
-        world, b, s // world, h, d).contiguous()
+    return (
+        halves.view(world, 2, b, s // (2 * world), h, d)
+        .transpose(1, 2)
+        .reshape(world, b, s // world, h, d)
+        .contiguous()
+    )
 
 
 def _heads_for_everyone(t: torch.Tensor, world: int, chunks: int, g: int) -> torch.Tensor:
@@ -111,8 +116,7 @@ def _attend(qf, kf, vf, calls, causal, scale, backend):
 
 def _attend_backward(dout_f, qf, kf, vf, out_f, lse, calls, causal, scale, backend):
     if calls is None:
-        return attention_backward(dout_f, qf, kf, vf, out_f, lse, causal=causal, softmax_scale=scale,
-                                  backend=backend)
+        return attention_backward(dout_f, qf, kf, vf, out_f, lse, causal=causal, softmax_scale=scale, backend=backend)
     flat = [flatten_batch(t) for t in (dout_f, qf, kf, vf, out_f)]
     grads = backward_calls(*flat, lse, calls, scale, backend)
     return tuple(g.result().view(t.shape) for g, t in zip(grads, (qf, kf, vf)))
@@ -130,9 +134,10 @@ class _UlyssesAttention(torch.autograd.Function):
         widths = [t.shape[2] // (world * chunks) for t in (q, k, v)]
         # Post every group's all-to-all (q, k, v packed): they run back to back on the
         # communication stream while the groups' attention runs on the compute stream.
-        inbound = [_start_all_to_all(torch.cat([_heads_for_everyone(t, world, chunks, g) for t in (q, k, v)], dim=3),
-                                     group)
-                   for g in range(chunks)]
+        inbound = [
+            _start_all_to_all(torch.cat([_heads_for_everyone(t, world, chunks, g) for t in (q, k, v)], dim=3), group)
+            for g in range(chunks)
+        ]
         out = torch.empty_like(q)
         outbound, saved = [], []
         for g, (recv, work) in enumerate(inbound):
@@ -158,13 +163,15 @@ class _UlyssesAttention(torch.autograd.Function):
         outbound = []
         for g, (recv, work) in enumerate(inbound):
             work.wait()
-            qf, kf, vf, out_f, lse = saved[5 * g:5 * g + 5]
-            grads = _attend_backward(_ranks_to_sequence(recv, layout), qf, kf, vf, out_f, lse, calls,
-                                     causal, scale, backend)
+            qf, kf, vf, out_f, lse = saved[5 * g : 5 * g + 5]
+            grads = _attend_backward(
+                _ranks_to_sequence(recv, layout), qf, kf, vf, out_f, lse, calls, causal, scale, backend
+            )
             outbound.append(_start_all_to_all(_sequence_to_ranks(torch.cat(grads, dim=2), world, layout), group))
         b, s_local, _, d = dout.shape
-        dq, dk, dv = (torch.empty(b, s_local, w * world * chunks, d, dtype=dout.dtype, device=dout.device)
-                      for w in widths)
+        dq, dk, dv = (
+            torch.empty(b, s_local, w * world * chunks, d, dtype=dout.dtype, device=dout.device) for w in widths
+        )
         for g, (recv, work) in enumerate(outbound):
             work.wait()
             for dst, part in zip((dq, dk, dv), recv.split(widths, dim=3)):
@@ -192,6 +199,7 @@ def ulysses_attention(
     rank attends over the whole sequence for its heads, so documents need no exchange of
     their own; their segments come from the plan (plain ids: gathered and planned per call).
     """
+
     def heads_split(world: int) -> None:
         if k.shape[2] % world != 0:
             raise ValueError(
@@ -206,15 +214,31 @@ def ulysses_attention(
         world = plan.world_size
         heads_split(world)
     else:
-        world = check_cp_inputs(q, k, v, group, layout, name="ulysses_attention", causal=causal,
-                                document_ids=document_ids, extra=heads_split)
+        world = check_cp_inputs(
+            q,
+            k,
+            v,
+            group,
+            layout,
+            name="ulysses_attention",
+            causal=causal,
+            document_ids=document_ids,
+            extra=heads_split,
+        )
         plan = None
         if document_ids is not None and world > 1:
-            plan = plan_documents(unshard_sequence(document_ids, 1, group=group, layout=layout), world_size=world,
-                                  rank=dist.get_rank(group), layout=layout, causal=causal, device=q.device)
+            plan = plan_documents(
+                unshard_sequence(document_ids, 1, group=group, layout=layout),
+                world_size=world,
+                rank=dist.get_rank(group),
+                layout=layout,
+                causal=causal,
+                device=q.device,
+            )
     if world == 1:  # the ring's local path: plain attention through the same kernels
-        return ring_attention(q, k, v, group=None, causal=causal, softmax_scale=softmax_scale,
-                              backend=backend, document_ids=document_ids)
+        return ring_attention(
+            q, k, v, group=None, causal=causal, softmax_scale=softmax_scale, backend=backend, document_ids=document_ids
+        )
     if plan is not None and plan.one_document:
         plan = None
     return _UlyssesAttention.apply(q, k, v, plan, group, causal, layout, softmax_scale, backend)

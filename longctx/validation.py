@@ -3,6 +3,7 @@ strategy, the LightningModule, the data module, train.py's run options): the arg
 name, what would be valid, and the value given. A refusal of one argument is an
 ``ArgumentValueError`` carrying that argument's name, so train.py says it of the option
 (``model.lr must be a number > 0, got -1.0``) from ``.argument``, not from the text."""
+
 from __future__ import annotations
 
 import math
@@ -30,22 +31,37 @@ class ArgumentPathError(ArgumentValueError, FileNotFoundError):
     """An argument naming a path that does not exist (still a ``FileNotFoundError``)."""
 
 
-def check_number(name: str, value: Any, *, low: float, high: Optional[float] = None, low_open: bool = False,
-                 integer: bool = False, optional: bool = False, hint: str = "") -> None:
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    low: float,
+    high: Optional[float] = None,
+    low_open: bool = False,
+    integer: bool = False,
+    optional: bool = False,
+    hint: str = "",
+) -> None:
     """Refuse ``value`` unless it is a finite number (an int if ``integer``) >= ``low``
     (> ``low`` if ``low_open``) and <= ``high``; None passes where ``optional``."""
     if value is None and optional:
         return
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and (not integer or isinstance(value, int))
-          and math.isfinite(value) and (value > low if low_open else value >= low)
-          and (high is None or value <= high))
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and (not integer or isinstance(value, int))
+        and math.isfinite(value)
+        and (value > low if low_open else value >= low)
+        and (high is None or value <= high)
+    )
     if not ok:
         if high is None:
             bound = f"{'>' if low_open else '>='} {low}"
         else:
             bound = f"in {'(' if low_open else '['}{low}, {high}]"
-        raise ArgumentValueError(name, f"must be {'an integer' if integer else 'a number'} {bound}{hint}, "
-                                       f"got {value!r}")
+        raise ArgumentValueError(
+            name, f"must be {'an integer' if integer else 'a number'} {bound}{hint}, got {value!r}"
+        )
 
 
 def check_choice(name: str, value: Any, choices: tuple) -> None:

@@ -28,6 +28,7 @@ answering: under a plain launch it lives in rank 0's process, so a frozen rank 0
 Every store operation therefore runs on a helper thread that callers wait for at most
 ``timeout`` seconds; a rank that cannot reach the store that long exits, naming its host.
 """
+
 from __future__ import annotations
 
 import math
@@ -108,8 +109,9 @@ class _BoundedStore:
 
 def _default_group_collectives() -> Callable[[], int]:
     if not dist.is_initialized():
-        raise ValueError("watchdog collective_timeout needs the default process group initialized first "
-                         "(or pass collectives=)")
+        raise ValueError(
+            "watchdog collective_timeout needs the default process group initialized first (or pass collectives=)"
+        )
     group = dist.group.WORLD
     # NCCL counts collectives only, gloo point-to-point operations on this group too.
     return group._get_sequence_number_for_group
@@ -159,8 +161,7 @@ class RankWatchdog:
         # A store client of our own: the process group's may be busy inside a collective.
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = int(os.environ["MASTER_PORT"])
-        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30),
-                             wait_for_workers=False)
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
 
     @staticmethod
     def _describe_store_host(store: Optional[dist.Store]) -> str:
@@ -175,8 +176,10 @@ class RankWatchdog:
 
     def _store_lost(self, exc: BaseException) -> str:
         if isinstance(exc, StoreUnreachable):
-            return (f"{self._store_host} is hung or dead: the store gave {exc.args[0]} "
-                    f"(failure timeout {self.timeout:.0f}s)")
+            return (
+                f"{self._store_host} is hung or dead: the store gave {exc.args[0]} "
+                f"(failure timeout {self.timeout:.0f}s)"
+            )
         return f"{self._store_host} died: lost the store ({type(exc).__name__}: {str(exc)[:300]})"
 
     def start(self) -> "RankWatchdog":
@@ -208,14 +211,17 @@ class RankWatchdog:
                 if not self._call("check", ["failure"]):
                     # No rank raised and every heartbeat moves: a peer is alive but never joined
                     # (stalled outside the collective); this rank did not fail, it stopped waiting.
-                    mine = (f"rank {self.rank} stopped waiting in a collective ({text[:1500]}); no rank failed "
-                            f"and every heartbeat kept moving for {self.timeout:.0f}s: a rank is stalled "
-                            "(alive, not joining the collective)")
+                    mine = (
+                        f"rank {self.rank} stopped waiting in a collective ({text[:1500]}); no rank failed "
+                        f"and every heartbeat kept moving for {self.timeout:.0f}s: a rank is stalled "
+                        "(alive, not joining the collective)"
+                    )
             first = self._call("compare_set", "failure", "", mine).decode(errors="replace")
         except Exception as exc:  # noqa: BLE001 - the store is gone or hung
             if symptom:
-                self.on_failure(f"rank {self.rank} stopping: {self._store_lost(exc)}; "
-                                f"this rank then failed with {text[:500]}")
+                self.on_failure(
+                    f"rank {self.rank} stopping: {self._store_lost(exc)}; this rank then failed with {text[:500]}"
+                )
             return mine
         if first == mine:
             time.sleep(3 * self.interval)  # let the others read it before this process exits
@@ -258,8 +264,10 @@ class RankWatchdog:
             if count != last_count:
                 last_count, last_change = count, now
             elif now - last_change > self.timeout:
-                self._declare(f"rank {self._watched} stopped responding (no heartbeat for "
-                              f"{now - last_change:.0f}s; killed or hung)")
+                self._declare(
+                    f"rank {self._watched} stopped responding (no heartbeat for "
+                    f"{now - last_change:.0f}s; killed or hung)"
+                )
                 return
             # A peer whose heartbeat stopped is left to the check above (dead, not stalled).
             stalled = self._stalled(mine, theirs, now) if now - last_change <= 3 * self.interval else None
@@ -274,8 +282,10 @@ class RankWatchdog:
             return int(self._collectives())
         except Exception as exc:  # noqa: BLE001 - a backend without sequence numbers
             self._collectives = None
-            sys.stderr.write(f"\n[longctx watchdog] rank {self.rank}: no collective counts ({type(exc).__name__}: "
-                             f"{str(exc)[:200]}); a stalled rank is left to the process-group timeout\n")
+            sys.stderr.write(
+                f"\n[longctx watchdog] rank {self.rank}: no collective counts ({type(exc).__name__}: "
+                f"{str(exc)[:200]}); a stalled rank is left to the process-group timeout\n"
+            )
             return None
 
     def _stalled(self, mine: Optional[int], theirs: int, now: float) -> Optional[str]:
@@ -290,9 +300,11 @@ class RankWatchdog:
             return None
         if now - self._behind[1] <= self.collective_timeout:
             return None
-        return (f"rank {self._watched} is stalled: alive (its heartbeat moves) but it has not joined collective "
-                f"#{theirs} of the default process group, which rank {self.rank} has waited in for over "
-                f"{self.collective_timeout:.0f}s (the process-group timeout)")
+        return (
+            f"rank {self._watched} is stalled: alive (its heartbeat moves) but it has not joined collective "
+            f"#{theirs} of the default process group, which rank {self.rank} has waited in for over "
+            f"{self.collective_timeout:.0f}s (the process-group timeout)"
+        )
 
     def _declare(self, message: str) -> None:
         """Publish ``message`` as the job's failure and end, naming the job's first failure

@@ -3,6 +3,7 @@
 The training module (``lit_module``) lives here too but is imported on its own so that
 using the model does not require Lightning.
 """
+
 from .checkpoint_import import find_smollm2_gguf, load_checkpoint, load_pretrained, resolve_checkpoint_path
 from .config import PRESETS, GPTConfig
 from .gguf_tokenizer import GGUFTokenizer

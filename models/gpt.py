@@ -26,6 +26,7 @@ token, recomputing the normalised tensor (``lean_rms_norm``); with ``mlp_tile_si
 norm and SwiGLU run as one sequence-tiled function that keeps only the residual stream, and
 so do the attention norm and the q/k/v projections.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,8 +56,7 @@ def default_position_ids(local_len: int, cp: CPContext, device: torch.device) ->
     """Global positions of this rank's tokens when the caller gave none: the layout decides."""
     if cp.size == 1:
         return torch.arange(local_len, device=device)
-    return layout_position_ids(local_len * cp.size, rank=cp.rank, world_size=cp.size,
-                               layout=cp.layout, device=device)
+    return layout_position_ids(local_len * cp.size, rank=cp.rank, world_size=cp.size, layout=cp.layout, device=device)
 
 
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -74,8 +74,7 @@ class RingSelfAttention(nn.Module):
     context and the ring/Ulysses choice; ``longctx.parallelize`` sets them.
     """
 
-    def __init__(self, n_embd: int, n_head: int, n_kv_head: Optional[int] = None,
-                 head_dim: Optional[int] = None):
+    def __init__(self, n_embd: int, n_head: int, n_kv_head: Optional[int] = None, head_dim: Optional[int] = None):
         super().__init__()
         n_kv_head = n_head if n_kv_head is None else n_kv_head
         head_dim = n_embd // n_head if head_dim is None else head_dim
@@ -89,8 +88,7 @@ class RingSelfAttention(nn.Module):
         self.core = ContextParallelAttention(n_head, n_kv_head)
         self.fuse_pointwise = False
 
-    def forward(self, x: torch.Tensor, rope: Rope,
-                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.o_proj(self.attend(*self.qkv(x, rope), document_ids))
 
     def qkv(self, x: torch.Tensor, rope: Rope):
@@ -113,8 +111,9 @@ class RingSelfAttention(nn.Module):
     def projection_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.q_proj.weight, self.k_proj.weight, self.v_proj.weight
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """Attention over the CP group: ``(B, S_local, n_head * head_dim)``, before o_proj."""
         return self.core(q, k, v, document_ids).flatten(2)
 
@@ -127,15 +126,24 @@ def swiglu_mlp_fused(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, 
     return F.linear(fused(swiglu_gate)(F.linear(x, gate_w), F.linear(x, up_w)), down_w)
 
 
-def norm_then_projections(norm, eps: float, x: torch.Tensor, norm_w: torch.Tensor, q_w: torch.Tensor,
-                          k_w: torch.Tensor, v_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def norm_then_projections(
+    norm, eps: float, x: torch.Tensor, norm_w: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, v_w: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v projections of ``norm(x)``, every weight an argument, as ``tiled_apply`` calls it."""
     h = norm(x, norm_w, eps)
     return F.linear(h, q_w), F.linear(h, k_w), F.linear(h, v_w)
 
 
-def norm_then_mlp(norm, eps: float, mlp, x: torch.Tensor, norm_w: torch.Tensor, gate_w: torch.Tensor,
-                  up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
+def norm_then_mlp(
+    norm,
+    eps: float,
+    mlp,
+    x: torch.Tensor,
+    norm_w: torch.Tensor,
+    gate_w: torch.Tensor,
+    up_w: torch.Tensor,
+    down_w: torch.Tensor,
+) -> torch.Tensor:
     """``mlp(norm(x))`` with every weight an argument, as ``tiled_apply`` calls it."""
     return mlp(norm(x, norm_w, eps), gate_w, up_w, down_w)
 
@@ -223,8 +231,14 @@ class TransformerBlock(nn.Module):
         x = x + self.attn.o_proj(y)
         return x + self._mlp_branch(x)
 
-    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None, *,
-                rope: Optional[Rope] = None, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        *,
+        rope: Optional[Rope] = None,
+        document_ids: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         if rope is None:
             rope = self.rope(x, position_ids)
         mode = self.activation_checkpointing
@@ -251,13 +265,15 @@ def _chunk_loss(h: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> 
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def _norm_chunk_loss(norm, eps: float, x: torch.Tensor, labels: torch.Tensor, norm_w: torch.Tensor,
-                     weight: torch.Tensor) -> torch.Tensor:
+def _norm_chunk_loss(
+    norm, eps: float, x: torch.Tensor, labels: torch.Tensor, norm_w: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
     return _chunk_loss(norm(x, norm_w, eps), labels, weight)
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          chunk_size: int, norm=None) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, norm=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed token cross-entropy of ``hidden @ weight.T`` and the number of counted tokens.
 
     The fp32 logits of at most ``chunk_size`` tokens exist at once: chunks are computed
@@ -269,9 +285,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     fp32 (float64 for float64 inputs).
     """
     if hidden.shape[:-1] != labels.shape:
-        raise ValueError(
-            f"labels shape {tuple(labels.shape)} does not match tokens {tuple(hidden.shape[:-1])}"
-        )
+        raise ValueError(f"labels shape {tuple(labels.shape)} does not match tokens {tuple(hidden.shape[:-1])}")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if norm is None:
@@ -360,13 +374,21 @@ class GPT(nn.Module):
         for block in self.blocks:
             block.activation_checkpointing = mode
 
-    def hidden_states(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                      document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        document_ids: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Final-normed hidden states (B, S_local, n_embd) of this rank's tokens."""
         return self.norm(self.residual_stream(input_ids, position_ids, document_ids))
 
-    def residual_stream(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                        document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def residual_stream(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        document_ids: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """The last block's output (B, S_local, n_embd), before the final norm."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
@@ -398,8 +420,14 @@ class GPT(nn.Module):
                 x = block(x, rope=rope, document_ids=document_ids)
         return x
 
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, *,
-                labels: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        *,
+        labels: Optional[torch.Tensor] = None,
+        document_ids: Optional[torch.Tensor] = None,
+    ):
         """Logits ``(B, S_local, vocab)``; with ``labels`` (already shifted, -100 ignored) the
         pair ``(loss_sum fp32, n_tokens int64)`` over this rank's tokens instead, from the
         chunked loss that never holds all logits. The training entry point is this method
@@ -410,9 +438,13 @@ class GPT(nn.Module):
         norm = (self.norm.function(), self.norm.weight, self.norm.eps)  # per chunk, inside the loss
         return chunked_cross_entropy(x, self.lm_head_weight, labels, self.loss_chunk_size, norm=norm)
 
-    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor,
-             position_ids: Optional[torch.Tensor] = None,
-             document_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        document_ids: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss_sum fp32, n_tokens int64)`` over this rank's tokens; labels -100 ignored.
 
         Labels are already shifted (on the full sequence, before sharding).
@@ -420,8 +452,15 @@ class GPT(nn.Module):
         return self(input_ids, position_ids, labels=labels, document_ids=document_ids)
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
-                 eos_id: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        eos_id: Optional[int] = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> torch.Tensor:
         """Greedy (temperature 0) or sampled continuation; no KV cache (a check, not a server)."""
         if self.cp.size > 1:
             raise RuntimeError("generate() runs on one device; parallelize a model without a CP group for it")

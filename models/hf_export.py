@@ -11,6 +11,7 @@ Static ``ntk`` scaling is a change of base only, so it is written as a ``default
 with the scaled base (the same expression ``pointwise.rope_inv_freq`` uses: identical
 frequencies); ``load_pretrained`` then reads ``rope_theta`` = that base and no scaling.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -42,8 +43,7 @@ def _llama_config(config: GPTConfig, dtype: torch.dtype):
     try:
         from transformers import LlamaConfig
     except ImportError:
-        raise ImportError("saving a Hugging Face checkpoint needs transformers: "
-                          "pip install 'longctx[hf]'") from None
+        raise ImportError("saving a Hugging Face checkpoint needs transformers: pip install 'longctx[hf]'") from None
     theta, scaling = _rope_fields(config)
     if "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters:  # transformers 5
         rope = {"rope_parameters": {"rope_type": "default", "rope_theta": theta, **(scaling or {})}}
@@ -70,8 +70,9 @@ def _llama_config(config: GPTConfig, dtype: torch.dtype):
     )
 
 
-def save_hf_checkpoint(model: GPT, path: Union[str, "os.PathLike[str]"], *,
-                       dtype: Optional[torch.dtype] = None) -> Path:
+def save_hf_checkpoint(
+    model: GPT, path: Union[str, "os.PathLike[str]"], *, dtype: Optional[torch.dtype] = None
+) -> Path:
     """Write ``model`` to directory ``path`` as a Hugging Face Llama checkpoint; returns ``path``.
 
     ``dtype`` casts the saved tensors (default: as the model holds them). A tied model
@@ -83,8 +84,7 @@ def save_hf_checkpoint(model: GPT, path: Union[str, "os.PathLike[str]"], *,
         raise TypeError(f"save_hf_checkpoint expects a longctx.models.GPT, got {type(model).__name__}")
     state = model.state_dict()
     dtype = dtype or state["embed.weight"].dtype
-    tensors = {hf_tensor_name(name): t.detach().to(device="cpu", dtype=dtype).contiguous()
-               for name, t in state.items()}
+    tensors = {hf_tensor_name(name): t.detach().to(device="cpu", dtype=dtype).contiguous() for name, t in state.items()}
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     _llama_config(model.config, dtype).to_json_file(str(path / "config.json"))

@@ -16,6 +16,7 @@ weights. The wrapper gives the training module what it gives a ``GPT``:
 The CP context reaches the attention through ``longctx.parallelize``, which calls
 ``longctx.hf.set_context_parallel_group`` on the wrapped model.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,9 +37,13 @@ def sizes_config(hf_config) -> GPTConfig:
     n_head = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_head
     return GPTConfig(
-        vocab_size=hf_config.vocab_size, n_layer=hf_config.num_hidden_layers, n_head=n_head,
-        n_kv_head=getattr(hf_config, "num_key_value_heads", None) or n_head, n_embd=hf_config.hidden_size,
-        intermediate_size=hf_config.intermediate_size, head_dim=head_dim,
+        vocab_size=hf_config.vocab_size,
+        n_layer=hf_config.num_hidden_layers,
+        n_head=n_head,
+        n_kv_head=getattr(hf_config, "num_key_value_heads", None) or n_head,
+        n_embd=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        head_dim=head_dim,
         tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         max_seq_len=getattr(hf_config, "max_position_embeddings", 2048) or 2048,
     )
@@ -62,8 +67,9 @@ class HFCausalLM(nn.Module):
         self.loss_chunk_size = 4096
 
     @classmethod
-    def from_pretrained(cls, path: Union[str, "os.PathLike[str]"], *, cp_attention: str = "ring",
-                        dtype: Optional[torch.dtype] = None) -> "HFCausalLM":
+    def from_pretrained(
+        cls, path: Union[str, "os.PathLike[str]"], *, cp_attention: str = "ring", dtype: Optional[torch.dtype] = None
+    ) -> "HFCausalLM":
         """Weights from ``path`` (a local directory: no downloads), or a random init from its
         ``config.json`` when it holds no weight files."""
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -96,8 +102,14 @@ class HFCausalLM(nn.Module):
                 f"({type(self.hf).__name__}); use 'full' or 'none'"
             )
 
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, *,
-                labels: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        *,
+        labels: Optional[torch.Tensor] = None,
+        document_ids: Optional[torch.Tensor] = None,
+    ):
         extra = {} if document_ids is None else {"document_ids": document_ids}
         out = self.hf.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
         hidden = out.last_hidden_state

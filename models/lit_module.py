@@ -21,6 +21,7 @@ callback, which train.py adds) decides skip/stop on all ranks at once. It runs b
 module's ``on_before_optimizer_step``; a skipped step has no gradients, which the
 accumulation rescale below leaves alone.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -164,10 +165,25 @@ class CausalLMModule(L.LightningModule):
         memory_check: bool = True,
     ) -> None:
         super().__init__()
-        _check_arguments(dict(model=model, parallel=parallel, attention=attention, rope_positions=rope_positions,
-                              load_balance=load_balance, init_from=init_from, hf_model=hf_model, lr=lr,
-                              min_lr_ratio=min_lr_ratio, weight_decay=weight_decay, betas=betas, eps=eps,
-                              warmup_steps=warmup_steps, decay_steps=decay_steps, seq_len=seq_len))
+        _check_arguments(
+            dict(
+                model=model,
+                parallel=parallel,
+                attention=attention,
+                rope_positions=rope_positions,
+                load_balance=load_balance,
+                init_from=init_from,
+                hf_model=hf_model,
+                lr=lr,
+                min_lr_ratio=min_lr_ratio,
+                weight_decay=weight_decay,
+                betas=betas,
+                eps=eps,
+                warmup_steps=warmup_steps,
+                decay_steps=decay_steps,
+                seq_len=seq_len,
+            )
+        )
         if rope_positions is None:
             rope_positions = "document" if attention == "document" else "global"
         self.attention, self.rope_positions = attention, rope_positions
@@ -249,8 +265,9 @@ class CausalLMModule(L.LightningModule):
         cp = _cp_size(self._trainer) if self._trainer is not None else 1
         rank = int(getattr(strategy, "cp_rank", 0)) if cp > 1 else 0
         layout = getattr(strategy, "layout", "zigzag")
-        plan = plan_documents(document_ids, world_size=cp, rank=rank, layout=layout, causal=True,
-                              device=document_ids.device)
+        plan = plan_documents(
+            document_ids, world_size=cp, rank=rank, layout=layout, causal=True, device=document_ids.device
+        )
         if cp > 1:
             plan.check_group(strategy.cp_group)
         if not self._documents_reported and self._trainer is not None and self.trainer.global_rank == 0:
@@ -266,8 +283,13 @@ class CausalLMModule(L.LightningModule):
         if self.run_plan is not None:
             balance = self.run_plan.parallel.balance_documents
         else:  # the hook called outside a fit: the same rule
-            balance = balances_documents(self.load_balance, documents=self.attention == "document", cp=cp,
-                                         layout=layout, cp_attention=self.plan.cp_attention)
+            balance = balances_documents(
+                self.load_balance,
+                documents=self.attention == "document",
+                cp=cp,
+                layout=layout,
+                cp_attention=self.plan.cp_attention,
+            )
         # A batch the user sharded already cannot be reordered; only an explicit True insists (and raises).
         if not balance or (self.load_balance is None and is_sharded(batch)):
             return None
@@ -299,21 +321,32 @@ class CausalLMModule(L.LightningModule):
         world = getattr(strategy, "run_world", None)
         if world is None:  # not the longctx strategy: one CP rank, data parallelism is not ours
             cp = _cp_size(trainer) if trainer is not None else 1
-            world = World(cp=cp, dp=max(int(getattr(trainer, "world_size", 1)) // cp, 1),
-                          layout=getattr(strategy, "layout", "zigzag"))
+            world = World(
+                cp=cp,
+                dp=max(int(getattr(trainer, "world_size", 1)) // cp, 1),
+                layout=getattr(strategy, "layout", "zigzag"),
+            )
         # The host holds every local rank's share (pinned offload buffers, offloaded state).
         world = dataclasses.replace(world, local_ranks=max(int(getattr(trainer, "num_devices", 1)), 1))
         datamodule = getattr(trainer, "datamodule", None)
         seq_len = self.seq_len or getattr(datamodule, "seq_len", None)
         batch_size = getattr(datamodule, "batch_size", None)
         totals = _memory_totals(device)
-        return resolve_run(self.config, world, device, requested=self.plan,
-                           precision=str(getattr(trainer, "precision", "32-true")),
-                           seq_len=int(seq_len) if seq_len else None,
-                           batch_size=int(batch_size) if batch_size else None,
-                           documents=self.attention == "document", load_balance=self.load_balance,
-                           n_params=sum(p.numel() for p in self.parameters()), memory_check=memory_check,
-                           hf_modules=self.hparams.get("hf_model") is not None, **totals)
+        return resolve_run(
+            self.config,
+            world,
+            device,
+            requested=self.plan,
+            precision=str(getattr(trainer, "precision", "32-true")),
+            seq_len=int(seq_len) if seq_len else None,
+            batch_size=int(batch_size) if batch_size else None,
+            documents=self.attention == "document",
+            load_balance=self.load_balance,
+            n_params=sum(p.numel() for p in self.parameters()),
+            memory_check=memory_check,
+            hf_modules=self.hparams.get("hf_model") is not None,
+            **totals,
+        )
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._step_start is None:
@@ -327,11 +360,17 @@ class CausalLMModule(L.LightningModule):
             ids = batch["input_ids"]  # sharded by now
             device = self.trainer.strategy.root_device
             totals = _memory_totals(device)
-            est = check_memory(self.config, self.run_plan, int(ids.shape[1]) * _cp_size(self.trainer),
-                               batch_size=int(ids.shape[0]), precision=str(self.trainer.precision),
-                               documents=self.attention == "document",
-                               local_ranks=max(int(self.trainer.num_devices), 1),
-                               hf_modules=self.hparams.get("hf_model") is not None, **totals)
+            est = check_memory(
+                self.config,
+                self.run_plan,
+                int(ids.shape[1]) * _cp_size(self.trainer),
+                batch_size=int(ids.shape[0]),
+                precision=str(self.trainer.precision),
+                documents=self.attention == "document",
+                local_ranks=max(int(self.trainer.num_devices), 1),
+                hf_modules=self.hparams.get("hf_model") is not None,
+                **totals,
+            )
             if est is not None and self.trainer.global_rank == 0:
                 print(est.summary(), flush=True)
 
@@ -339,8 +378,7 @@ class CausalLMModule(L.LightningModule):
         docs = None
         if self.attention == "document":
             docs = batch.get("document_plan", batch.get("document_ids"))
-        return self.model(batch["input_ids"], batch.get("position_ids"), labels=batch["labels"],
-                          document_ids=docs)
+        return self.model(batch["input_ids"], batch.get("position_ids"), labels=batch["labels"], document_ids=docs)
 
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss_sum, n_tokens = self._loss(batch)
@@ -409,8 +447,10 @@ class CausalLMModule(L.LightningModule):
         from longctx.kernels import fa4
 
         if fa4.compile_seconds:
-            self.print(f"FlashAttention-4: {len(fa4.compile_seconds)} kernel variants compiled or loaded "
-                       f"in {sum(fa4.compile_seconds.values()):.1f} s (cache: {fa4.cache_dir()})")
+            self.print(
+                f"FlashAttention-4: {len(fa4.compile_seconds)} kernel variants compiled or loaded "
+                f"in {sum(fa4.compile_seconds.values()):.1f} s (cache: {fa4.cache_dir()})"
+            )
 
     # -- validation -------------------------------------------------------------------------
 
@@ -453,9 +493,7 @@ class CausalLMModule(L.LightningModule):
         if decay_steps is None:
             max_steps = self.trainer.max_steps if self._trainer is not None else -1
             decay_steps = max_steps if max_steps and max_steps > 0 else 10**9
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lr_lambda(hp.warmup_steps, decay_steps, hp.min_lr_ratio)
-        )
+        sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(hp.warmup_steps, decay_steps, hp.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # -- checkpoints ------------------------------------------------------------------------
@@ -466,8 +504,16 @@ class CausalLMModule(L.LightningModule):
         saved = (checkpoint.get("hyper_parameters") or {}).get("model")
         if not saved:
             return
-        shape_keys = ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size",
-                      "head_dim", "tie_embeddings")
+        shape_keys = (
+            "vocab_size",
+            "n_layer",
+            "n_head",
+            "n_kv_head",
+            "n_embd",
+            "intermediate_size",
+            "head_dim",
+            "tie_embeddings",
+        )
         mine = self.config.to_dict()
         diff = {k: (saved.get(k), mine.get(k)) for k in shape_keys if saved.get(k) != mine.get(k)}
         if diff:
@@ -481,19 +527,25 @@ def _check_arguments(args: Mapping[str, Any]) -> None:
     if args["rope_positions"] is not None:
         check_choice("rope_positions", args["rope_positions"], ROPE_POSITIONS)
     if args["load_balance"] and args["attention"] != "document":
-        raise ValueError("load_balance=True needs attention='document': across documents the "
-                         "token order decides what each token attends to")
+        raise ValueError(
+            "load_balance=True needs attention='document': across documents the "
+            "token order decides what each token attends to"
+        )
     check_number("lr", args["lr"], low=0, low_open=True)
     check_number("min_lr_ratio", args["min_lr_ratio"], low=0, high=1)
     check_number("weight_decay", args["weight_decay"], low=0)
     check_number("eps", args["eps"], low=0, low_open=True)
     betas = args["betas"]
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
-            isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
+    if not (
+        isinstance(betas, (tuple, list))
+        and len(betas) == 2
+        and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)
+    ):
         raise ArgumentValueError("betas", f"must be two numbers in [0, 1), got {betas!r}")
     check_number("warmup_steps", args["warmup_steps"], low=0, integer=True)
-    check_number("decay_steps", args["decay_steps"], low=1, integer=True, optional=True,
-                 hint=" (null: the Trainer's max_steps)")
+    check_number(
+        "decay_steps", args["decay_steps"], low=1, integer=True, optional=True, hint=" (null: the Trainer's max_steps)"
+    )
     check_number("seq_len", args["seq_len"], low=1, integer=True, optional=True)
     try:
         ParallelPlan.from_dict(args["parallel"])
@@ -504,11 +556,13 @@ def _check_arguments(args: Mapping[str, Any]) -> None:
     model, init_from, hf_model = args["model"], args["init_from"], args["hf_model"]
     if hf_model is not None:
         if model or init_from is not None:
-            raise ArgumentValueError("hf_model", "takes the model from its directory: give no `model` sizes or "
-                                                 "init_from")
+            raise ArgumentValueError(
+                "hf_model", "takes the model from its directory: give no `model` sizes or init_from"
+            )
         if not (Path(hf_model) / "config.json").is_file():
-            raise ArgumentValueError("hf_model", f"{hf_model}: no config.json there (a local Hugging Face model "
-                                                 "directory)")
+            raise ArgumentValueError(
+                "hf_model", f"{hf_model}: no config.json there (a local Hugging Face model directory)"
+            )
     elif init_from is not None:
         check_checkpoint_spec("init_from", init_from)
     elif not isinstance(model, GPTConfig):
@@ -521,13 +575,17 @@ def _document_report(plan, document_ids: torch.Tensor) -> str:
     if plan.world_size == 1:
         return f"documents: {docs} in the first batch, one rank (no context parallelism)"
     if plan.one_document:
-        return (f"documents: {docs} in the first batch over CP={plan.world_size}: every sequence is one "
-                "document, so it runs as plain causal attention (the ring, no mask)")
+        return (
+            f"documents: {docs} in the first batch over CP={plan.world_size}: every sequence is one "
+            "document, so it runs as plain causal attention (the ring, no mask)"
+        )
     ring_rows = plan.world_size * (plan.world_size - 1) * plan.batch * plan.local_len
-    return (f"documents: {docs} in the first batch over CP={plan.world_size}: busiest rank "
-            f"{plan.imbalance:.3f}x the mean visible pairs; K/V rows exchanged per layer "
-            f"{plan.moved / ring_rows:.1%} of the plain ring's"
-            + (" (every document whole on one rank: the ranks run data-parallel here)" if plan.moved == 0 else ""))
+    return (
+        f"documents: {docs} in the first batch over CP={plan.world_size}: busiest rank "
+        f"{plan.imbalance:.3f}x the mean visible pairs; K/V rows exchanged per layer "
+        f"{plan.moved / ring_rows:.1%} of the plain ring's"
+        + (" (every document whole on one rank: the ranks run data-parallel here)" if plan.moved == 0 else "")
+    )
 
 
 def _memory_totals(device: torch.device) -> dict:

@@ -3,6 +3,7 @@ whose backward keeps only its input and one fp32 ``rstd`` per token), rotary emb
 (``rope_cos_sin``, ``apply_rope``) and the SwiGLU gate; and their fusion (``fused``: one
 torch.compile per chain, what ``fuse_pointwise`` turns on). gpt.py builds the blocks from
 them."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -120,21 +121,23 @@ class RMSNorm(nn.Module):
 # ---- rotary embeddings ------------------------------------------------------------------
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None,
-                  device: Optional[torch.device] = None) -> torch.Tensor:
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: Optional[dict] = None, device: Optional[torch.device] = None
+) -> torch.Tensor:
     """Per-pair inverse frequencies (fp32, ``head_dim // 2``), scaling applied."""
     if scaling is not None and scaling["type"] == "ntk":
         theta = theta * scaling["factor"] ** (head_dim / (head_dim - 2))
     # Same expression as Hugging Face's Llama, so imported checkpoints match bit for bit.
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    inv_freq = 1.0 / (theta ** exponent)
+    inv_freq = 1.0 / (theta**exponent)
     if scaling is not None and scaling["type"] == "linear":
         inv_freq = inv_freq / scaling["factor"]
     return inv_freq
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
-                 scaling: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, theta: float, scaling: Optional[dict] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin (fp32, ``(B or 1, S, 1, head_dim // 2)``) for the given global positions only."""
     if position_ids.dim() == 1:
         position_ids = position_ids.unsqueeze(0)
@@ -154,6 +157,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rope_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)

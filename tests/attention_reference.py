@@ -1,4 +1,5 @@
 """The float64 attention reference shared by the kernel, ring and Ulysses tests (CPU and GPU)."""
+
 from __future__ import annotations
 
 import torch

@@ -10,6 +10,7 @@ its name says gpu/cuda/nccl; it needs several GPUs when that reason or name says
 several) GPUs, multi-GPU or NCCL. Nothing is skipped or added here: a CPU machine still skips them
 by their own conditions.
 """
+
 from __future__ import annotations
 
 import re
@@ -17,8 +18,9 @@ import re
 import pytest
 
 CUDA = re.compile(r"\b(cuda|gpus?|nccl|sm\d+)\b", re.I)
-MULTI = re.compile(r"\b(multi-?gpu|nccl)\b|\b(2|two|[2-9]\+?|several|multiple)\s*(x\s*)?(cuda\s+)?(gpus|devices)\b",
-                   re.I)
+MULTI = re.compile(
+    r"\b(multi-?gpu|nccl)\b|\b(2|two|[2-9]\+?|several|multiple)\s*(x\s*)?(cuda\s+)?(gpus|devices)\b", re.I
+)
 NAME = re.compile(r"(^|_)(gpu|cuda|nccl)(_|$)")
 MULTI_NAME = re.compile(r"(^|_)(multi_?gpu|gpus|2gpu|two_gpus|nccl)(_|$)")
 
@@ -37,10 +39,17 @@ def needs(item) -> tuple[bool, bool]:
     """(needs CUDA, needs several GPUs) of a collected test."""
     name = getattr(item, "originalname", None) or item.name
     reasons = _reasons(item)
-    multi = item.get_closest_marker("multigpu") is not None or any(MULTI.search(r) for r in reasons) \
+    multi = (
+        item.get_closest_marker("multigpu") is not None
+        or any(MULTI.search(r) for r in reasons)
         or bool(MULTI_NAME.search(name))
-    gpu = multi or item.get_closest_marker("gpu") is not None or any(CUDA.search(r) for r in reasons) \
+    )
+    gpu = (
+        multi
+        or item.get_closest_marker("gpu") is not None
+        or any(CUDA.search(r) for r in reasons)
         or bool(NAME.search(name))
+    )
     return gpu, multi
 
 

@@ -7,6 +7,7 @@ the list of per-rank return values (which must be picklable). An exception in an
 fails the caller with that rank's traceback; a rank that hangs past ``timeout`` fails it
 too, instead of hanging the test session.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, timeout: float,
-            backend: str):
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, timeout: float, backend: str):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     # Each process gets one thread: P processes share 2 cores in CI.
@@ -37,9 +37,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
         if backend == "nccl":
             torch.cuda.set_device(rank)
             extra["device_id"] = torch.device("cuda", rank)
-        dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout), **extra
-        )
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout), **extra)
         out = fn(rank, world_size, *args)
         results.put((rank, "ok", out))
     except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -49,8 +47,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
-                    backend: str = "gloo") -> list:
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0, backend: str = "gloo") -> list:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()

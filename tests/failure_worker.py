@@ -8,6 +8,7 @@ takes the store down with it.
 The process group timeout is 10 minutes on purpose: only the watchdog can end the job fast
 (a stalled peer leaves the others blocked in gloo's C++ wait, as NCCL leaves them in CUDA).
 """
+
 import os
 import signal
 import sys
@@ -26,8 +27,9 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 # Imports come first: a rank still importing when its watcher starts the clock would
 # look dead after the short timeout below on a busy machine.
 dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10))
-watchdog = RankWatchdog(rank, world, timeout=3.0, interval=0.25,
-                        collective_timeout=3.0 if mode == "stall" else None).start()
+watchdog = RankWatchdog(
+    rank, world, timeout=3.0, interval=0.25, collective_timeout=3.0 if mode == "stall" else None
+).start()
 real_forward = ring.attention_forward
 calls = [0]
 

@@ -4,6 +4,7 @@ The interpreter is chosen when Triton is imported, so the cases run in a subproc
 tile set (the test file itself, executed as a script), which prints its results as one
 JSON line; the fixture collects them and the tests assert on them.
 """
+
 from __future__ import annotations
 
 import json
@@ -69,8 +70,18 @@ def interpreted_results(test_file: str, tile_sets) -> dict:
     procs = []
     for tiles in tile_sets:
         env = dict(os.environ, TRITON_INTERPRET="1", LONGCTX_TRITON_INTERP_TILES=tiles)
-        procs.append((tiles, subprocess.Popen([sys.executable, os.path.abspath(test_file)], env=env,
-                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+        procs.append(
+            (
+                tiles,
+                subprocess.Popen(
+                    [sys.executable, os.path.abspath(test_file)],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                ),
+            )
+        )
     results = {}
     for tiles, proc in procs:
         try:
@@ -80,5 +91,5 @@ def interpreted_results(test_file: str, tile_sets) -> dict:
             pytest.fail(f"interpreter worker (tiles {tiles}) timed out")
         lines = [line for line in stdout.splitlines() if line.startswith("RESULTS ")]
         assert proc.returncode == 0 and lines, f"worker (tiles {tiles}) failed:\n{stdout}\n{stderr}"
-        results[tiles] = json.loads(lines[-1][len("RESULTS "):])
+        results[tiles] = json.loads(lines[-1][len("RESULTS ") :])
     return results

@@ -2,6 +2,7 @@
 
 Run: python strategy_failure_script.py   (Lightning launches the second process itself)
 """
+
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
@@ -29,8 +30,13 @@ class Failing(L.LightningModule):
 if __name__ == "__main__":
     data = [{"input_ids": torch.randint(0, 64, (16,))} for _ in range(32)]
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=10, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=2,
+        max_steps=10,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         strategy=ContextParallelStrategy(context_parallel_size=2, failure_timeout=5.0),
     )
     trainer.fit(Failing(), DataLoader(data, batch_size=2))

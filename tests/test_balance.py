@@ -2,6 +2,7 @@
 the balance it reaches on realistic document mixes and on the default corpus, documents kept
 whole (little K/V a DocumentPlan moves), and exactness: ring and Ulysses attention on a
 balanced batch equal the unbalanced one (and float64)."""
+
 from __future__ import annotations
 
 import os
@@ -39,8 +40,11 @@ def imbalance(ids: torch.Tensor, world_size: int) -> float:
 def random_ids(pattern: str, seq: int, g: torch.Generator) -> torch.Tensor:
     """(seq,) ids: packed runs of mixed lengths, or equal ids in separate runs."""
     if pattern == "runs":  # a few long documents (placed or cut) among many short ones, ids from 5 upwards
-        lengths = torch.where(torch.rand(seq, generator=g) < 0.15, torch.randint(20, 300, (seq,), generator=g),
-                              torch.randint(1, 8, (seq,), generator=g))
+        lengths = torch.where(
+            torch.rand(seq, generator=g) < 0.15,
+            torch.randint(20, 300, (seq,), generator=g),
+            torch.randint(1, 8, (seq,), generator=g),
+        )
         return torch.repeat_interleave(torch.arange(seq) + 5, lengths)[:seq]
     if pattern == "repeated":  # 4 ids scattered in runs: each id is one document
         return torch.randint(0, 4, (seq // 6 + 1,), generator=g).repeat_interleave(6)[:seq] * 3 - 7
@@ -93,8 +97,12 @@ def test_balances_the_benchmark_mixes(mix):
         ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         balanced = balance_documents({"document_ids": ids[None]}, world_size=world_size)["document_ids"][0]
         work = document_work_per_rank(balanced[None], world_size).double()
-        assert (work.max() / work.mean()).item() <= TOLERANCE, (mix, seed, imbalance(ids, world_size),
-                                                                 (work.max() / work.mean()).item())
+        assert (work.max() / work.mean()).item() <= TOLERANCE, (
+            mix,
+            seed,
+            imbalance(ids, world_size),
+            (work.max() / work.mean()).item(),
+        )
         plan = plan_documents(balanced, world_size=world_size, rank=0)
         assert plan.pairs.tolist() == work.tolist()  # the plan's work model is the layouts'
         if mix in ("mean1k", "docs256"):
@@ -110,8 +118,14 @@ def test_balances_the_default_corpus(tmp_path):
 
     from longctx.data import LongDocumentDataModule
 
-    dm = LongDocumentDataModule("stdlib", tokenizer=ByteTokenizer(), seq_len=128 * 1024, batch_size=1,
-                                val_fraction=0.0, cache_dir=tmp_path / "cache")
+    dm = LongDocumentDataModule(
+        "stdlib",
+        tokenizer=ByteTokenizer(),
+        seq_len=128 * 1024,
+        batch_size=1,
+        val_fraction=0.0,
+        cache_dir=tmp_path / "cache",
+    )
     dm.prepare_data()
     dm.setup("fit")
     windows = [dm.train_dataset[i]["document_ids"] for i in range(len(dm.train_dataset))]
@@ -119,18 +133,25 @@ def test_balances_the_default_corpus(tmp_path):
     assert len(several) >= 10, len(several)
     for world_size in (2, 4, 8):
         before = [imbalance(w, world_size) for w in several]
-        after = [imbalance(balance_documents({"document_ids": w[None]}, world_size=world_size)["document_ids"][0],
-                           world_size) for w in several]
+        after = [
+            imbalance(
+                balance_documents({"document_ids": w[None]}, world_size=world_size)["document_ids"][0], world_size
+            )
+            for w in several
+        ]
         assert max(before) > 1.1  # there was something to balance
         # Within TOLERANCE, and never worse than packed where it is not.
         assert max(after) <= TOLERANCE, (world_size, max(before), after)
         assert all(a <= max(b, TOLERANCE) for a, b in zip(after, before)), (world_size, before, after)
 
 
-@pytest.mark.parametrize("lengths, world_size", [
-    ([66981, 48461, 15630], 2),  # a 128K window of the default corpus (byte tokens): once 1.24 -> 1.07
-    ([18767, 8353, 11510, 12649, 10631, 23459, 22174, 8818, 14711], 4),  # mean16k seed 6: once 1.04 -> 1.11
-])
+@pytest.mark.parametrize(
+    "lengths, world_size",
+    [
+        ([66981, 48461, 15630], 2),  # a 128K window of the default corpus (byte tokens): once 1.24 -> 1.07
+        ([18767, 8353, 11510, 12649, 10631, 23459, 22174, 8818, 14711], 4),  # mean16k seed 6: once 1.04 -> 1.11
+    ],
+)
 def test_documents_poured_by_the_arrangement_are_cut_where_the_busiest_rank_needs_it(lengths, world_size):
     """A document the greedy placed whole but the arrangement had to pour still counts as a
     candidate for a head-tail cut when its rank is the busiest (was a shortfall)."""
@@ -150,7 +171,8 @@ def test_one_document_stays_zigzag(world_size):
             perm = balance_permutation(ids, world_size, causal=causal)
             assert torch.equal(perm, torch.arange(seq)) or torch.equal(
                 document_work_per_rank(ids[perm], world_size, causal=causal),
-                document_work_per_rank(ids, world_size, causal=causal)), (world_size, per_chunk, causal)
+                document_work_per_rank(ids, world_size, causal=causal),
+            ), (world_size, per_chunk, causal)
         # The positions each rank holds after balance_documents: zigzag's work (i + 1 keys each).
         out = balance_documents({"document_ids": ids[None]}, world_size=world_size)
         held = [shard_sequence(out["position_ids"], 1, rank=r, world_size=world_size)[0] for r in range(world_size)]
@@ -161,10 +183,15 @@ def test_balance_documents_moves_every_per_token_tensor():
     g = torch.Generator().manual_seed(random.randrange(1 << 30))
     rows, seq, world_size = 2, 2 * 3 * 200, 3
     ids = torch.stack([random_ids("runs", seq, g), random_ids("repeated", seq, g)])
-    batch = {"input_ids": torch.randint(0, 100, (rows, seq), generator=g), "document_ids": ids,
-             "labels": torch.randint(0, 100, (rows, seq), generator=g), "loss_mask": torch.rand(rows, seq, generator=g),
-             "embeddings": torch.randn(rows, seq, 5, generator=g), "sample_weight": torch.rand(rows, generator=g),
-             "note": "kept"}
+    batch = {
+        "input_ids": torch.randint(0, 100, (rows, seq), generator=g),
+        "document_ids": ids,
+        "labels": torch.randint(0, 100, (rows, seq), generator=g),
+        "loss_mask": torch.rand(rows, seq, generator=g),
+        "embeddings": torch.randn(rows, seq, 5, generator=g),
+        "sample_weight": torch.rand(rows, generator=g),
+        "note": "kept",
+    }
     batch["loss_mask"][1, 7] = float("nan")
     out = balance_documents(batch, world_size=world_size)
     perm = torch.stack([balance_permutation(row, world_size) for row in ids])
@@ -211,8 +238,9 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match=r"document_ids must be \(B, S\)"):
         balance_documents({"document_ids": ids}, world_size=2)
     with pytest.raises(ValueError, match="already sharded"):
-        balance_documents(shard_batch({"input_ids": ids[None], "document_ids": ids[None]}, rank=0, world_size=2),
-                          world_size=2)
+        balance_documents(
+            shard_batch({"input_ids": ids[None], "document_ids": ids[None]}, rank=0, world_size=2), world_size=2
+        )
     with pytest.raises(ValueError, match=r"'input_ids'\] has 3 rows, document_ids 1"):
         balance_documents({"input_ids": torch.zeros(3, 16), "document_ids": ids[None]}, world_size=2)
 
@@ -291,7 +319,7 @@ def _balanced_vs_unbalanced(rank, world, seed):
         seq = 2 * world_size * 200  # documents long enough (>= balance.DUST) to be placed, not poured
         ids = torch.stack([random_ids("runs", seq, g), random_ids("repeated", seq, g)])
         q, k, v, dout = (torch.randn(2, seq, h, 8, generator=g) for h in (8, 4, 4, 8))
-        want = reference(q, k, v, dout, True, 8 ** -0.5, ids)
+        want = reference(q, k, v, dout, True, 8**-0.5, ids)
         want = [want[0], *want[2:]]
         batch = dict(document_ids=ids, q=q, k=k, v=v, dout=dout, index=torch.arange(seq).expand(2, seq))
         balanced = balance_documents(batch, world_size=world_size)
@@ -310,8 +338,9 @@ def _balanced_vs_unbalanced(rank, world, seed):
         bad_v = v.clone()
         bad_v[0, row, 0] = float("nan")
         balanced = balance_documents(dict(batch, v=bad_v), world_size=world_size)
-        out_bal = _attend_full(ring_attention, *(balanced[key] for key in ("q", "k", "v", "dout", "document_ids")),
-                               group)[0]
+        out_bal = _attend_full(
+            ring_attention, *(balanced[key] for key in ("q", "k", "v", "dout", "document_ids")), group
+        )[0]
         out_bal = out_bal[0, balanced["index"][0].argsort()]
         out_plain = _attend_full(ring_attention, q, k, bad_v, dout, ids, group)[0][0]
         expected = (ids[0] == ids[0, row]) & (torch.arange(seq) >= row)
@@ -346,7 +375,7 @@ def _document_samples() -> list[dict]:
         long_start = int(torch.randint(0, 300, (1,), generator=g))
         short = torch.randint(1, 60, (TRAIN_SEQ,), generator=g)
         docs = torch.repeat_interleave(torch.arange(TRAIN_SEQ), short)[:TRAIN_SEQ]
-        docs[long_start:long_start + 600] = -1
+        docs[long_start : long_start + 600] = -1
         docs = torch.cumsum(torch.cat([torch.ones(1, dtype=torch.long), docs[1:] != docs[:-1]]), 0)
         labels = tokens[1:].clone()
         labels[torch.rand(TRAIN_SEQ, generator=g) < 0.2] = -100

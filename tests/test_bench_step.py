@@ -1,4 +1,5 @@
 """longctx.bench.step: the training step the benchmarks time by hand, on the CPU."""
+
 from __future__ import annotations
 
 import pytest
@@ -31,8 +32,12 @@ def test_train_step_is_forward_backward_and_one_optimizer_step():
 
 def test_mean_step_seconds_calls_and_returns_the_last_result():
     calls, events = [], []
-    dt, last = mean_step_seconds(lambda: calls.append(len(calls)) or len(calls), 3,
-                                 sync=lambda: events.append("sync"), start=lambda: events.append("start"))
+    dt, last = mean_step_seconds(
+        lambda: calls.append(len(calls)) or len(calls),
+        3,
+        sync=lambda: events.append("sync"),
+        start=lambda: events.append("start"),
+    )
     assert last == 3 and len(calls) == 3 and dt >= 0
     assert events == ["sync", "start", "sync"]
     with pytest.raises(ValueError, match="steps must be >= 1"):

@@ -1,5 +1,6 @@
 """Checkpoint import: Hugging Face directories and GGUF files give the logits of
 transformers' LlamaForCausalLM; the GGUF's embedded tokenizer; the real SmolLM2 (slow)."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 
-
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     assert torch.isfinite(a).all() and torch.isfinite(b).all()
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
@@ -22,9 +22,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def random_llama(vocab_size=128, tie=False, rope_parameters=None, seed=0):
     """A small LlamaForCausalLM with weights large enough that attention and RoPE matter."""
-    kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-                  tie_word_embeddings=tie, max_position_embeddings=256)
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        max_position_embeddings=256,
+    )
     kwargs["rope_parameters"] = rope_parameters or {"rope_type": "default", "rope_theta": 5e4}
     config = transformers.LlamaConfig(**kwargs)
     torch.manual_seed(seed)
@@ -103,10 +111,10 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     out = np.empty_like(w)
     d = w.shape[0] // n_head
     for h in range(n_head):
-        rows = w[h * d:(h + 1) * d]
+        rows = w[h * d : (h + 1) * d]
         # llama.cpp rotates adjacent pairs (2i, 2i+1); HF rotates (i, i + d/2).
-        out[h * d:(h + 1) * d:2] = rows[: d // 2]
-        out[h * d + 1:(h + 1) * d:2] = rows[d // 2:]
+        out[h * d : (h + 1) * d : 2] = rows[: d // 2]
+        out[h * d + 1 : (h + 1) * d : 2] = rows[d // 2 :]
     return out
 
 
@@ -155,12 +163,22 @@ def write_llama_gguf(path, hf, qtypes: dict, arch="llama"):
     w.add_bos_token_id(len(tokens) - 3)
     w.add_eos_token_id(len(tokens) - 3)
 
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-             "post_attention_layernorm": "ffn_norm"}
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    layer = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
     stored = {}
     state = hf.state_dict()
     if cfg.tie_word_embeddings:
@@ -197,8 +215,17 @@ def write_llama_gguf(path, hf, qtypes: dict, arch="llama"):
 
 
 # A mix of what real files hold: F32 norms, F16, Q8_0 (SmolLM2's embedding), Q4_1 (its layers).
-QTYPES = {"token_embd": "Q8_0", "attn_q": "F16", "attn_k": "Q4_1", "attn_v": "Q8_0",
-          "attn_output": "Q4_1", "ffn_gate": "F16", "ffn_up": "Q8_0", "ffn_down": "Q4_1", "output": "F16"}
+QTYPES = {
+    "token_embd": "Q8_0",
+    "attn_q": "F16",
+    "attn_k": "Q4_1",
+    "attn_v": "Q8_0",
+    "attn_output": "Q4_1",
+    "ffn_gate": "F16",
+    "ffn_up": "Q8_0",
+    "ffn_down": "Q4_1",
+    "output": "F16",
+}
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -288,11 +315,21 @@ def test_real_smollm2_gguf():
     tok = GGUFTokenizer.from_gguf(path)
     model = load_pretrained(path).eval()
     preset = GPTConfig.from_preset("smollm2-135m")
-    sizes = ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "head_dim", "intermediate_size",
-             "rope_theta", "rms_norm_eps", "tie_embeddings")
+    sizes = (
+        "vocab_size",
+        "n_layer",
+        "n_head",
+        "n_kv_head",
+        "n_embd",
+        "head_dim",
+        "intermediate_size",
+        "rope_theta",
+        "rms_norm_eps",
+        "tie_embeddings",
+    )
     assert {k: getattr(model.config, k) for k in sizes} == {k: getattr(preset, k) for k in sizes}
     text = "def add(a, b):\n    return a + b  # 2024 ünïcode ☃"
     assert tok.decode(tok.encode(text)) == text
     ids = torch.tensor([tok.encode("The capital of France is")])
     out = model.generate(ids, 3)
-    assert "Paris" in tok.decode(out[0, ids.shape[1]:].tolist())
+    assert "Paris" in tok.decode(out[0, ids.shape[1] :].tolist())

@@ -7,6 +7,7 @@ Sharded (FSDP2 over 2 gloo processes): resume is bit-exact, a corrupted shard is
 by name and resume falls back to the older intact checkpoint, leftovers of killed saves are
 never chosen, a world-2 checkpoint loads into world 1, consolidation equals the full state.
 """
+
 from __future__ import annotations
 
 import io
@@ -185,8 +186,10 @@ def _states(model, optimizer, **options) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     opts = StateDictOptions(**options)
-    return {"model": get_model_state_dict(model, options=opts),
-            "optimizer_0": get_optimizer_state_dict(model, optimizer, options=opts)}
+    return {
+        "model": get_model_state_dict(model, options=opts),
+        "optimizer_0": get_optimizer_state_dict(model, optimizer, options=opts),
+    }
 
 
 def _set_states(model, optimizer, state: dict) -> None:
@@ -343,8 +346,9 @@ def test_sharded_metadata_and_pickles_are_data_only(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match=r"a/.metadata: refers to os.makedirs"):
         load_sharded_checkpoint(tmp_path / "a", {"model": {"w": torch.zeros(4)}})
     # A non-tensor entry with a payload (DCP itself would unpickle it with weights_only=False).
-    save_sharded_checkpoint(tmp_path / "b", {"model": {"w": torch.randn(4), "x": _Payload(tmp_path / "payload-ran")}},
-                            {"global_step": 1})
+    save_sharded_checkpoint(
+        tmp_path / "b", {"model": {"w": torch.randn(4), "x": _Payload(tmp_path / "payload-ran")}}, {"global_step": 1}
+    )
     from torch.distributed.checkpoint.api import CheckpointException
 
     with pytest.raises(CheckpointException, match="unsupported GLOBAL os.makedirs"):

@@ -1,5 +1,6 @@
 """Each class refuses its own bad values, built directly from Python, with the message
 train.py prints for the same value (train.py only adds the option's section)."""
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -23,11 +24,19 @@ CASES = [
     (CausalLMModule.check_arguments, dict(warmup_steps=-1), "model", ["--warmup-steps", "-1"]),
     (CausalLMModule.check_arguments, dict(decay_steps=0), "model", ["--decay-steps", "0"]),
     (CausalLMModule.check_arguments, dict(init_from="nowhere/model"), "model", ["--init-from", "nowhere/model"]),
-    (CausalLMModule.check_arguments, dict(parallel={"cp_attention": "ulises"}), "model",
-     ["--model.parallel.cp_attention", "ulises"]),
+    (
+        CausalLMModule.check_arguments,
+        dict(parallel={"cp_attention": "ulises"}),
+        "model",
+        ["--model.parallel.cp_attention", "ulises"],
+    ),
     # Checked where the device is known (train.py: once the Trainer exists, before any data work).
-    (CausalLMModule.check_arguments, dict(parallel={"attention_backend": "fa4"}, device="cpu"), "model",
-     ["--model.parallel.attention_backend", "fa4", "--accelerator", "cpu"]),
+    (
+        CausalLMModule.check_arguments,
+        dict(parallel={"attention_backend": "fa4"}, device="cpu"),
+        "model",
+        ["--model.parallel.attention_backend", "fa4", "--accelerator", "cpu"],
+    ),
     (ContextParallelStrategy, dict(failure_timeout=float("nan")), "strategy", ["--failure-timeout", ".nan"]),
     (ContextParallelStrategy, dict(stop_grace_period=0.0), "strategy", ["--stop-grace-period", "0"]),
     (ContextParallelStrategy, dict(timeout=timedelta(0)), "strategy", ["--strategy.timeout", "0:00:00"]),
@@ -67,8 +76,13 @@ def test_choices_said_alike(train, capsys, cache, build, kwargs, section, argv):
 # where nested) and train.py says it of ``section.argument`` from that name alone.
 NAMED = [
     (CausalLMModule.check_arguments, dict(betas=(0.9, 1.5)), "model", "betas", ["--model.betas", "[0.9, 1.5]"]),
-    (CausalLMModule.check_arguments, dict(parallel={"loss_chunk_size": 0}), "model", "parallel.loss_chunk_size",
-     ["--model.parallel.loss_chunk_size", "0"]),
+    (
+        CausalLMModule.check_arguments,
+        dict(parallel={"loss_chunk_size": 0}),
+        "model",
+        "parallel.loss_chunk_size",
+        ["--model.parallel.loss_chunk_size", "0"],
+    ),
     (CausalLMModule.check_arguments, dict(hf_model="nowhere"), "model", "hf_model", ["--model.hf_model", "nowhere"]),
     (ContextParallelStrategy, dict(timeout=timedelta(0)), "strategy", "timeout", ["--strategy.timeout", "0:00:00"]),
     (LongDocumentDataModule, dict(val_fraction=1.5), "data", "val_fraction", ["--data.val_fraction", "1.5"]),
@@ -126,9 +140,17 @@ def test_world_checks_where_the_world_is_known(train, capsys, cache):  # noqa: F
     assert _error(train, ["--seq-len", "502"], capsys, cache) == f"train.py: error: data: {refused.value}"
 
 
-@pytest.mark.parametrize("field, value", [
-    ("activation_checkpointing", "full"), ("fuse_pointwise", True), ("loss_chunk_size", 1024),
-    ("offload_activations", True), ("mlp_tile_size", 2048), ("attention_head_chunks", 2)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("activation_checkpointing", "full"),
+        ("fuse_pointwise", True),
+        ("loss_chunk_size", 1024),
+        ("offload_activations", True),
+        ("mlp_tile_size", 2048),
+        ("attention_head_chunks", 2),
+    ],
+)
 def test_plan_fields_a_model_cannot_take_are_refused(field, value):
     """A plan field applied to a model without the hook for it is refused (one line naming the
     field and the model), never silently ignored; the defaults apply to any model."""

@@ -4,6 +4,7 @@ Small and CPU-only: corpora are a few files or three stdlib packages, tokenizers
 byte tokenizer (fast, exact) or a 512-piece SentencePiece model. Ranks are simulated by
 constructing samplers with different ranks.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,29 +61,32 @@ def write_docs(root, docs: dict) -> None:
 
 def small_corpus(tmp_path, n=6, seed=0):
     rng = np.random.default_rng(seed)
-    docs = {f"doc{i:02d}.txt": "".join(rng.choice(list("abcdefgh \n"), size=int(rng.integers(20, 60))))
-            for i in range(n)}
+    docs = {
+        f"doc{i:02d}.txt": "".join(rng.choice(list("abcdefgh \n"), size=int(rng.integers(20, 60)))) for i in range(n)
+    }
     write_docs(tmp_path / "corpus", docs)
     return tmp_path / "corpus"
 
 
 def make_dm(path, tmp_path, **kw):
-    args = dict(tokenizer=ByteTokenizer(), seq_len=16, batch_size=2, val_fraction=0.0,
-                cache_dir=tmp_path / "cache")
+    args = dict(tokenizer=ByteTokenizer(), seq_len=16, batch_size=2, val_fraction=0.0, cache_dir=tmp_path / "cache")
     args.update(kw)
     return LongDocumentDataModule(path, **args)
 
 
 # ---------------------------------------------------------------------------- sources
 def test_text_directory_counts_bad_input(tmp_path):
-    write_docs(tmp_path / "c", {
-        "a.txt": "hello world\n",
-        "empty.txt": "",
-        "blank.txt": " \n\t\n",
-        "image.bin": b"\x89PNG\x00\x00\x01",
-        "latin.txt": b"caf\xe9 ok \xff\xfe end \xef\xbf\xbd genuine",  # 2 invalid runs + 1 real U+FFFD
-        ".hidden": "ignored",
-    })
+    write_docs(
+        tmp_path / "c",
+        {
+            "a.txt": "hello world\n",
+            "empty.txt": "",
+            "blank.txt": " \n\t\n",
+            "image.bin": b"\x89PNG\x00\x00\x01",
+            "latin.txt": b"caf\xe9 ok \xff\xfe end \xef\xbf\xbd genuine",  # 2 invalid runs + 1 real U+FFFD
+            ".hidden": "ignored",
+        },
+    )
     docs, stats = resolve_corpus(tmp_path / "c").load()
     assert sorted(docs["text"]) == sorted(["hello world\n", "caf\ufffd ok \ufffd\ufffd end \ufffd genuine"])
     assert (stats.documents, stats.skipped_empty, stats.skipped_binary) == (2, 2, 1)
@@ -153,8 +157,9 @@ def test_stdlib_corpus_file_documents(tmp_path):
 def spm_tok(tmp_path_factory):
     docs, _ = build_default_corpus(["json", "html", "tomllib"])
     cache = tmp_path_factory.mktemp("spm")
-    tok = SentencePieceTokenizer.train_or_load(lambda: docs["text"], corpus_fingerprint="fp", cache_dir=cache,
-                                               vocab_size=512, max_chars=300_000)
+    tok = SentencePieceTokenizer.train_or_load(
+        lambda: docs["text"], corpus_fingerprint="fp", cache_dir=cache, vocab_size=512, max_chars=300_000
+    )
     return tok, cache
 
 
@@ -181,8 +186,9 @@ def test_sentencepiece_properties_and_cache(spm_tok):
         raise AssertionError("a cache hit must not read the corpus")
 
     t0 = time.perf_counter()
-    again = SentencePieceTokenizer.train_or_load(no_text, corpus_fingerprint="fp", cache_dir=cache,
-                                                 vocab_size=512, max_chars=300_000)
+    again = SentencePieceTokenizer.train_or_load(
+        no_text, corpus_fingerprint="fp", cache_dir=cache, vocab_size=512, max_chars=300_000
+    )
     assert again.fingerprint == tok.fingerprint and time.perf_counter() - t0 < 1.0
     path = next((cache / "tokenizers").glob("*.model"))
     assert as_text_tokenizer(str(path)).encode(code) == tok.encode(code)
@@ -210,8 +216,15 @@ def test_as_text_tokenizer_adapts_and_rejects():
 
 # ---------------------------------------------------------------------------- data module
 def test_default_corpus_builds_and_cache_is_reused(tmp_path):
-    kw = dict(vocab_size=512, tokenizer_train_chars=300_000, seq_len=64, batch_size=4, val_fraction=0.1,
-              cache_dir=tmp_path / "cache", context_parallel_size=2)
+    kw = dict(
+        vocab_size=512,
+        tokenizer_train_chars=300_000,
+        seq_len=64,
+        batch_size=4,
+        val_fraction=0.1,
+        cache_dir=tmp_path / "cache",
+        context_parallel_size=2,
+    )
     t0 = time.perf_counter()
     dm = LongDocumentDataModule(STDLIB_SUBSET, **kw)
     dm.prepare_data()
@@ -267,8 +280,8 @@ def test_packing_separators_windows_and_split(tmp_path):
         assert rebuilt.tolist() == expected[: len(rebuilt)]
         for i in range(len(ds)):
             item = ds[i]
-            here = torch.from_numpy(np.asarray(docs[i * S: i * S + S], np.int64))
-            after = torch.from_numpy(np.asarray(docs[i * S + 1: i * S + S + 1], np.int64))
+            here = torch.from_numpy(np.asarray(docs[i * S : i * S + S], np.int64))
+            after = torch.from_numpy(np.asarray(docs[i * S + 1 : i * S + S + 1], np.int64))
             assert torch.equal(item["document_ids"], here)
             assert torch.equal(item["labels"] == IGNORE_INDEX, here != after)  # only cross-document labels
             crossings += int((here != after).sum())
@@ -353,7 +366,7 @@ def test_sampler_resume_exact_and_with_new_dp_size():
     order = ContextParallelSampler(data, seed=1)
     order.set_epoch(2)
     rest4 = [x for r in range(4) for b in loader(r, 4, states[0]) for x in b.tolist()]
-    assert sorted(rest4) == sorted(order.epoch_order()[24:24 + len(rest4)]) and len(rest4) == 12
+    assert sorted(rest4) == sorted(order.epoch_order()[24 : 24 + len(rest4)]) and len(rest4) == 12
     # A new epoch starts from its beginning; a changed dataset restarts the epoch with a warning.
     s = ContextParallelSampler(data, seed=1)
     s.load_state_dict(states[0]["sampler"])
@@ -395,7 +408,7 @@ class _Recorder:
 
             def training_step(self, batch, batch_idx):
                 self.seen.append(batch["input_ids"].tolist())
-                return (self.w ** 2).sum()
+                return (self.w**2).sum()
 
             def configure_optimizers(self):
                 return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -410,12 +423,26 @@ def _fit(dm, ckpt_dir=None, ckpt_path=None, **trainer_kw):
     model = _Recorder.make()
     callbacks = []
     if ckpt_dir is not None:
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, filename="{epoch}-{step}",
-                                         every_n_train_steps=trainer_kw.pop("every_n_train_steps", None),
-                                         every_n_epochs=trainer_kw.pop("every_n_epochs", None)))
-    trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=bool(callbacks), callbacks=callbacks, limit_val_batches=0,
-                        accelerator="cpu", devices=1, **trainer_kw)
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=ckpt_dir,
+                save_top_k=-1,
+                filename="{epoch}-{step}",
+                every_n_train_steps=trainer_kw.pop("every_n_train_steps", None),
+                every_n_epochs=trainer_kw.pop("every_n_epochs", None),
+            )
+        )
+    trainer = L.Trainer(
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(callbacks),
+        callbacks=callbacks,
+        limit_val_batches=0,
+        accelerator="cpu",
+        devices=1,
+        **trainer_kw,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
@@ -453,10 +480,14 @@ def test_arguments_are_checked_before_any_work(tmp_path):
     corpus = small_corpus(tmp_path)
     with pytest.raises(ValueError, match=r"sequence length 20 .*P=4.*multiple of 8"):
         make_dm(corpus, tmp_path, seq_len=20, context_parallel_size=4)
-    for bad, match in [(dict(batch_size=0), "batch_size"), (dict(val_fraction=1.0), "val_fraction"),
-                       (dict(max_documents=0), "max_documents"),
-                       (dict(layout="diagonal"), "layout must be one of zigzag, contiguous, got"),
-                       (dict(num_workers=-1), "num_workers"), (dict(tokenizer=None, vocab_size=10), "vocab_size")]:
+    for bad, match in [
+        (dict(batch_size=0), "batch_size"),
+        (dict(val_fraction=1.0), "val_fraction"),
+        (dict(max_documents=0), "max_documents"),
+        (dict(layout="diagonal"), "layout must be one of zigzag, contiguous, got"),
+        (dict(num_workers=-1), "num_workers"),
+        (dict(tokenizer=None, vocab_size=10), "vocab_size"),
+    ]:
         with pytest.raises(ValueError, match=match):
             make_dm(corpus, tmp_path, **bad)
     with pytest.raises(TypeError, match="not a tokenizer"):
@@ -468,8 +499,9 @@ def test_arguments_are_checked_before_any_work(tmp_path):
     # The strategy's CP size (read from the trainer) is checked before the corpus is read.
     dm = make_dm(corpus, tmp_path, seq_len=20)
     dm._corpus.loader = lambda: (_ for _ in ()).throw(AssertionError("corpus read before validation"))
-    dm.trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(context_parallel_size=4),
-                                       distributed_sampler_kwargs=None, is_global_zero=True)
+    dm.trainer = types.SimpleNamespace(
+        strategy=types.SimpleNamespace(context_parallel_size=4), distributed_sampler_kwargs=None, is_global_zero=True
+    )
     with pytest.raises(ValueError, match=r"sequence length 20 .*P=4"):
         dm.prepare_data()
 
@@ -477,8 +509,9 @@ def test_arguments_are_checked_before_any_work(tmp_path):
 def test_corpus_smaller_than_global_batch_and_bad_ids(tmp_path):
     corpus = small_corpus(tmp_path, n=3)
     dm = make_dm(corpus, tmp_path, batch_size=4)
-    dm.trainer = types.SimpleNamespace(strategy=None, distributed_sampler_kwargs={"num_replicas": 4, "rank": 1},
-                                       is_global_zero=True)
+    dm.trainer = types.SimpleNamespace(
+        strategy=None, distributed_sampler_kwargs={"num_replicas": 4, "rank": 1}, is_global_zero=True
+    )
     for _ in range(2):  # a failed setup leaves nothing half set up: a second call fails the same way
         with pytest.raises(ValueError, match=r"seq_len\+1=17 .*batch_size 4 x data-parallel size 4 = 16"):
             dm.setup("fit")
@@ -491,6 +524,6 @@ def test_corpus_smaller_than_global_batch_and_bad_ids(tmp_path):
         vocab_size = 200  # bytes >= 200 fall outside
         fingerprint = "overflow"
 
-    write_docs(tmp_path / "hi", {"a.txt": "smile \U0001F600 " * 10})  # UTF-8 lead byte 240
+    write_docs(tmp_path / "hi", {"a.txt": "smile \U0001f600 " * 10})  # UTF-8 lead byte 240
     with pytest.raises(ValueError, match=r"ids in \[\d+, 2\d\d\], outside its vocab_size 200"):
         make_dm(tmp_path / "hi", tmp_path, tokenizer=Overflow()).setup("fit")

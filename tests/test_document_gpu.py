@@ -1,6 +1,7 @@
 """GPU: a document-masked training step of the model with the step's DocumentPlan reads
 nothing back to the host inside the layer loop (torch.cuda.set_sync_debug_mode("error")),
 and its loss and gradients equal those of the same step with plain ids."""
+
 from __future__ import annotations
 
 import pytest

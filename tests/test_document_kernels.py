@@ -5,6 +5,7 @@ As in test_triton_kernels.py, the interpreter must be chosen before the kernels 
 decorated, so this file re-runs itself as worker processes with TRITON_INTERPRET=1 (one per
 tile set, in parallel) and the tests assert on the JSON they print.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,13 +35,11 @@ CASES = {
     "full_sq_ne_sk_repeated_ids": (1, 37, 53, 4, 1, 16, False, "float32", "repeat", ()),
     "full_sq_ne_sk_atomic": (2, 29, 45, 2, 1, 32, False, "float32", "short", ("atomic",)),
     "full_rows_without_keys": (1, 40, 33, 2, 1, 16, False, "float32", "disjoint", ()),
-    "full_rows_without_keys_atomic": (1, 40, 33, 2, 1, 16, False, "float32", "disjoint",
-                                      ("atomic",)),
+    "full_rows_without_keys_atomic": (1, 40, 33, 2, 1, 16, False, "float32", "disjoint", ("atomic",)),
     "causal_nan_in_q": (1, 40, 40, 2, 1, 16, True, "float32", "short", ("nan",)),
     "causal_fp16_short_docs": (1, 64, 64, 2, 1, 64, True, "float16", "short", ()),
     "causal_skipped_tiles_untouched": (1, 64, 64, 2, 1, 16, True, "float32", "halves", ("poison",)),
-    "full_skipped_tiles_untouched": (1, 64, 64, 2, 2, 16, False, "float32", "halves",
-                                     ("poison", "atomic")),
+    "full_skipped_tiles_untouched": (1, 64, 64, 2, 2, 16, False, "float32", "halves", ("poison", "atomic")),
 }
 TILE_SETS = ("32x16,16x32,32x16", "16x32,32x16,16x32")
 TOL = {"float32": 1e-5, "float16": 2e-2}
@@ -51,7 +50,7 @@ def _strided(x):
     non-packed strides (the ids too: every other element)."""
     pad = (0, 8, 0, 0, 2, 3) if x.dim() == 4 else (0, 1, 2, 3)  # last dim first
     buf = torch.nn.functional.pad(x.unsqueeze(-1) if x.dim() == 2 else x, pad)
-    view = buf[:, 2:2 + x.shape[1], ..., :x.shape[-1]] if x.dim() == 4 else buf[:, 2:2 + x.shape[1], 0]
+    view = buf[:, 2 : 2 + x.shape[1], ..., : x.shape[-1]] if x.dim() == 4 else buf[:, 2 : 2 + x.shape[1], 0]
     assert torch.equal(view, x) and not view.is_contiguous()
     return view
 
@@ -76,11 +75,9 @@ def run_case(name):
         k_ids = q_ids
     if "nan" in opts:
         q[0, 21, 1, 3] = float("nan")
-    ref = dict(causal=causal, softmax_scale=D ** -0.5, backend="torch", q_document_ids=q_ids,
-               k_document_ids=k_ids)
+    ref = dict(causal=causal, softmax_scale=D**-0.5, backend="torch", q_document_ids=q_ids, k_document_ids=k_ids)
     want_out, want_lse = attention_forward(q.double(), k.double(), v.double(), **ref)
-    want_grads = attention_backward(dout.double(), q.double(), k.double(), v.double(), want_out,
-                                    want_lse, **ref)
+    want_grads = attention_backward(dout.double(), q.double(), k.double(), v.double(), want_out, want_lse, **ref)
 
     q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
     if "poison" in opts:
@@ -95,8 +92,11 @@ def run_case(name):
     out, lse = attention_forward(q, k, v, **args)
     grads = attention_backward(dout, q, k, v, out, lse, **args)
 
-    result = {"shapes_ok": bool(out.shape == q.shape and out.dtype == dtype
-                                and lse.shape == (B, Hq, Sq) and lse.dtype == torch.float32)}
+    result = {
+        "shapes_ok": bool(
+            out.shape == q.shape and out.dtype == dtype and lse.shape == (B, Hq, Sq) and lse.dtype == torch.float32
+        )
+    }
     if "nan" in opts:
         # NaN must show in its own row and stay there (other rows see no NaN key).
         nan_rows = torch.isnan(out).any(-1).any(-1)[0]
@@ -113,16 +113,17 @@ def run_case(name):
     # Rows that see no key: out exactly 0, lse exactly -inf, gradients 0 (never NaN).
     empty = ~finite
     result["empty_rows"] = int(empty.sum())
-    result["empty_ok"] = bool(torch.equal(lse[empty], want_lse[empty].float())
-                              and (out.transpose(1, 2)[empty] == 0).all()
-                              and (grads[0].transpose(1, 2)[empty] == 0).all()
-                              and all(torch.isfinite(g).all() for g in grads))
+    result["empty_ok"] = bool(
+        torch.equal(lse[empty], want_lse[empty].float())
+        and (out.transpose(1, 2)[empty] == 0).all()
+        and (grads[0].transpose(1, 2)[empty] == 0).all()
+        and all(torch.isfinite(g).all() for g in grads)
+    )
     if kind == "one":
-        plain = dict(causal=causal, softmax_scale=D ** -0.5, backend="triton")
+        plain = dict(causal=causal, softmax_scale=D**-0.5, backend="triton")
         out_p, lse_p = attention_forward(q, k, v, **plain)
         grads_p = attention_backward(dout, q, k, v, out_p, lse_p, **plain)
-        result["errs"]["vs_plain"] = max(_rel(a, b) for a, b in
-                                         zip((out, lse, *grads), (out_p, lse_p, *grads_p)))
+        result["errs"]["vs_plain"] = max(_rel(a, b) for a, b in zip((out, lse, *grads), (out_p, lse_p, *grads_p)))
     return result
 
 
@@ -209,7 +210,7 @@ def test_tile_classes_repeated_ids_conservative():
         for m in range(classes.shape[1]):
             for n in range(classes.shape[2]):
                 if classes[b, m, n] == SKIP:
-                    assert not vis[b, m * 8:(m + 1) * 8, n * 4:(n + 1) * 4].any()
+                    assert not vis[b, m * 8 : (m + 1) * 8, n * 4 : (n + 1) * 4].any()
     # q tiles whose ids are all < 2 see no key tile: nothing to visit.
     q_ids[0, :8] = 0
     assert (tile_classes(q_ids, k_ids, 8, 4, causal=False)[0, 0] == SKIP).all()
@@ -262,14 +263,12 @@ def test_backend_resolution_with_document_ids(monkeypatch):
     monkeypatch.setattr(kernels, "backend_available", lambda name, device: True)
 
     def on_gpu(head_dim, dtype=torch.bfloat16):  # what resolve_backend reads of a tensor
-        return types.SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype,
-                                     shape=(1, 8, 2, head_dim))
+        return types.SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype, shape=(1, 8, 2, head_dim))
 
     g = on_gpu(128)
     monkeypatch.setattr(kernels, "_fa4_refusal", lambda device, dtype, head_dim: None)
     assert kernels.resolve_backend("auto", g, g, True, documents=True) == "fa4"
-    monkeypatch.setattr(kernels, "_fa4_refusal",
-                        lambda device, dtype, head_dim: "FlashAttention-4 is not installed")
+    monkeypatch.setattr(kernels, "_fa4_refusal", lambda device, dtype, head_dim: "FlashAttention-4 is not installed")
     assert kernels.resolve_backend("auto", g, g, True, documents=True) == "triton"
     assert kernels.resolve_backend("auto", on_gpu(512), on_gpu(512), True, documents=True) == "torch"
     f64 = on_gpu(64, torch.float64)
@@ -323,8 +322,9 @@ def test_gpu_bf16_vs_float64(shape, bwd_mode, monkeypatch):
     grads = attention_backward(dout, q, k, v, out, lse, backend="triton", **docs)
     q64, k64, v64 = q.double(), k.double(), v.double()
     want_out, want_lse = attention_forward(q64, k64, v64, backend="torch", **docs)
-    want = (want_out, want_lse) + tuple(attention_backward(dout.double(), q64, k64, v64, want_out,
-                                                           want_lse, backend="torch", **docs))
+    want = (want_out, want_lse) + tuple(
+        attention_backward(dout.double(), q64, k64, v64, want_out, want_lse, backend="torch", **docs)
+    )
     finite = torch.isfinite(want_lse)
     assert torch.equal(torch.isfinite(lse), finite)
     got = (out, lse[finite], *grads)

@@ -4,6 +4,7 @@ equal to a float64 explicit-mask reference under the PTRR and head-tail load bal
 per-document head-tail balancer is refused in one line for documents it cannot split, and the
 JSON says which API path ran. Skipped when this torch lacks that API (the JSON says what is missing).
 """
+
 from __future__ import annotations
 
 import json
@@ -20,10 +21,35 @@ REPO = Path(__file__).resolve().parents[1]
 def test_cp_flex_documents_match_float64_on_cpu(tmp_path):
     # mean1k at 2048 tokens, seed 2: documents of 585, 674 and 789 tokens (no block or
     # shard boundary aligned, none a multiple of 4).
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(REPO / "benchmarks" / "document_peer_torch_cp.py"), "--device", "cpu", "--seq", "2048",
-           "--heads", "2", "--dim", "16", "--dtype", "float64", "--mixes", "mean1k", "--seed", "2",
-           "--balancers", "ptrr,headtail,perdoc", "--check", "--check-seq", "2048", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(REPO / "benchmarks" / "document_peer_torch_cp.py"),
+        "--device",
+        "cpu",
+        "--seq",
+        "2048",
+        "--heads",
+        "2",
+        "--dim",
+        "16",
+        "--dtype",
+        "float64",
+        "--mixes",
+        "mean1k",
+        "--seed",
+        "2",
+        "--balancers",
+        "ptrr,headtail,perdoc",
+        "--check",
+        "--check-seq",
+        "2048",
+        "--out",
+        str(tmp_path),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     path = tmp_path / "document_peer_torch_cp_ws2.json"

@@ -7,6 +7,7 @@ of test_document_kernels.py (longctx.data.document_mixes.document_id_pattern); t
 FA4 is installed on an sm90/sm100 GPU): the kernels through the library's seam vs float64,
 dense and document-masked.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -18,10 +19,18 @@ from longctx.data.document_mixes import document_id_pattern
 from longctx.kernels import attention_backward, attention_forward, fa4, resolve_backend
 
 PATTERNS = [  # (ids kind, causal, B, Sq, Sk)
-    ("one", True, 1, 45, 45), ("short", True, 2, 50, 50), ("len1", True, 1, 37, 37),
-    ("mix", True, 1, 70, 70), ("halves", True, 1, 64, 64), ("repeat", True, 1, 48, 48),
-    ("short", False, 2, 29, 45), ("disjoint", False, 1, 40, 33), ("repeat", False, 1, 37, 53),
-    ("halves", False, 1, 64, 64), ("straddle", False, 1, 40, 36), ("gaps", False, 2, 50, 44),
+    ("one", True, 1, 45, 45),
+    ("short", True, 2, 50, 50),
+    ("len1", True, 1, 37, 37),
+    ("mix", True, 1, 70, 70),
+    ("halves", True, 1, 64, 64),
+    ("repeat", True, 1, 48, 48),
+    ("short", False, 2, 29, 45),
+    ("disjoint", False, 1, 40, 33),
+    ("repeat", False, 1, 37, 53),
+    ("halves", False, 1, 64, 64),
+    ("straddle", False, 1, 40, 36),
+    ("gaps", False, 2, 50, 44),
 ]
 
 
@@ -59,15 +68,20 @@ def _emulate(plan, q, k, v, dout, causal, scale):
     for q0, ql, k0, kl in plan.segments:
         if ql == 0 or kl == 0:
             continue
-        args = [t[None, a:a + n] for t, a, n in ((qf, q0, ql), (kf, k0, kl), (vf, k0, kl), (df, q0, ql))]
+        args = [t[None, a : a + n] for t, a, n in ((qf, q0, ql), (kf, k0, kl), (vf, k0, kl), (df, q0, ql))]
         o, l_ = attention_forward(*args[:3], causal=plan.causal, softmax_scale=scale, backend="torch")
         g = attention_backward(args[3], *args[:3], o, l_, causal=plan.causal, softmax_scale=scale, backend="torch")
-        out[q0:q0 + ql], lse[q0:q0 + ql] = o[0], l_[0].T
-        dq[q0:q0 + ql] += g[0][0]
-        dk[k0:k0 + kl] += g[1][0]
-        dv[k0:k0 + kl] += g[2][0]
-    return (out.view(q.shape), lse.view(B, Sq, Hq).transpose(1, 2), dq.view(q.shape),
-            dk.view(k.shape), dv.view(v.shape))
+        out[q0 : q0 + ql], lse[q0 : q0 + ql] = o[0], l_[0].T
+        dq[q0 : q0 + ql] += g[0][0]
+        dk[k0 : k0 + kl] += g[1][0]
+        dv[k0 : k0 + kl] += g[2][0]
+    return (
+        out.view(q.shape),
+        lse.view(B, Sq, Hq).transpose(1, 2),
+        dq.view(q.shape),
+        dk.view(k.shape),
+        dv.view(v.shape),
+    )
 
 
 @pytest.mark.parametrize("kind,causal,B,Sq,Sk", PATTERNS)
@@ -85,13 +99,18 @@ def test_varlen_plan_equals_document_mask(kind, causal, B, Sq, Sk):
     k, v = (torch.randn(B, Sk, 2, 16, generator=gen, dtype=torch.float64) for _ in range(2))
     docs = dict(q_document_ids=q_ids, k_document_ids=k_ids)
     want_out, want_lse = attention_forward(q, k, v, causal=causal, softmax_scale=0.25, backend="torch", **docs)
-    want = (want_out, want_lse, *attention_backward(dout, q, k, v, want_out, want_lse, causal=causal,
-                                                     softmax_scale=0.25, backend="torch", **docs))
+    want = (
+        want_out,
+        want_lse,
+        *attention_backward(
+            dout, q, k, v, want_out, want_lse, causal=causal, softmax_scale=0.25, backend="torch", **docs
+        ),
+    )
     got = _emulate(plan, q, k, v, dout, causal, 0.25)
     for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
         assert torch.allclose(g, w, rtol=1e-10, atol=1e-12, equal_nan=False), name
     # Coverage marks exactly the rows that see (or are seen by) some key of their document.
-    seen = (q_ids[:, :, None] == k_ids[:, None, :])
+    seen = q_ids[:, :, None] == k_ids[:, None, :]
     if plan.q_covered is not None:
         assert torch.equal(torch.from_numpy(plan.q_covered), seen.any(2).flatten())
     else:
@@ -161,8 +180,9 @@ def test_parallel_plan_takes_fa4_and_checks_it_against_the_device():
 
 # ----------------------------------------------------------------------------- GPU
 
-needs_fa4 = pytest.mark.skipif(not fa4.is_available("cuda"),
-                               reason="needs FlashAttention-4 (pip install 'longctx[fa4]') on an sm90/sm100 GPU")
+needs_fa4 = pytest.mark.skipif(
+    not fa4.is_available("cuda"), reason="needs FlashAttention-4 (pip install 'longctx[fa4]') on an sm90/sm100 GPU"
+)
 
 
 def _rel(got, want):
@@ -177,8 +197,9 @@ def _rel(got, want):
 
 @pytest.mark.gpu
 @needs_fa4
-@pytest.mark.parametrize("Sq,Sk,Hq,Hkv,D,causal", [(777, 777, 4, 4, 128, True), (300, 650, 8, 2, 64, False),
-                                                    (512, 512, 32, 8, 64, True)])
+@pytest.mark.parametrize(
+    "Sq,Sk,Hq,Hkv,D,causal", [(777, 777, 4, 4, 128, True), (300, 650, 8, 2, 64, False), (512, 512, 32, 8, 64, True)]
+)
 def test_fa4_dense_vs_float64(Sq, Sk, Hq, Hkv, D, causal):
     g = torch.Generator(device="cuda").manual_seed(Sq + Sk)
     q, dout = (torch.randn(2, Sq, Hq, D, device="cuda", generator=g) for _ in range(2))
@@ -210,8 +231,10 @@ def test_fa4_documents_vs_float64(kind, causal, B, Sq, Sk):
     k, v = (torch.randn(B, Sk, 2, 64, generator=gen).cuda() for _ in range(2))
     docs = dict(q_document_ids=q_ids, k_document_ids=k_ids, causal=causal)
     out64, lse64 = attention_forward(q.double(), k.double(), v.double(), backend="torch", **docs)
-    want = (out64, *attention_backward(dout.double(), q.double(), k.double(), v.double(), out64, lse64,
-                                       backend="torch", **docs))
+    want = (
+        out64,
+        *attention_backward(dout.double(), q.double(), k.double(), v.double(), out64, lse64, backend="torch", **docs),
+    )
     bf = [t.bfloat16() for t in (q, k, v, dout)]
     out, lse = attention_forward(*bf[:3], backend="fa4", **docs)
     got = (out, *attention_backward(bf[3], *bf[:3], out, lse, backend="fa4", **docs))

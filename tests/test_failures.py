@@ -1,6 +1,7 @@
 """What the strategy's failure handling sets up before the process group exists: NCCL's wait
 before it tears down a rank whose collective timed out is shortened to fit the watchdog's
 failure timeout, only under NCCL, only below torch's default, never over a user's value."""
+
 from __future__ import annotations
 
 import os

@@ -1,6 +1,7 @@
 """The fault suite (benchmarks/faults.py) runs on CPU over gloo: a quick subset here (a rank
 SIGKILLed mid-training, a NaN in one rank's FSDP2 gradient shard); the whole table, GPU and
 CPU, is in the README's reliability section."""
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,25 @@ def test_fault_suite_subset_over_gloo(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["LONGCTX_CACHE_DIR"] = str(tmp_path / "cache")
     out = tmp_path / "faults.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "faults.py"), "--backend", "gloo",
-                           "--cases", "sigkill_rank1,nan_rank1", "--workdir", str(tmp_path / "runs"),
-                           "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "faults.py"),
+            "--backend",
+            "gloo",
+            "--cases",
+            "sigkill_rank1,nan_rank1",
+            "--workdir",
+            str(tmp_path / "runs"),
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["case"]: r for r in json.loads(out.read_text())["cases"]}
     assert set(rows) == {"sigkill_rank1", "nan_rank1"}, rows  # no reference runs: neither case needs one

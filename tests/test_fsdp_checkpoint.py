@@ -1,5 +1,6 @@
 """FSDP2 x CP checkpoints: a sharded checkpoint (a folder of per-rank shards) resumes
 bit-exactly, and what it holds is sharded, not gathered."""
+
 from __future__ import annotations
 
 import os
@@ -33,17 +34,33 @@ def _fit(max_steps: int, ckpt_dir: str, resume: str | None = None, save_every: i
     module = CausalLMModule(MODEL, parallel=PLAN, lr=3e-3, warmup_steps=1, decay_steps=4)
     callbacks = []
     if save_every:
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step{step}", every_n_train_steps=save_every,
-                                         save_top_k=-1, auto_insert_metric_name=False))
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=ckpt_dir,
+                filename="step{step}",
+                every_n_train_steps=save_every,
+                save_top_k=-1,
+                auto_insert_metric_name=False,
+            )
+        )
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=ContextParallelStrategy(context_parallel_size=2, data_parallel="fsdp"),
-        max_steps=max_steps, precision="32-true", logger=False, enable_checkpointing=bool(save_every),
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        accelerator="cpu",
+        devices=2,
+        strategy=ContextParallelStrategy(context_parallel_size=2, data_parallel="fsdp"),
+        max_steps=max_steps,
+        precision="32-true",
+        logger=False,
+        enable_checkpointing=bool(save_every),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
         callbacks=callbacks,
     )
     trainer.fit(module, DataLoader(_samples(), batch_size=BATCH), ckpt_path=resume)
-    params = {k: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-              for k, p in module.named_parameters()}
+    params = {
+        k: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for k, p in module.named_parameters()
+    }
     opt = trainer.optimizers[0]
     moments = {k: opt.state[p]["exp_avg"].full_tensor().clone() for k, p in module.named_parameters()}
     return params, moments, trainer.global_step

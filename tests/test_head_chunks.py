@@ -1,5 +1,6 @@
 """ParallelPlan(attention_head_chunks=n) through the model: the same loss and gradients as
 all heads at once (float64), and the setting's errors, one line each."""
+
 from __future__ import annotations
 
 import copy
@@ -42,12 +43,15 @@ def test_head_chunks_equal_all_heads_float64(chunks, checkpointing):
         assert torch.allclose(got[k], ref[k], rtol=1e-11, atol=1e-14), k
 
 
-@pytest.mark.parametrize("plan,match", [
-    (dict(attention_head_chunks=0), "attention_head_chunks must be a positive int, got 0"),
-    (dict(attention_head_chunks=True), "attention_head_chunks must be a positive int, got True"),
-    (dict(attention_head_chunks=8), "attention_head_chunks=8 must divide the 4 key/value heads"),
-    (dict(attention_head_chunks=2, cp_attention="ulysses"), "attention_head_chunks applies to cp_attention='ring'"),
-])
+@pytest.mark.parametrize(
+    "plan,match",
+    [
+        (dict(attention_head_chunks=0), "attention_head_chunks must be a positive int, got 0"),
+        (dict(attention_head_chunks=True), "attention_head_chunks must be a positive int, got True"),
+        (dict(attention_head_chunks=8), "attention_head_chunks=8 must divide the 4 key/value heads"),
+        (dict(attention_head_chunks=2, cp_attention="ulysses"), "attention_head_chunks applies to cp_attention='ring'"),
+    ],
+)
 def test_head_chunk_errors(plan, match):
     with pytest.raises(ValueError, match=match):
         parallelize(GPT(_config()), plan=ParallelPlan(**plan))
@@ -68,7 +72,7 @@ def test_head_chunks_on_gpu_kernels_bf16(backend, docs):
     q, dout = (torch.randn(2, S, Hq, D, device="cuda", generator=g) for _ in range(2))
     k, v = (torch.randn(2, S, Hkv, D, device="cuda", generator=g) for _ in range(2))
     ids = (torch.arange(S, device="cuda") // 300).expand(2, -1).contiguous() if docs else None
-    ref = reference(q, k, v, dout, True, D ** -0.5, ids)
+    ref = reference(q, k, v, dout, True, D**-0.5, ids)
     ref = (ref[0], *ref[2:])
     for chunks in (1, 4):
         qb, kb, vb = (t.bfloat16().requires_grad_() for t in (q, k, v))

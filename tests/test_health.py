@@ -1,4 +1,5 @@
 """NonFiniteGuard: skip/stop on a non-finite loss or gradient, one decision for all ranks."""
+
 from __future__ import annotations
 
 import math
@@ -23,8 +24,9 @@ NAN = float("nan")
 class Inject(L.LightningModule):
     """A tiny module whose loss or one parameter's gradient turns NaN at chosen steps."""
 
-    def __init__(self, net: nn.Module, *, where: str = "none", steps=(), param: str = "", scale: bool = False,
-                 ranks=None):
+    def __init__(
+        self, net: nn.Module, *, where: str = "none", steps=(), param: str = "", scale: bool = False, ranks=None
+    ):
         super().__init__()
         self.net, self.where, self.steps, self.param, self.scale = net, where, set(steps), param, scale
         self.ranks = ranks  # None: inject on every rank
@@ -75,9 +77,18 @@ def mlp():
 
 def fit(module, guard, steps, data, devices=1, strategy="auto"):
     # Gradient clipping runs after the guard: it must cope with the gradients a skip removed.
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=devices, strategy=strategy, logger=False,
-                        callbacks=[guard], gradient_clip_val=1.0, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        callbacks=[guard],
+        gradient_clip_val=1.0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, DataLoader(data, batch_size=4))
@@ -123,8 +134,9 @@ def test_max_skips_counts_consecutive_steps_only():
 
 
 def test_stop_names_step_and_first_bad_layer_in_gpt():
-    cfg = GPTConfig.from_preset("tiny", n_layer=2, vocab_size=64, n_embd=32, n_head=2, n_kv_head=1,
-                                intermediate_size=64)
+    cfg = GPTConfig.from_preset(
+        "tiny", n_layer=2, vocab_size=64, n_embd=32, n_head=2, n_kv_head=1, intermediate_size=64
+    )
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (8, 17))
     bad = "net.blocks.1.mlp.down_proj.weight"
@@ -213,8 +225,14 @@ def _two_ranks(rank, world):
     # 7. ... and with policy stop, rank 1's NaN loss stops both ranks with the same error.
     module = Inject(mlp(), where="loss", steps=[1], ranks=[1])
     try:
-        fit(module, NonFiniteGuard(policy="stop"), 4, regression_data(), devices=world,
-            strategy=DDPStrategy(process_group_backend="gloo"))
+        fit(
+            module,
+            NonFiniteGuard(policy="stop"),
+            4,
+            regression_data(),
+            devices=world,
+            strategy=DDPStrategy(process_group_backend="gloo"),
+        )
         out["ddp_stop"] = None
     except NonFiniteError as e:
         out["ddp_stop"] = str(e)

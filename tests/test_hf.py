@@ -5,6 +5,7 @@ Qwen2 (attention biases) and Mistral models with attn_implementation="longctx_ri
 "longctx_ulysses", P = 1, 2, 4, both layouts, against the same weights under "sdpa" on
 one process: logits (gathered) and every parameter gradient (summed over the group).
 """
+
 from __future__ import annotations
 
 import copy
@@ -38,13 +39,23 @@ from longctx.models import GPT, GPTConfig, load_pretrained, save_hf_checkpoint  
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
 VOCAB, BATCH, SEQ = 97, 2, 32
 LOGITS_TOL, GRAD_TOL = 1e-4, 1e-3
-DOCUMENT_IDS = {RING: "document_ids" in inspect.signature(ring_attention).parameters,
-                ULYSSES: "document_ids" in inspect.signature(ulysses_attention).parameters}
+DOCUMENT_IDS = {
+    RING: "document_ids" in inspect.signature(ring_attention).parameters,
+    ULYSSES: "document_ids" in inspect.signature(ulysses_attention).parameters,
+}
 
 
 def tiny_config(arch: str, **overrides):
-    sizes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                 num_attention_heads=8, num_key_value_heads=4, initializer_range=0.1, use_cache=False)
+    sizes = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        initializer_range=0.1,
+        use_cache=False,
+    )
     return CONFIGS[arch](**{**sizes, **overrides})
 
 
@@ -95,8 +106,10 @@ def sharded_run(model, ids, weight, group, layout, docs=None, plan=False):
     if docs is None:
         extra = {"position_ids": position_ids(SEQ, **where).unsqueeze(0)}
     else:
-        extra = {"document_ids": plan_documents(docs, **where) if plan else shard_sequence(docs, 1, **where),
-                 "position_ids": shard_sequence(document_position_ids(docs), 1, **where)}
+        extra = {
+            "document_ids": plan_documents(docs, **where) if plan else shard_sequence(docs, 1, **where),
+            "position_ids": shard_sequence(document_position_ids(docs), 1, **where),
+        }
     set_context_parallel_group(model, group, layout=layout)
     model.zero_grad()
     logits = model(input_ids=shard_sequence(ids, 1, **where), **extra).logits
@@ -131,15 +144,15 @@ def _sharded_equals_sdpa(rank, world, seed):
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     weight = torch.randn(BATCH, SEQ, VOCAB, generator=g)
     # Three documents per row, boundaries differing between rows.
-    docs = torch.stack([torch.bucketize(torch.arange(SEQ), torch.tensor(b))
-                        for b in ([5, 20], [13, 14])])
+    docs = torch.stack([torch.bucketize(torch.arange(SEQ), torch.tensor(b)) for b in ([5, 20], [13, 14])])
     bad = []
     for arch in CONFIGS:
         for implementation in (RING, ULYSSES):
             reference, model = model_pair(arch, implementation, seed)
             ref = reference_run(reference, ids, weight)
-            ref_docs = reference_run(reference, ids, weight, attention_mask=document_mask(docs),
-                                     position_ids=document_position_ids(docs))
+            ref_docs = reference_run(
+                reference, ids, weight, attention_mask=document_mask(docs), position_ids=document_position_ids(docs)
+            )
             for size, group in groups.items():
                 for layout in ("zigzag", "contiguous"):
                     case = (arch, implementation, size, layout)
@@ -192,13 +205,18 @@ def test_sharded_hf_models_equal_sdpa():
     seed = random.randrange(1 << 30)  # fresh weights and inputs every run; printed on failure
     for rank, (bad, nan_ok, errors) in enumerate(run_distributed(_sharded_equals_sdpa, 4, seed)):
         assert not bad, f"seed {seed}, rank {rank}: " + "\n".join(
-            f"{case} {what}: {err:.2e} (tol {tol})" for case, what, err, tol in bad)
+            f"{case} {what}: {err:.2e} (tol {tol})" for case, what, err, tol in bad
+        )
         assert nan_ok, f"seed {seed}, rank {rank}: NaN did not propagate as under sdpa"
-        assert "MistralAttention in MistralForCausalLM: a sliding window of 24 tokens shorter than " \
-            "the sequence (32 tokens)" in (errors["window"] or ""), errors
+        assert (
+            "MistralAttention in MistralForCausalLM: a sliding window of 24 tokens shorter than "
+            "the sequence (32 tokens)" in (errors["window"] or "")
+        ), errors
         group_rank = rank % 2
-        own = {"positions": "not this rank's global positions (rank 1 of 2, layout 'contiguous'",
-               "padding": "a padding attention_mask"}
+        own = {
+            "positions": "not this rank's global positions (rank 1 of 2, layout 'contiguous'",
+            "padding": "a padding attention_mask",
+        }
         for what, message in own.items():
             expected = message if group_rank == 1 else "another rank of the context-parallel group"
             assert expected in (errors[what] or ""), (rank, what, errors[what])
@@ -230,22 +248,40 @@ def _raises(match: str, fn, *args, **kwargs) -> str:
 IDS = torch.arange(SEQ).remainder(VOCAB).expand(BATCH, SEQ)
 
 
-@pytest.mark.parametrize("name, overrides, call, match", [
-    ("padding mask", {}, dict(attention_mask=torch.ones(BATCH, SEQ).index_fill(1, torch.tensor([0]), 0)),
-     "padding attention_mask"),
-    ("4-D mask", {}, dict(attention_mask=torch.ones(BATCH, 1, SEQ, SEQ, dtype=torch.bool).tril()),
-     "custom 4-D attention_mask"),
-    ("output_attentions", {}, dict(output_attentions=True), "output_attentions=True"),
-    ("position_bias", {}, dict(position_bias=torch.zeros(1, 8, SEQ, SEQ)), "additive attention bias"),
-    ("packed positions", {}, dict(position_ids=torch.arange(SEQ).remainder(8)[None]), "not consecutive"),
-    ("position gap", {}, dict(position_ids=torch.arange(SEQ).add(torch.arange(SEQ) >= 9)[None]),
-     "not consecutive"),
-    ("cu_seq_lens", {}, dict(cu_seq_lens_q=torch.tensor([0, 16, 32]), cu_seq_lens_k=torch.tensor([0, 16, 32])),
-     "cu_seq_lens_q"),
-    ("mistral window", dict(sliding_window=16), {}, "sliding window of 16 tokens"),
-    ("qwen2 window", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0), {},
-     "sliding window of 8 tokens"),
-])
+@pytest.mark.parametrize(
+    "name, overrides, call, match",
+    [
+        (
+            "padding mask",
+            {},
+            dict(attention_mask=torch.ones(BATCH, SEQ).index_fill(1, torch.tensor([0]), 0)),
+            "padding attention_mask",
+        ),
+        (
+            "4-D mask",
+            {},
+            dict(attention_mask=torch.ones(BATCH, 1, SEQ, SEQ, dtype=torch.bool).tril()),
+            "custom 4-D attention_mask",
+        ),
+        ("output_attentions", {}, dict(output_attentions=True), "output_attentions=True"),
+        ("position_bias", {}, dict(position_bias=torch.zeros(1, 8, SEQ, SEQ)), "additive attention bias"),
+        ("packed positions", {}, dict(position_ids=torch.arange(SEQ).remainder(8)[None]), "not consecutive"),
+        ("position gap", {}, dict(position_ids=torch.arange(SEQ).add(torch.arange(SEQ) >= 9)[None]), "not consecutive"),
+        (
+            "cu_seq_lens",
+            {},
+            dict(cu_seq_lens_q=torch.tensor([0, 16, 32]), cu_seq_lens_k=torch.tensor([0, 16, 32])),
+            "cu_seq_lens_q",
+        ),
+        ("mistral window", dict(sliding_window=16), {}, "sliding window of 16 tokens"),
+        (
+            "qwen2 window",
+            dict(use_sliding_window=True, sliding_window=8, max_window_layers=0),
+            {},
+            "sliding window of 8 tokens",
+        ),
+    ],
+)
 def test_forward_refuses(name, overrides, call, match):
     arch = "qwen2" if name.startswith("qwen2") else "mistral" if name.startswith("mistral") else "llama"
     _, model = model_pair(arch, RING, **overrides)
@@ -283,8 +319,15 @@ def test_refuses_non_causal():
 
 def test_refuses_softcapping():
     torch.manual_seed(0)
-    config = Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config = Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     model = AutoModelForCausalLM.from_config(config, attn_implementation=RING)
     _raises("Gemma2ForCausalLM: attention logit soft-capping", set_context_parallel_group, model, None)
     _raises("soft-capping", model, input_ids=IDS)
@@ -293,9 +336,17 @@ def test_refuses_softcapping():
 def test_refuses_attention_sinks():
     torch.manual_seed(0)
     config = transformers.GptOssConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
-        num_experts_per_tok=1, layer_types=["full_attention"])
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        layer_types=["full_attention"],
+    )
     model = AutoModelForCausalLM.from_config(config, attn_implementation=RING)
     _raises("GptOssForCausalLM has attention sinks", set_context_parallel_group, model, None)
     _raises("attention sinks", model, input_ids=IDS)
@@ -304,20 +355,27 @@ def test_refuses_attention_sinks():
 def test_refuses_other_implementations_and_layouts():
     reference, model = model_pair("llama", RING)
     _raises("LlamaForCausalLM runs attn_implementation='sdpa'", set_context_parallel_group, reference, None)
-    _raises("layout must be one of zigzag, contiguous, got 'zig'", set_context_parallel_group, model, None,
-            layout="zig")
+    _raises(
+        "layout must be one of zigzag, contiguous, got 'zig'", set_context_parallel_group, model, None, layout="zig"
+    )
 
 
 @pytest.mark.skipif(DOCUMENT_IDS[RING], reason="ring_attention takes document_ids: tested sharded")
 def test_document_ids_before_the_ring_supports_them():
     _, model = model_pair("llama", RING)
-    _raises("ring_attention in this longctx has no document_ids", model, input_ids=IDS,
-            document_ids=torch.zeros(BATCH, SEQ, dtype=torch.long))
+    _raises(
+        "ring_attention in this longctx has no document_ids",
+        model,
+        input_ids=IDS,
+        document_ids=torch.zeros(BATCH, SEQ, dtype=torch.long),
+    )
 
 
 def test_import_longctx_does_not_import_hf():
-    code = ("import sys, longctx, longctx.models, longctx.kernels; "
-            "print('longctx.hf' in sys.modules, 'transformers' in sys.modules)")
+    code = (
+        "import sys, longctx, longctx.models, longctx.kernels; "
+        "print('longctx.hf' in sys.modules, 'transformers' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"], out.stdout
 
@@ -330,8 +388,15 @@ def test_gpu_bf16_as_close_as_sdpa(backend):
     sdpa model as sdpa's own bf16 run (within 2x, or 1e-2)."""
     if backend != "auto" and not backend_available(backend, torch.device("cuda")):
         pytest.skip(f"backend {backend!r} not available here")
-    reference, model = model_pair("llama", RING, hidden_size=512, intermediate_size=1024,
-                                  num_attention_heads=8, num_key_value_heads=2, initializer_range=0.02)
+    reference, model = model_pair(
+        "llama",
+        RING,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        initializer_range=0.02,
+    )
     reference_bf16 = copy.deepcopy(reference).to("cuda", torch.bfloat16)
     reference, model = reference.to("cuda"), model.to("cuda", torch.bfloat16)
     set_context_parallel_group(model, None, backend=backend)
@@ -350,12 +415,23 @@ def test_gpu_bf16_as_close_as_sdpa(backend):
 # ---- export: GPT -> Hugging Face Llama directory ---------------------------------------------
 
 
-@pytest.mark.parametrize("tie, scaling", [(True, None), (False, {"type": "linear", "factor": 2.0}),
-                                          (True, {"type": "ntk", "factor": 4.0})])
+@pytest.mark.parametrize(
+    "tie, scaling", [(True, None), (False, {"type": "linear", "factor": 2.0}), (True, {"type": "ntk", "factor": 4.0})]
+)
 def test_export_loads_in_transformers_and_back(tmp_path, tie, scaling):
     torch.manual_seed(random.randrange(1 << 30))
-    config = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=96,
-                       rope_theta=5e4, rope_scaling=scaling, tie_embeddings=tie, init_std=0.1)
+    config = GPTConfig(
+        vocab_size=VOCAB,
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        n_embd=64,
+        intermediate_size=96,
+        rope_theta=5e4,
+        rope_scaling=scaling,
+        tie_embeddings=tie,
+        init_std=0.1,
+    )
     model = GPT(config).eval()
     save_hf_checkpoint(model, tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())

@@ -1,5 +1,6 @@
 """A Hugging Face Llama trained through the strategy: FSDP2 per decoder layer x CP=2 ring
 attention (longctx.hf) equals the same model trained on one device."""
+
 from __future__ import annotations
 
 import os
@@ -21,9 +22,16 @@ PLAN = dict(attention_backend="torch", loss_chunk_size=40, activation_checkpoint
 def _hf_dir(path: str) -> str:
     import transformers
 
-    transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                             num_attention_heads=8, num_key_value_heads=4, rope_theta=500.0,
-                             tie_word_embeddings=False).save_pretrained(path)
+    transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        rope_theta=500.0,
+        tie_word_embeddings=False,
+    ).save_pretrained(path)
     return path
 
 
@@ -45,15 +53,28 @@ def _fit(strategy, devices: int, hf_dir: str) -> dict:
 
     torch.manual_seed(0)
     module = CausalLMModule(hf_model=hf_dir, parallel=PLAN, lr=3e-3, warmup_steps=1, decay_steps=STEPS)
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS,
-                        precision="32-true", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, use_distributed_sampler=devices > 1)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        precision="32-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=devices > 1,
+    )
     trainer.fit(module, DataLoader(_samples(), batch_size=4))
     full = [p.full_tensor() if isinstance(p, DTensor) else p for p in module.parameters()]
     sharded = [isinstance(p, DTensor) for p in module.parameters()]
-    return {"params": torch.cat([p.detach().flatten() for p in full]).tolist(), "sharded": sharded,
-            "loss": float(trainer.callback_metrics["train_loss"])}
+    return {
+        "params": torch.cat([p.detach().flatten() for p in full]).tolist(),
+        "sharded": sharded,
+        "loss": float(trainer.callback_metrics["train_loss"]),
+    }
 
 
 def _worker(rank: int, world: int, hf_dir: str) -> dict:

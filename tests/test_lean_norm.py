@@ -2,6 +2,7 @@
 bit for bit, its gradients against plain autograd (float64) and a float64 reference (bf16,
 CPU autocast), broadcast gains, frozen inputs, NaN propagation, and that it saves only the
 input and one fp32 value per token."""
+
 from __future__ import annotations
 
 import pytest
@@ -36,12 +37,15 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("x_shape,w_shape", [
-    ((4, 9, 16), (16,)),
-    ((4, 9, 16), (1, 1, 16)),
-    ((9, 16), (3, 1, 16)),  # the gain broadcasts x: dx sums over the extra dim
-    ((2, 5, 16), (5, 16)),  # a per-position gain: dweight sums over the batch only
-])
+@pytest.mark.parametrize(
+    "x_shape,w_shape",
+    [
+        ((4, 9, 16), (16,)),
+        ((4, 9, 16), (1, 1, 16)),
+        ((9, 16), (3, 1, 16)),  # the gain broadcasts x: dx sums over the extra dim
+        ((2, 5, 16), (5, 16)),  # a per-position gain: dweight sums over the batch only
+    ],
+)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_float64_equals_plain_autograd(x_shape, w_shape, seed):
     x, w, dy = _inputs(x_shape, w_shape, torch.float64, torch.float64, seed)
@@ -56,12 +60,15 @@ def test_float64_equals_plain_autograd(x_shape, w_shape, seed):
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-@pytest.mark.parametrize("x_dtype,w_dtype", [
-    (torch.bfloat16, torch.float32),
-    (torch.bfloat16, torch.bfloat16),
-    (torch.float32, torch.bfloat16),
-    (torch.float32, torch.float32),
-])
+@pytest.mark.parametrize(
+    "x_dtype,w_dtype",
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float32),
+    ],
+)
 def test_low_precision_against_float64(x_dtype, w_dtype, autocast):
     """Same output as ``rms_norm`` bit for bit (dtype promotion included, autocast or not);
     gradients in the inputs' dtypes, close to the float64 gradient of the same inputs."""

@@ -8,6 +8,7 @@ document boundaries and some labels are ignored).
 * the CLI: a Lightning-style checkpoint (``model.``-prefixed state dict, config in
   ``hyper_parameters``) -> one JSON per RoPE theta -> ``--compare`` JSON + PNG.
 """
+
 from __future__ import annotations
 
 import json
@@ -123,8 +124,12 @@ def test_single_rank_matches_reference_and_buckets_add_up(assets):
     assert (s["labels"] == -100).any()
     with torch.no_grad():
         loss_sum, n_tok = model.loss(s["input_ids"][None], s["labels"][None], s["position_ids"][None])
-        mine = per_token_loss(model.hidden_states(s["input_ids"][None], s["position_ids"][None]),
-                                    model.lm_head_weight, s["labels"][None], 7)
+        mine = per_token_loss(
+            model.hidden_states(s["input_ids"][None], s["position_ids"][None]),
+            model.lm_head_weight,
+            s["labels"][None],
+            7,
+        )
     assert _rel(float(mine.sum()), float(loss_sum)) < 1e-5
 
 
@@ -145,15 +150,39 @@ def test_cli_checkpoint_thetas_and_compare(assets, capsys):
     model = _tiny_model()
     # What CausalLMModule's Lightning checkpoint holds: the GPT under "model.", its config in
     # hyper_parameters["model"], and module state that is not the GPT's.
-    ckpt = {"state_dict": {**{f"model.{k}": v for k, v in model.state_dict().items()},
-                           "val_loss.mean_value": torch.zeros(())},
-            "hyper_parameters": {"model": model.config.to_dict(), "lr": 1e-4}, "global_step": 7}
+    ckpt = {
+        "state_dict": {
+            **{f"model.{k}": v for k, v in model.state_dict().items()},
+            "val_loss.mean_value": torch.zeros(()),
+        },
+        "hyper_parameters": {"model": model.config.to_dict(), "lr": 1e-4},
+        "global_step": 7,
+    }
     torch.save(ckpt, tmp / "last.ckpt")
     out = tmp / "out"
     # On the CPU on every machine: the results are compared with `direct` (CPU, fp32) below.
-    common = ["--tokenizer", str(tmp / "spm.model"), "--data", DATA, "--cache-dir", str(tmp / "cache"),
-              "--seq-lens", "64,128", "--max-sequences", "3", "--bucket-edges", "16,64", "--base-context", "32",
-              "--batch-tokens", "256", "--device", "cpu", "--out", str(out)]
+    common = [
+        "--tokenizer",
+        str(tmp / "spm.model"),
+        "--data",
+        DATA,
+        "--cache-dir",
+        str(tmp / "cache"),
+        "--seq-lens",
+        "64,128",
+        "--max-sequences",
+        "3",
+        "--bucket-edges",
+        "16,64",
+        "--base-context",
+        "32",
+        "--batch-tokens",
+        "256",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+    ]
     assert cli.main(["--checkpoint", str(tmp / "last.ckpt"), "--rope-theta", "1e4,1e6", "--tag", "ft"] + common) == 0
     files = [out / "long_context_ppl_ft-theta1e4.json", out / "long_context_ppl_ft-theta1e6.json"]
     runs = [json.loads(f.read_text()) for f in files]
@@ -171,10 +200,21 @@ def test_cli_checkpoint_thetas_and_compare(assets, capsys):
     row = report["lengths"]["128"]["ft-theta1e6"]
     paired = row["paired_all"]
     assert paired["n_windows"] == 3
-    expect = np.mean([sum(s) / sum(n) for s, n in zip(runs[1]["results"][1]["per_window"]["loss_sum"],
-                                                        runs[1]["results"][1]["per_window"]["n_tokens"])]) - \
-        np.mean([sum(s) / sum(n) for s, n in zip(runs[0]["results"][1]["per_window"]["loss_sum"],
-                                                 runs[0]["results"][1]["per_window"]["n_tokens"])])
+    expect = np.mean(
+        [
+            sum(s) / sum(n)
+            for s, n in zip(
+                runs[1]["results"][1]["per_window"]["loss_sum"], runs[1]["results"][1]["per_window"]["n_tokens"]
+            )
+        ]
+    ) - np.mean(
+        [
+            sum(s) / sum(n)
+            for s, n in zip(
+                runs[0]["results"][1]["per_window"]["loss_sum"], runs[0]["results"][1]["per_window"]["n_tokens"]
+            )
+        ]
+    )
     assert _rel(paired["mean_delta_loss"], float(expect)) < 1e-9
     assert _rel(row["rel_delta_ppl"], runs[1]["results"][1]["ppl"] / runs[0]["results"][1]["ppl"] - 1) < 1e-12
     assert "ft-theta1e6" in capsys.readouterr().out
@@ -199,8 +239,11 @@ class _Payload:
 def test_checkpoint_with_pickled_code_is_refused_without_the_opt_in(tmp_path):
     model = _tiny_model()
     marker = tmp_path / "payload-ran"
-    ckpt = {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
-            "hyper_parameters": {"model": model.config.to_dict()}, "callback": _Payload(marker)}
+    ckpt = {
+        "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+        "hyper_parameters": {"model": model.config.to_dict()},
+        "callback": _Payload(marker),
+    }
     torch.save(ckpt, tmp_path / "evil.ckpt")
     for argv in ([], ["--checkpoint", str(tmp_path / "evil.ckpt")]):
         if argv:  # through the CLI too: the flag defaults to off

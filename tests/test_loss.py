@@ -4,6 +4,7 @@ The reference is the float64 gradient of the token-mean loss over the whole glob
 one device. Ranks hold different numbers of counted tokens (random -100 masks), which is
 what makes a per-rank mean wrong; DDP's averaging is emulated by all-reduce(sum) / W.
 """
+
 from __future__ import annotations
 
 import torch
@@ -72,8 +73,10 @@ def _check_ranks(rank: int, world: int):
     x, labels = _data(1, 2 * world)
     ref = _reference_grad(x, labels)
     mine = slice(2 * rank, 2 * rank + 2)
-    out = {m: _rel(_ddp_grad(m, x[mine], labels[mine]), ref)
-           for m in ("exact", "causal_lm_loss", "per_rank_mean", "no_world_factor")}
+    out = {
+        m: _rel(_ddp_grad(m, x[mine], labels[mine]), ref)
+        for m in ("exact", "causal_lm_loss", "per_rank_mean", "no_world_factor")
+    }
 
     # Logged value: the true global mean, identical on every rank.
     w = _weight(torch.float64)

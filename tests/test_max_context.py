@@ -1,5 +1,6 @@
 """benchmarks/max_context.py on the CPU: grid, fits, decisions, trace attribution (longctx.bench),
 a dry-run job and the plot (the script's command line)."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,7 @@ def mc():
 
 
 def _script(*args: str) -> str:
-    done = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 
@@ -93,8 +93,19 @@ def test_attribute_peak_replays_to_the_peak(mc):
 
 def _records(p, ckpt, a, b, budget, lengths, extra=()):
     meta = dict(kind="meta", p=p, ckpt=ckpt, budget_bytes=budget, total_bytes=budget / 0.92, n_layer=24)
-    pts = [dict(kind="measure", p=p, ckpt=ckpt, phase="fit", s_total=s, s_local=s // p,
-                peak_alloc=a + b * s // p, step_s=1e-6 * s // p + 1e-11 * s * s // p) for s in lengths]
+    pts = [
+        dict(
+            kind="measure",
+            p=p,
+            ckpt=ckpt,
+            phase="fit",
+            s_total=s,
+            s_local=s // p,
+            peak_alloc=a + b * s // p,
+            step_s=1e-6 * s // p + 1e-11 * s * s // p,
+        )
+        for s in lengths
+    ]
     return [meta] + pts + list(extra)
 
 
@@ -104,17 +115,58 @@ def test_summarize_statuses_and_plot(mc, tmp_path):
     meta = dict(preset="gpt-350m", grid_min=16 * K, grid_max=1 << 25)
     recs = []
     # P=1: 96K verified, 128K out of memory -> measured bracket
-    recs += _records(1, False, a, b, budget, [4 * K, 8 * K, 16 * K], [
-        dict(kind="measure", p=1, ckpt=False, phase="verify", s_total=96 * K, s_local=96 * K,
-             peak_alloc=a + b * 96 * K, step_s=3.0),
-        dict(kind="oom", p=1, ckpt=False, phase="probe", s_total=128 * K)])
+    recs += _records(
+        1,
+        False,
+        a,
+        b,
+        budget,
+        [4 * K, 8 * K, 16 * K],
+        [
+            dict(
+                kind="measure",
+                p=1,
+                ckpt=False,
+                phase="verify",
+                s_total=96 * K,
+                s_local=96 * K,
+                peak_alloc=a + b * 96 * K,
+                step_s=3.0,
+            ),
+            dict(kind="oom", p=1, ckpt=False, phase="probe", s_total=128 * K),
+        ],
+    )
     # P=2: prediction 192K verified, next length not tried
-    recs += _records(2, False, a, b, budget, [8 * K, 16 * K, 32 * K], [
-        dict(kind="measure", p=2, ckpt=False, phase="verify", s_total=192 * K, s_local=96 * K,
-             peak_alloc=a + b * 96 * K, step_s=5.0)])
+    recs += _records(
+        2,
+        False,
+        a,
+        b,
+        budget,
+        [8 * K, 16 * K, 32 * K],
+        [
+            dict(
+                kind="measure",
+                p=2,
+                ckpt=False,
+                phase="verify",
+                s_total=192 * K,
+                s_local=96 * K,
+                peak_alloc=a + b * 96 * K,
+                step_s=5.0,
+            )
+        ],
+    )
     # P=4: the prediction (384K) ran out of memory, no retry: only the fit lengths are known
-    recs += _records(4, False, a, b, budget, [32 * K, 64 * K, 128 * K], [
-        dict(kind="oom", p=4, ckpt=False, phase="verify", s_total=384 * K)])
+    recs += _records(
+        4,
+        False,
+        a,
+        b,
+        budget,
+        [32 * K, 64 * K, 128 * K],
+        [dict(kind="oom", p=4, ckpt=False, phase="verify", s_total=384 * K)],
+    )
     # P=1 with checkpointing: only fit points -> predicted
     recs += _records(1, True, a, b / 10, budget, [8 * K, 16 * K, 32 * K])
     out = mc.summarize(recs, meta)
@@ -134,9 +186,25 @@ def test_summarize_statuses_and_plot(mc, tmp_path):
 def test_dry_run_job_brackets_the_maximum(mc, tmp_path):
     records = tmp_path / "P1_nockpt.jsonl"
     grid_min, grid_max = 128, 1 << 18  # the dry run's --grid-max default
-    _script("--dry-run", "--job", "P1_nockpt", "--p", "1", "--ckpt", "0", "--records", str(records),
-            "--dry-run-mem-mib", "26", "--verify-max-s", "20", "--fit-lengths-off", "64,128,256",
-            "--grid-min", str(grid_min))
+    _script(
+        "--dry-run",
+        "--job",
+        "P1_nockpt",
+        "--p",
+        "1",
+        "--ckpt",
+        "0",
+        "--records",
+        str(records),
+        "--dry-run-mem-mib",
+        "26",
+        "--verify-max-s",
+        "20",
+        "--fit-lengths-off",
+        "64,128,256",
+        "--grid-min",
+        str(grid_min),
+    )
     recs = mc.read_records(tmp_path)
     kinds = [(r["kind"], r.get("phase")) for r in recs]
     assert kinds[0] == ("meta", None) and kinds.count(("measure", "fit")) == 3

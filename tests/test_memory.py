@@ -1,4 +1,5 @@
 """longctx.memory: the per-rank memory model, max_seq_len and the fit check (pure arithmetic)."""
+
 from __future__ import annotations
 
 import re
@@ -37,14 +38,17 @@ def test_grows_with_sequence_and_layers_and_checkpointing_orders():
     assert sizes == sorted(sizes) and len(set(sizes)) == 4
     deeper = estimate(ONE_B.replace(n_layer=32), 128 * K, plan=full).items["saved_block_inputs"]
     assert deeper == 2 * estimate(ONE_B, 128 * K, plan=full).items["saved_block_inputs"]
-    by_mode = {m: estimate(ONE_B, 64 * K, plan=ParallelPlan(activation_checkpointing=m)).gpu_bytes
-               for m in ("none", "selective", "full")}
+    by_mode = {
+        m: estimate(ONE_B, 64 * K, plan=ParallelPlan(activation_checkpointing=m)).gpu_bytes
+        for m in ("none", "selective", "full")
+    }
     assert by_mode["full"] < by_mode["selective"] < by_mode["none"]
     # the tiled MLP and the offload only ever lower the GPU peak; the offload raises host memory
     tiled = estimate(ONE_B, 512 * K, plan=ParallelPlan(activation_checkpointing="full", mlp_tile_size=8192))
     assert tiled.gpu_bytes < estimate(ONE_B, 512 * K, plan=full).gpu_bytes
-    off = estimate(ONE_B, 512 * K, plan=ParallelPlan(activation_checkpointing="full", mlp_tile_size=8192,
-                                                    offload_activations=8))
+    off = estimate(
+        ONE_B, 512 * K, plan=ParallelPlan(activation_checkpointing="full", mlp_tile_size=8192, offload_activations=8)
+    )
     assert off.gpu_bytes < tiled.gpu_bytes and off.host_bytes > tiled.host_bytes
     assert off.host_items["offloaded_activations"] == 8 * 512 * K * 2048 * 2  # bf16 block inputs, pinned
 
@@ -91,8 +95,13 @@ def test_check_fits_raises_one_line_naming_the_fix():
     with pytest.raises(ValueError, match="context-parallel size"):
         check_fits(ONE_B, 4096 * K, plan=plan, gpu_total=80 * GiB, host_total=16 * GiB)
     with pytest.raises(ValueError, match="host"):
-        check_fits(ONE_B, 512 * K, plan=ParallelPlan(activation_checkpointing="full", offload_activations=True),
-                   gpu_total=None, host_total=8 * GiB)
+        check_fits(
+            ONE_B,
+            512 * K,
+            plan=ParallelPlan(activation_checkpointing="full", offload_activations=True),
+            gpu_total=None,
+            host_total=8 * GiB,
+        )
     assert host_memory_bytes() > GiB
 
 
@@ -104,16 +113,36 @@ def test_lightning_module_prints_the_prediction_before_the_first_step(capsys, mo
 
     data = [{"input_ids": t[:-1], "labels": t[1:]} for t in torch.randint(0, 256, (2, 65))]
     loader = torch.utils.data.DataLoader(data, batch_size=1)
-    module = CausalLMModule(dict(preset="tiny", vocab_size=256), parallel={"attention_backend": "torch"},
-                            attention="causal", warmup_steps=1)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    module = CausalLMModule(
+        dict(preset="tiny", vocab_size=256), parallel={"attention_backend": "torch"}, attention="causal", warmup_steps=1
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, loader)
     assert "memory (predicted, per rank)" in capsys.readouterr().out
-    off = CausalLMModule(dict(preset="tiny", vocab_size=256), parallel={"attention_backend": "torch"},
-                         attention="causal", warmup_steps=1, memory_check=False)
-    L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False).fit(off, loader)
+    off = CausalLMModule(
+        dict(preset="tiny", vocab_size=256),
+        parallel={"attention_backend": "torch"},
+        attention="causal",
+        warmup_steps=1,
+        memory_check=False,
+    )
+    L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(off, loader)
     assert "memory (predicted" not in capsys.readouterr().out
 
 
@@ -184,9 +213,15 @@ def test_fitting_plan_takes_the_cheapest_change_that_fits():
     assert got is None or {**got.to_dict(), "attention_head_chunks": 1} == chosen_by_user.to_dict()
 
 
-@pytest.mark.parametrize("results", ["memory_validate_h200.json", "memory_validate_cp2_h100x2.json",
-                                     "memory_validate_periods_h100.json",
-                                     *sorted(p.name for p in RESULTS.glob("memory_full*.json"))])
+@pytest.mark.parametrize(
+    "results",
+    [
+        "memory_validate_h200.json",
+        "memory_validate_cp2_h100x2.json",
+        "memory_validate_periods_h100.json",
+        *sorted(p.name for p in RESULTS.glob("memory_full*.json")),
+    ],
+)
 def test_the_model_bounds_the_committed_measurements(results):
     """Every GPU measurement committed under benchmarks/results/ (one H200; CP=2 over two
     H100s; FlashAttention-4 blocks; the full-depth train.py runs of device_memory_full.sh)
@@ -219,8 +254,12 @@ def test_the_fitting_plan_is_decided_before_the_model_is_built(monkeypatch, caps
         module = CausalLMModule(dict(preset="tiny", vocab_size=256), parallel=parallel, attention="causal")
         trainer = SimpleNamespace(
             strategy=SimpleNamespace(root_device=torch.device("cuda"), cp_size=1, parallel_dims=ParallelDims()),
-            datamodule=SimpleNamespace(seq_len=1 << 20, batch_size=1), precision="bf16-mixed", world_size=1,
-            num_devices=1, global_rank=0)
+            datamodule=SimpleNamespace(seq_len=1 << 20, batch_size=1),
+            precision="bf16-mixed",
+            world_size=1,
+            num_devices=1,
+            global_rank=0,
+        )
         module._trainer = trainer
         module.setup("fit")
         module.configure_model()
@@ -257,12 +296,25 @@ def test_gradients_are_freed_right_after_the_optimizer_step(tmp_path):
             return super().training_step(batch, batch_idx)
 
     data = [{"input_ids": t[:-1], "labels": t[1:]} for t in torch.randint(0, 256, (4, 65))]
-    module = Recording(dict(preset="tiny", vocab_size=256), parallel={"attention_backend": "torch"},
-                       attention="causal", warmup_steps=1, memory_check=False)
+    module = Recording(
+        dict(preset="tiny", vocab_size=256),
+        parallel={"attention_backend": "torch"},
+        attention="causal",
+        warmup_steps=1,
+        memory_check=False,
+    )
     module.grads_at_forward = []
-    L.Trainer(accelerator="cpu", devices=1, max_steps=2, accumulate_grad_batches=2, logger=CSVLogger(tmp_path),
-              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-              log_every_n_steps=1).fit(module, torch.utils.data.DataLoader(data, batch_size=1))
+    L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        accumulate_grad_batches=2,
+        logger=CSVLogger(tmp_path),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+    ).fit(module, torch.utils.data.DataLoader(data, batch_size=1))
     assert module.grads_at_forward == [False, True, False, True]
     assert all(p.grad is None for p in module.parameters())
     rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
@@ -303,8 +355,12 @@ def test_one_layers_saved_tensors_are_the_models_count():
 
     cfg = GPTConfig(vocab_size=64, n_layer=1, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=96, head_dim=16)
     T = 256
-    per_layer = {hf: estimate(cfg, T, plan=ParallelPlan(activation_checkpointing="none"), attention_kernel="triton",
-                              hf_modules=hf).items["saved_block_inputs"] for hf in (False, True)}
+    per_layer = {
+        hf: estimate(
+            cfg, T, plan=ParallelPlan(activation_checkpointing="none"), attention_kernel="triton", hf_modules=hf
+        ).items["saved_block_inputs"]
+        for hf in (False, True)
+    }
     torch.manual_seed(0)
     x = torch.randn(1, T, cfg.n_embd, dtype=torch.bfloat16, requires_grad=True)
 
@@ -313,15 +369,23 @@ def test_one_layers_saved_tensors_are_the_models_count():
     shared = {t.untyped_storage().data_ptr() for t in (*gpt.parameters(), *rope)}
     assert _saved_bytes(lambda: gpt.blocks[0](x, rope=rope), shared) == per_layer[False]
 
-    hc = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                  attn_implementation="longctx_ring")
+    hc = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attn_implementation="longctx_ring",
+    )
     hf = transformers.LlamaForCausalLM(hc).to(torch.bfloat16)
     pos = torch.arange(T)[None]
     cos, sin = hf.model.rotary_emb(x, pos)
     shared = {t.untyped_storage().data_ptr() for t in (*hf.parameters(), cos, sin)}
-    got = _saved_bytes(lambda: hf.model.layers[0](x, attention_mask=None, position_ids=pos,
-                                                  position_embeddings=(cos, sin)), shared)
+    got = _saved_bytes(
+        lambda: hf.model.layers[0](x, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin)), shared
+    )
     assert got == per_layer[True] - 2 * cfg.n_embd * T
 
 
@@ -359,7 +423,13 @@ def test_device_memory_full_commands_pass_train_checks_and_tabulate(tmp_path, mo
     for name, (_, args) in cases.items():
         run = tmp_path / "runs" / name / "run"
         argv = [a.replace("STEPS", "3") for a in args] + [
-            "--output-dir", str(run), "--checkpoint-every", "0", "--trainer.enable_progress_bar", "false"]
+            "--output-dir",
+            str(run),
+            "--checkpoint-every",
+            "0",
+            "--trainer.enable_progress_bar",
+            "false",
+        ]
         assert train.prepare(argv, device_checks=False).trainer is None
         resolved = train.resolve_config(argv)
         resolved.config.model.parallel.attention_backend = "fa4"

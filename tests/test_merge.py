@@ -1,4 +1,5 @@
 """The in-place partial-result merge against a float64 formula, incl. rows with no keys."""
+
 from __future__ import annotations
 
 import os
@@ -18,18 +19,18 @@ def check_merge(impl: str, block_dtype: torch.dtype) -> None:
     lse = torch.randn(b, h, s) * 3
     out_b = torch.randn(b, s, h, d).to(block_dtype)
     lse_b = torch.randn(b, h, s) * 3
-    lse[0, 0, :5] = float("-inf")          # running side has seen no key yet
+    lse[0, 0, :5] = float("-inf")  # running side has seen no key yet
     out[0, :5, 0] = 0.0
-    lse_b[1, 2, 7:9] = float("-inf")       # block side saw no key
-    lse[1, 2, 8] = float("-inf")           # ... and neither did the running side
+    lse_b[1, 2, 7:9] = float("-inf")  # block side saw no key
+    lse[1, 2, 8] = float("-inf")  # ... and neither did the running side
     out[1, 8, 2] = 0.0
     # NaN/Inf in q or k reach the merge as a NaN or +inf lse: the row must come out NaN,
     # whatever the partial output holds (a kernel may have written 0 there).
-    lse[0, 1, 10], out[0, 10, 1] = float("nan"), 0.0                     # running side NaN
-    lse_b[1, 0, 12], out_b[1, 12, 0] = float("nan"), 0.0                 # block side NaN
-    lse_b[0, 2, 3], out_b[0, 3, 2] = float("inf"), float("nan")          # block side +inf
-    lse_b[1, 1, 20], out_b[1, 20, 1] = float("nan"), 0.0                 # NaN block on an
-    lse[1, 1, 20], out[1, 20, 1] = float("-inf"), 0.0                    # empty running row
+    lse[0, 1, 10], out[0, 10, 1] = float("nan"), 0.0  # running side NaN
+    lse_b[1, 0, 12], out_b[1, 12, 0] = float("nan"), 0.0  # block side NaN
+    lse_b[0, 2, 3], out_b[0, 3, 2] = float("inf"), float("nan")  # block side +inf
+    lse_b[1, 1, 20], out_b[1, 20, 1] = float("nan"), 0.0  # NaN block on an
+    lse[1, 1, 20], out[1, 20, 1] = float("-inf"), 0.0  # empty running row
     want_lse = torch.logaddexp(lse.double(), lse_b.double())
     empty = (lse == float("-inf")) & (lse_b == float("-inf"))
     weight = lambda side: torch.exp(side.double() - want_lse).masked_fill(empty, 0.0).transpose(1, 2).unsqueeze(-1)  # noqa: E731

@@ -1,5 +1,6 @@
 """GPT model: context-parallel forward/backward equals one device, RoPE on zigzag shards,
 chunked cross-entropy, block reuse, configs."""
+
 from __future__ import annotations
 
 import copy
@@ -41,10 +42,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def small_config(**kw) -> GPTConfig:
-    base = dict(vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=48,
-                rope_theta=500.0,
-                # Larger than a real init so attention (and RoPE) move the logits visibly.
-                init_std=0.15)
+    base = dict(
+        vocab_size=96,
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        n_embd=32,
+        intermediate_size=48,
+        rope_theta=500.0,
+        # Larger than a real init so attention (and RoPE) move the logits visibly.
+        init_std=0.15,
+    )
     base.update(kw)
     return GPTConfig(**base)
 
@@ -276,8 +284,9 @@ def test_loss_matches_logits_and_checkpointing_matches():
     input_ids, labels = make_batch(20, config.vocab_size, seed=5)
     logits = model(input_ids)
     assert logits.shape == (2, 20, config.vocab_size)
-    plain = F.cross_entropy(logits.reshape(-1, config.vocab_size).double(), labels.reshape(-1),
-                            ignore_index=-100, reduction="sum")
+    plain = F.cross_entropy(
+        logits.reshape(-1, config.vocab_size).double(), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
     loss, n = model.loss(input_ids, labels)
     assert abs(loss.item() - plain.item()) / plain.item() < 1e-5
     assert n.item() == int((labels != -100).sum())
@@ -349,12 +358,19 @@ def test_selective_checkpointing_runs_the_ring_once(monkeypatch):
         GPTConfig.from_preset("tiny", activation_checkpointing="full")
 
 
-@pytest.mark.parametrize("backend", [
-    "aot_eager",
-    pytest.param("inductor", marks=pytest.mark.skipif(
-        shutil.which("g++") is None and shutil.which("c++") is None,
-        reason="inductor on CPU needs a C++ compiler")),
-])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "aot_eager",
+        pytest.param(
+            "inductor",
+            marks=pytest.mark.skipif(
+                shutil.which("g++") is None and shutil.which("c++") is None,
+                reason="inductor on CPU needs a C++ compiler",
+            ),
+        ),
+    ],
+)
 def test_pointwise_fusion_matches_eager(monkeypatch, backend):
     """fuse_pointwise routes RMSNorm/RoPE/SwiGLU through torch.compile: same loss and grads,
     with activation checkpointing too (the compiled functions are re-run in the recompute)."""
@@ -448,9 +464,16 @@ def test_model_input_errors():
 
 
 def test_presets_and_param_counts():
-    expected_millions = {"tiny": (0.5, 2), "gpt-125m": (115, 135), "gpt-350m": (330, 380),
-                         "gpt-1b": (950, 1250), "smollm2-135m": (134.4, 134.6),
-                         "llama3.2-1b": (1235, 1236), "llama3.2-3b": (3212, 3213), "llama3-8b": (8030, 8031)}
+    expected_millions = {
+        "tiny": (0.5, 2),
+        "gpt-125m": (115, 135),
+        "gpt-350m": (330, 380),
+        "gpt-1b": (950, 1250),
+        "smollm2-135m": (134.4, 134.6),
+        "llama3.2-1b": (1235, 1236),
+        "llama3.2-3b": (3212, 3213),
+        "llama3-8b": (8030, 8031),
+    }
     assert set(expected_millions) == set(PRESETS)
     for name, (lo, hi) in expected_millions.items():
         c = GPTConfig.from_preset(name)
@@ -521,8 +544,9 @@ def _untied_embedding_under_fsdp(rank: int, world: int) -> dict:
     def look(grad):
         during_blocks.append([isinstance(m.weight, DTensor) for m in (model.embed, model.lm_head)])
 
-    model.blocks[1].register_forward_hook(lambda m, a, out: (out.register_hook(look) if out.requires_grad else None)
-                                          and None)
+    model.blocks[1].register_forward_hook(
+        lambda m, a, out: (out.register_hook(look) if out.requires_grad else None) and None
+    )
     loss, n = model(ids, labels=labels)
     (loss / n).backward()
     ref_loss, ref_n = reference(ids, labels=labels)
@@ -530,9 +554,12 @@ def _untied_embedding_under_fsdp(rank: int, world: int) -> dict:
     grads = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
     err = max(((grads[k] - p.grad).norm() / p.grad.norm()).item() for k, p in reference.named_parameters())
     tied = parallelize(GPT(small_config()), ParallelDims(data_parallel="fsdp", fsdp_mesh=mesh), small_plan())
-    return {"units": [isinstance(m, FSDPModule) for m in (model.embed, model.lm_head, tied.embed)],
-            "during_blocks": during_blocks, "loss_err": abs(loss.item() - ref_loss.item()) / ref_loss.item(),
-            "grad_err": err}
+    return {
+        "units": [isinstance(m, FSDPModule) for m in (model.embed, model.lm_head, tied.embed)],
+        "during_blocks": during_blocks,
+        "loss_err": abs(loss.item() - ref_loss.item()) / ref_loss.item(),
+        "grad_err": err,
+    }
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 exchange (plain ids and the step's DocumentPlan, packed and balanced) in bf16 against the
 float64 reference with the explicit mask (not yet run on GPUs: written after this session's
 device time was spent)."""
+
 from __future__ import annotations
 
 import random
@@ -15,8 +16,11 @@ from test_ring_attention import run_case
 from longctx import balance_documents, ring_attention, ulysses_attention
 from longctx.data.document_mixes import document_ids, document_lengths
 
-pytestmark = [pytest.mark.gpu, pytest.mark.multigpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.multigpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)"),
+]
 
 BF16_TOL = 2e-2
 
@@ -30,16 +34,18 @@ def _cases_vs_float64(rank, world, seed):
     balanced = balance_documents({**full, "document_ids": ids}, world_size=world)
     errors = []
     for name, attention, tensors, docs, plan in (
-            ("ring", ring_attention, full, None, False),
-            ("ulysses", ulysses_attention, full, None, False),
-            ("ring ids", ring_attention, full, ids, False),
-            ("ring plan", ring_attention, full, ids, True),
-            ("ring plan balanced", ring_attention, balanced, balanced["document_ids"], True),
-            ("ulysses plan", ulysses_attention, full, ids, True)):
+        ("ring", ring_attention, full, None, False),
+        ("ulysses", ulysses_attention, full, None, False),
+        ("ring ids", ring_attention, full, ids, False),
+        ("ring plan", ring_attention, full, ids, True),
+        ("ring plan balanced", ring_attention, balanced, balanced["document_ids"], True),
+        ("ulysses plan", ulysses_attention, full, ids, True),
+    ):
         q, k, v, dout = (tensors[n].to(device, torch.bfloat16) for n in ("q", "k", "v", "dout"))
         docs = None if docs is None else docs.to(device)
-        for what, err in run_case(attention, dist.group.WORLD, rank, world, "zigzag", True, q, k, v, dout,
-                                  documents=docs, plan=plan):
+        for what, err in run_case(
+            attention, dist.group.WORLD, rank, world, "zigzag", True, q, k, v, dout, documents=docs, plan=plan
+        ):
             errors.append((name, what, err))
     return errors
 

@@ -1,5 +1,6 @@
 """Block-input offload (ParallelPlan.offload_activations = bool or a number of blocks):
 exact gradients against no offload; prefetch order one block ahead; validation."""
+
 from __future__ import annotations
 
 import copy
@@ -14,8 +15,18 @@ from longctx.offload import BlockOffloader, offload_count
 
 def _model():
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=96, n_layer=4, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=48,
-                         rope_theta=500.0, init_std=0.15)).double()
+    return GPT(
+        GPTConfig(
+            vocab_size=96,
+            n_layer=4,
+            n_head=4,
+            n_kv_head=2,
+            n_embd=32,
+            intermediate_size=48,
+            rope_theta=500.0,
+            init_std=0.15,
+        )
+    ).double()
 
 
 def _grads(model, ids, labels):
@@ -61,8 +72,9 @@ def test_prefetch_runs_one_block_ahead_of_the_backward():
             seen.append(self)
 
     model = _model()
-    parallelize(model, plan=ParallelPlan(activation_checkpointing="full", attention_backend="torch",
-                                         offload_activations=3))
+    parallelize(
+        model, plan=ParallelPlan(activation_checkpointing="full", attention_backend="torch", offload_activations=3)
+    )
     import longctx.models.gpt as gpt
 
     gpt.BlockOffloader, saved = Spy, gpt.BlockOffloader
@@ -73,8 +85,12 @@ def test_prefetch_runs_one_block_ahead_of_the_backward():
         assert sorted(off_.groups) == [0, 1, 2]
         held = {g: [item.tensor for item in v if item.tensor.numel()] for g, v in off_.groups.items()}
         assert all(len(v) == 1 and v[0].shape == (1, 16, 32) for v in held.values()), held  # the block input
-        assert all(item.tensor.numel() == 0 and item.host is None for v in off_.groups.values() for item in v
-                   if not any(item.tensor is t for t in held[item.group]))  # the rest: empty, not copied
+        assert all(
+            item.tensor.numel() == 0 and item.host is None
+            for v in off_.groups.values()
+            for item in v
+            if not any(item.tensor is t for t in held[item.group])
+        )  # the rest: empty, not copied
         assert off_.copies_out == sum(map(len, off_.groups.values())) and off_.prefetches == []
         loss.backward()
         assert off_.prefetches == [2, 1, 0]

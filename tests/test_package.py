@@ -1,5 +1,6 @@
 """The package face: the model, the ring, the kernels and the data pipeline import with
 torch alone; the Lightning wing loads on demand and registers the strategy name."""
+
 from __future__ import annotations
 
 import ast
@@ -29,10 +30,12 @@ def test_model_and_ring_import_without_lightning():
 
 
 def test_strategy_name_registered_whatever_the_import_order():
-    check = ("from lightning.pytorch.strategies import StrategyRegistry\n"
-             "import longctx\n"
-             "assert 'context_parallel' in StrategyRegistry, sorted(StrategyRegistry)\n"
-             "assert StrategyRegistry['context_parallel']['strategy'] is longctx.ContextParallelStrategy\n")
+    check = (
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "import longctx\n"
+        "assert 'context_parallel' in StrategyRegistry, sorted(StrategyRegistry)\n"
+        "assert StrategyRegistry['context_parallel']['strategy'] is longctx.ContextParallelStrategy\n"
+    )
     for first in ("import longctx\n", "import lightning\n"):
         proc = _run(first + check)
         assert proc.returncode == 0, (first, proc.stderr[-2000:])
@@ -83,7 +86,7 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
             for package_name, folder in _package_dirs().items():
                 if target == folder or target.startswith(folder + "."):
                     if package_name != folder:
-                        target = package_name + target[len(folder):]
+                        target = package_name + target[len(folder) :]
             while target and target not in known:
                 target = target.rpartition(".")[0]  # ``import a.b.name`` of a non-module name
             if target and target != name:

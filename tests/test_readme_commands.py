@@ -12,6 +12,7 @@ GPU machine would see it). So a README command that train.py would refuse fails 
 ``--resume runs/NAME`` command continues the run the README made before it: a run folder
 as train.py leaves it (its config.yaml and a checkpoint halfway) stands in for it.
 """
+
 from __future__ import annotations
 
 import re
@@ -43,9 +44,9 @@ def readme_commands(text: str) -> list[list[str]]:
                     continue  # prose in a code block (a file tree): not a command
                 launcher = words[:at]
                 if launcher[0] in ("python", "python3") and len(launcher) == 1:
-                    commands.append((None, words[at + 1:]))
+                    commands.append((None, words[at + 1 :]))
                 elif launcher[0] == "torchrun":
-                    commands.append((_torchrun_world(launcher[1:]), words[at + 1:]))
+                    commands.append((_torchrun_world(launcher[1:]), words[at + 1 :]))
                 else:
                     raise AssertionError(f"README runs train.py in a way this test does not know: {part!r}")
     return commands
@@ -97,8 +98,9 @@ def made_runs(train, tmp_path_factory) -> dict[str, Path]:
                 cfg.model.decay_steps = cfg.model.decay_steps or cfg.trainer.max_steps
                 (run / "checkpoints").mkdir(parents=True)
                 (run / "config.yaml").write_text(resolved.dump())
-                torch.save({"global_step": cfg.trainer.max_steps // 2, "state_dict": {}},
-                           run / "checkpoints" / "last.ckpt")
+                torch.save(
+                    {"global_step": cfg.trainer.max_steps // 2, "state_dict": {}}, run / "checkpoints" / "last.ckpt"
+                )
                 made[name] = run
     return made
 
@@ -123,16 +125,18 @@ def test_readme_command_passes_the_checks(train, made_runs, command, tmp_path, m
         assert "model:" in capsys.readouterr().out
         return
     except Exception as e:  # what train.py would print as `train.py: error: ...`
-        raise AssertionError(f"README command refused: train.py {' '.join(argv)}\n"
-                             f"train.py: error: {train.one_line(e)}") from None
+        raise AssertionError(
+            f"README command refused: train.py {' '.join(argv)}\ntrain.py: error: {train.one_line(e)}"
+        ) from None
     assert not print_config, "--print_config should have printed and exited"
     assert prepared.trainer is None and prepared.run_lock is None  # checked only: nothing built or locked
     assert time.monotonic() - start < 20
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir()), "data work started"
 
 
-@pytest.mark.parametrize("sizes", [["--preset", "tiny"], ["--model.model.n_layer", "2"],
-                                   ["--model.model", "{preset: tiny}"]])
+@pytest.mark.parametrize(
+    "sizes", [["--preset", "tiny"], ["--model.model.n_layer", "2"], ["--model.model", "{preset: tiny}"]]
+)
 def test_hf_model_with_model_sizes_given_as_flags_is_refused(train, sizes, monkeypatch):
     """A config's GPT sizes give way to --hf-model (the README pairing above); sizes the user
     gives on the command line with it are refused, before or after it."""
@@ -144,4 +148,5 @@ def test_hf_model_with_model_sizes_given_as_flags_is_refused(train, sizes, monke
     cfg = train.resolve_config(["--config", "configs/llama3.2-1b-128k.yaml", *hf]).config
     assert cfg.model.model is None and cfg.model.hf_model == hf[1]
     assert train.resolve_config(["--config", "configs/llama3.2-1b-128k.yaml"]).config.model.model == {
-        "preset": "llama3.2-1b"}
+        "preset": "llama3.2-1b"
+    }

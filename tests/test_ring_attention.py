@@ -1,4 +1,5 @@
 """Ring attention against a float64 single-device reference, over gloo with P processes."""
+
 from __future__ import annotations
 
 import random
@@ -36,8 +37,9 @@ CASES = [
 ]
 
 
-def run_case(attention, group, rank, world, layout, causal, q, k, v, dout, scale=None, documents=None,
-             plan=False, **kwargs):
+def run_case(
+    attention, group, rank, world, layout, causal, q, k, v, dout, scale=None, documents=None, plan=False, **kwargs
+):
     """Shard full-sequence inputs (and ``documents``, (B, S) ids) over ``group``, run
     ``attention`` forward and backward, and return the norm-relative errors of the
     gathered out, dq, dk, dv against the float64 reference, as [(name, error)].
@@ -48,8 +50,11 @@ def run_case(attention, group, rank, world, layout, causal, q, k, v, dout, scale
     ql, kl, vl = (shard(t).detach().requires_grad_() for t in (q, k, v))
     extra = dict(kwargs)
     if documents is not None:
-        extra["document_ids"] = (plan_documents(documents, world_size=world, rank=rank, layout=layout, causal=causal)
-                                 if plan else shard(documents))
+        extra["document_ids"] = (
+            plan_documents(documents, world_size=world, rank=rank, layout=layout, causal=causal)
+            if plan
+            else shard(documents)
+        )
     out = attention(ql, kl, vl, group=group, causal=causal, layout=layout, softmax_scale=scale, **extra)
     out.backward(shard(dout))
     gather = lambda t: unshard_sequence(t.detach(), 1, group=group, layout=layout)  # noqa: E731
@@ -83,8 +88,9 @@ def attention_vs_reference(rank, world, seed, impl="ring", cases=CASES):
 
 def failures(errors) -> list:
     """Errors above tolerance: fp32 1e-5, bf16 2e-2 (NaN always fails)."""
-    return [f"{case} {name}: {err:.2e}" for case, name, err in errors
-            if not err < (2e-2 if "bfloat16" in case[4] else 1e-5)]
+    return [
+        f"{case} {name}: {err:.2e}" for case, name, err in errors if not err < (2e-2 if "bfloat16" in case[4] else 1e-5)
+    ]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -152,9 +158,7 @@ def _second_backward_matches_first(rank, world):
     out = ring_attention(q, k, v, group=dist.group.WORLD)
     first = torch.autograd.grad((out * w).sum(), (q, k, v), retain_graph=True)
     second = torch.autograd.grad((out * w).sum(), (q, k, v))
-    return [(a - b).abs().max().item() for a, b in zip(first, second)] + [
-        float(torch.isfinite(g).all()) for g in first
-    ]
+    return [(a - b).abs().max().item() for a, b in zip(first, second)] + [float(torch.isfinite(g).all()) for g in first]
 
 
 def test_second_backward_with_retained_graph_is_identical():
@@ -265,18 +269,30 @@ def _non_finite_vs_reference(rank, world):
                 full = unshard_sequence(out.detach(), 1, group=group, layout=layout)
                 grads_nan = torch.tensor([float(any(bool(x.grad.isnan().any()) for x in (ql, kl, vl)))])
                 dist.all_reduce(grads_nan, op=dist.ReduceOp.MAX, group=group)
-                results.append((where, attention.__name__, layout, torch.equal(full.isnan(), ref.isnan()),
-                                int(ref.isnan().any(-1).sum()),
-                                bool(torch.allclose(full[~ref.isnan()], ref[~ref.isnan()].float(), atol=1e-5)),
-                                bool(grads_nan)))
+                results.append(
+                    (
+                        where,
+                        attention.__name__,
+                        layout,
+                        torch.equal(full.isnan(), ref.isnan()),
+                        int(ref.isnan().any(-1).sum()),
+                        bool(torch.allclose(full[~ref.isnan()], ref[~ref.isnan()].float(), atol=1e-5)),
+                        bool(grads_nan),
+                    )
+                )
     return results
 
 
 def test_nan_and_inf_in_q_or_k_show_in_the_output(two_rank_checks):
     for where, impl, layout, same_nans, nan_rows, rest_close, grads_nan in two_rank_checks[0][1]:
         case = (where, impl, layout)
-        assert nan_rows > 0 and same_nans and rest_close and grads_nan, \
-            (case, same_nans, nan_rows, rest_close, grads_nan)
+        assert nan_rows > 0 and same_nans and rest_close and grads_nan, (
+            case,
+            same_nans,
+            nan_rows,
+            rest_close,
+            grads_nan,
+        )
 
 
 def test_nan_in_local_attention_shows_in_the_output():
@@ -367,16 +383,26 @@ def _head_chunks_vs_reference(rank, world, seed):
     from test_ring_documents import document_ids
 
     errors = []
-    for i, (hq, hkv, chunks, docs) in enumerate([(4, 2, 2, False), (8, 4, 4, False), (4, 4, 2, True),
-                                                (6, 2, 2, True)]):
+    for i, (hq, hkv, chunks, docs) in enumerate([(4, 2, 2, False), (8, 4, 4, False), (4, 4, 2, True), (6, 2, 2, True)]):
         g = torch.Generator().manual_seed(seed + i)
         seq, b, d = 5 * 2 * world, 2, 8
         q, dout = (torch.randn(b, seq, hq, d, generator=g) for _ in range(2))
         k, v = (torch.randn(b, seq, hkv, d, generator=g) for _ in range(2))
         ids = document_ids("short", b, seq, g) if docs else None
         attention = functools.partial(ring_attention, head_chunks=chunks, backend="torch")
-        for name, err in run_case(attention, dist.group.WORLD if world > 1 else None, rank, world, "zigzag",
-                                  True, q, k, v, dout, documents=ids):
+        for name, err in run_case(
+            attention,
+            dist.group.WORLD if world > 1 else None,
+            rank,
+            world,
+            "zigzag",
+            True,
+            q,
+            k,
+            v,
+            dout,
+            documents=ids,
+        ):
             errors.append(((hq, hkv, chunks, docs), name, err))
     sends = []
     real = dist.batch_isend_irecv

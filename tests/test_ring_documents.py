@@ -4,6 +4,7 @@ One spawned group of 4 processes covers P = 2 (two concurrent pairs), 3 and 4; P
 in this process. Every case is a fresh random draw (the seed is printed on failure), run
 both with plain ids (planned per call) and with the step's ``DocumentPlan``.
 """
+
 from __future__ import annotations
 
 import random
@@ -25,19 +26,19 @@ def document_ids(pattern: str, batch: int, seq: int, g: torch.Generator) -> torc
     rows = []
     for _ in range(batch):
         pos = torch.arange(seq)
-        if pattern == "one":            # a single document: plain (causal) attention
+        if pattern == "one":  # a single document: plain (causal) attention
             ids = torch.zeros(seq, dtype=torch.long)
-        elif pattern == "short":        # packed documents of 1-5 tokens
+        elif pattern == "short":  # packed documents of 1-5 tokens
             ids = torch.repeat_interleave(torch.arange(seq), torch.randint(1, 6, (seq,), generator=g))[:seq]
-        elif pattern == "crossing":     # every chunk (so every shard) boundary inside a document
+        elif pattern == "crossing":  # every chunk (so every shard) boundary inside a document
             ids = (pos + CHUNK // 2) // CHUNK
-        elif pattern == "singletons":   # length-1 documents: each token sees only itself
+        elif pattern == "singletons":  # length-1 documents: each token sees only itself
             ids = pos.clone()
-        elif pattern == "repeated":     # equal ids far apart are one document
+        elif pattern == "repeated":  # equal ids far apart are one document
             ids = torch.randint(0, 3, (seq,), generator=g) * 7 - 5
-        elif pattern == "aligned":      # documents end exactly on chunk (shard) boundaries
+        elif pattern == "aligned":  # documents end exactly on chunk (shard) boundaries
             ids = pos // CHUNK
-        elif pattern == "spanning":     # one document over every rank, short ones at both ends
+        elif pattern == "spanning":  # one document over every rank, short ones at both ends
             ids = torch.where((pos >= CHUNK // 2) & (pos < seq - CHUNK // 2), -1, pos)
         else:
             raise ValueError(pattern)
@@ -47,11 +48,17 @@ def document_ids(pattern: str, batch: int, seq: int, g: torch.Generator) -> torc
 
 PATTERNS = ("one", "short", "crossing", "singletons", "repeated", "aligned", "spanning")
 HEADS = ((4, 4), (4, 2), (4, 1))
-RING_CASES = [(layout, causal, pattern, HEADS[i % len(HEADS)])
-              for i, (layout, causal, pattern) in enumerate(
-                  [(lo, c, p) for lo in ("zigzag", "contiguous") for c in (True, False) for p in PATTERNS])]
-ULYSSES_CASES = [(layout, causal, pattern, (8, 4))
-                 for layout, causal, pattern, _ in RING_CASES if (pattern == "repeated") == (layout == "zigzag")]
+RING_CASES = [
+    (layout, causal, pattern, HEADS[i % len(HEADS)])
+    for i, (layout, causal, pattern) in enumerate(
+        [(lo, c, p) for lo in ("zigzag", "contiguous") for c in (True, False) for p in PATTERNS]
+    )
+]
+ULYSSES_CASES = [
+    (layout, causal, pattern, (8, 4))
+    for layout, causal, pattern, _ in RING_CASES
+    if (pattern == "repeated") == (layout == "zigzag")
+]
 
 
 def run_cases(attention, group, cases, seed):
@@ -66,8 +73,9 @@ def run_cases(attention, group, cases, seed):
         ids = document_ids(pattern, 2, seq, g)
         plan = i % 2 == 1
         extra = {"head_chunks": 2} if plan and attention is ring_attention and hkv % 2 == 0 else {}
-        for name, err in run_case(attention, group, rank, world, layout, causal, q, k, v, dout, documents=ids,
-                                  plan=plan, **extra):
+        for name, err in run_case(
+            attention, group, rank, world, layout, causal, q, k, v, dout, documents=ids, plan=plan, **extra
+        ):
             errors.append(((world, layout, causal, pattern, hq, hkv, plan), name, err))
     return errors
 
@@ -94,14 +102,18 @@ def _kernel_calls_and_sends(rank, world):
     from longctx import shard_sequence
 
     calls = {"forward": 0, "backward": 0}
-    real = {"forward": document_ring.attention_forward, "backward": document_ring.attention_backward,
-            "p2p": dist.batch_isend_irecv}
+    real = {
+        "forward": document_ring.attention_forward,
+        "backward": document_ring.attention_backward,
+        "p2p": dist.batch_isend_irecv,
+    }
     sends = []
 
     def counted(kind):
         def call(*args, **kwargs):
             calls[kind] += 1
             return real[kind](*args, **kwargs)
+
         return call
 
     def counting_p2p(ops):
@@ -160,7 +172,7 @@ def _visible_keys(full_ids, world, layout, causal, receiver, source):
     pos_r = position_ids(full_ids.shape[1], rank=receiver, world_size=world, layout=layout)
     pos_s = position_ids(full_ids.shape[1], rank=source, world_size=world, layout=layout)
     ids = full_ids[0]
-    see = (ids[pos_r][:, None] == ids[pos_s][None, :])
+    see = ids[pos_r][:, None] == ids[pos_s][None, :]
     if causal:
         see &= pos_s[None, :] <= pos_r[:, None]
     return see.any(0).nonzero().flatten().tolist(), see.any(1).nonzero().flatten().tolist()
@@ -210,8 +222,10 @@ def test_plan_local_calls_split_documents_in_separate_runs():
     plan = plan_documents(ids, world_size=1, rank=0)
     causal, *cross = plan.local_calls
     assert causal.causal and causal.q_rows is None and causal.segments.cu_seqlens_q.tolist() == [0, 2, 4, 6, 7, 8]
-    assert [c.q_rows.tolist() if not isinstance(c.q_rows, slice) else c.q_rows for c in cross] == \
-        [[4, 5, 7], slice(7, 8)]
+    assert [c.q_rows.tolist() if not isinstance(c.q_rows, slice) else c.q_rows for c in cross] == [
+        [4, 5, 7],
+        slice(7, 8),
+    ]
     assert [_indices(c.k_rows, 0) for c in cross] == [[0, 1, 4, 5], [0, 1]]
     assert sum(c.pairs for c in plan.local_calls) == 3 + 3 + 3 + 1 + 1 + 6 + 2  # causal runs, then cross
     with pytest.raises(ValueError, match="rank 4 is outside"):
@@ -258,8 +272,9 @@ def test_document_work_per_rank_counts_visible_pairs(layout, causal):
     world, seq = 3, 36
     ids = torch.stack([document_ids("repeated", 1, seq, g)[0], document_ids("short", 1, seq, g)[0]])
     per_query = visibility_mask(seq, seq, causal, ids).sum(-1)  # (B, S) visible keys per query
-    want = torch.stack([shard_sequence(per_query, 1, rank=r, world_size=world, layout=layout).sum()
-                        for r in range(world)])
+    want = torch.stack(
+        [shard_sequence(per_query, 1, rank=r, world_size=world, layout=layout).sum() for r in range(world)]
+    )
     assert torch.equal(document_work_per_rank(ids, world, layout=layout, causal=causal), want)
     # One document, causal zigzag: the layout's purpose, equal work on every rank.
     if causal and layout == "zigzag":

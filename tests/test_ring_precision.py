@@ -2,6 +2,7 @@
 
 Prints the table published in the README (pytest -s shows it).
 """
+
 from __future__ import annotations
 
 import random
@@ -28,7 +29,7 @@ def _errors(rank, world, seed):
         out = ring_attention(ql, kl, vl, group=group)
         out.backward(shard(dout))
         got = [unshard_sequence(t.detach(), 1, group=group) for t in (out, ql.grad, kl.grad, vl.grad)]
-        ref_out, _, *ref_grads = reference(q, k, v, dout, True, DIM ** -0.5)
+        ref_out, _, *ref_grads = reference(q, k, v, dout, True, DIM**-0.5)
         rows[str(dtype).split(".")[1]] = [rel_err(a, w) for a, w in zip(got, (ref_out, *ref_grads))]
     return rows
 

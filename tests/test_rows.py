@@ -1,5 +1,6 @@
 """Row-wise passes (kernels/rows.py and merge_partials_(rows=)): Triton (interpreted here)
 and PyTorch forms against float64 formulas, for every kind of rows, NaN kept."""
+
 from __future__ import annotations
 
 import os

@@ -7,6 +7,7 @@ the plan printed at start == the module's hparams == what config.yaml gets (``co
 resolves to the same plan. Plus the pure pieces (data-parallel rule, kernel choice per block
 kind, document balance) against the rules they replace.
 """
+
 from __future__ import annotations
 
 import lightning as L
@@ -48,9 +49,19 @@ def _fit(strategy_kw: dict, module_kw: dict, capsys):
     torch.manual_seed(0)
     module = CausalLMModule(MODEL, warmup_steps=1, **module_kw)
     strategy = ContextParallelStrategy(context_parallel_size=1, failure_timeout=None, **strategy_kw)
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, precision="32-true",
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=1,
+        precision="32-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     trainer.fit(module, datamodule=_Data())
     return module, trainer.strategy, capsys.readouterr().out
 
@@ -67,11 +78,17 @@ def _runs_as(module, strategy) -> dict:
     sharded = {isinstance(p, DTensor) for p in module.parameters()}
     assert len(sharded) == 1
     return dict(
-        data_parallel="fsdp" if sharded.pop() else "ddp", cp=cp, layout=layout, cp_attention=kind,
-        attention_backend=backend, document_backend=document_backend,
+        data_parallel="fsdp" if sharded.pop() else "ddp",
+        cp=cp,
+        layout=layout,
+        cp_attention=kind,
+        attention_backend=backend,
+        document_backend=document_backend,
         activation_checkpointing={b.activation_checkpointing for b in blocks},
-        mlp_tile_size={b.mlp.tile_size for b in blocks}, attention_head_chunks=head_chunks,
-        offload_activations=module.model.offload_activations, loss_chunk_size=module.model.loss_chunk_size,
+        mlp_tile_size={b.mlp.tile_size for b in blocks},
+        attention_head_chunks=head_chunks,
+        offload_activations=module.model.offload_activations,
+        loss_chunk_size=module.model.loss_chunk_size,
         strategy_data_parallel=strategy.data_parallel,
     )
 
@@ -80,12 +97,23 @@ CONFIGS = {
     "fsdp-document-auto-kernels": (dict(data_parallel="fsdp"), dict()),
     "ddp-causal-named-kernel-memory": (
         dict(data_parallel="ddp"),
-        dict(attention="causal", parallel=dict(attention_backend="torch", activation_checkpointing="full",
-                                               mlp_tile_size=8, attention_head_chunks=2, loss_chunk_size=16))),
+        dict(
+            attention="causal",
+            parallel=dict(
+                attention_backend="torch",
+                activation_checkpointing="full",
+                mlp_tile_size=8,
+                attention_head_chunks=2,
+                loss_chunk_size=16,
+            ),
+        ),
+    ),
     "auto-dp-ulysses-balance-off": (
         dict(data_parallel="auto"),
-        dict(load_balance=False, parallel=dict(cp_attention="ulysses", document_backend="torch",
-                                               offload_activations=1))),
+        dict(
+            load_balance=False, parallel=dict(cp_attention="ulysses", document_backend="torch", offload_activations=1)
+        ),
+    ),
 }
 
 
@@ -105,11 +133,18 @@ def test_printed_plan_is_the_recorded_plan_is_the_plan_the_model_runs(name, caps
     assert "auto" not in (p.data_parallel, p.attention_backend, p.document_backend)  # every "auto" resolved
     assert p.attention_backend == p.document_backend == "torch"  # the kernels' choice on a CPU
     assert _runs_as(module, strategy) == dict(
-        data_parallel=p.data_parallel, cp=p.cp, layout=p.layout, cp_attention=p.cp_attention,
-        attention_backend=p.attention_backend, document_backend=p.document_backend,
-        activation_checkpointing={m.activation_checkpointing}, mlp_tile_size={m.mlp_tile_size},
-        attention_head_chunks=m.attention_head_chunks, offload_activations=m.offload_activations,
-        loss_chunk_size=m.loss_chunk_size, strategy_data_parallel=p.data_parallel,
+        data_parallel=p.data_parallel,
+        cp=p.cp,
+        layout=p.layout,
+        cp_attention=p.cp_attention,
+        attention_backend=p.attention_backend,
+        document_backend=p.document_backend,
+        activation_checkpointing={m.activation_checkpointing},
+        mlp_tile_size={m.mlp_tile_size},
+        attention_head_chunks=m.attention_head_chunks,
+        offload_activations=m.offload_activations,
+        loss_chunk_size=m.loss_chunk_size,
+        strategy_data_parallel=p.data_parallel,
     )
     if strategy_kw["data_parallel"] != "auto":
         assert p.data_parallel == strategy_kw["data_parallel"]
@@ -135,22 +170,32 @@ def test_resolution_is_its_own_fixed_point():
     first = resolve_run(cfg, world, "cpu", requested={"activation_checkpointing": "full"}, **kw)
     assert first.parallel.attention_backend == first.parallel.document_backend == "torch"
     assert first.estimate is not None and first.memory.mlp_tile_size is None  # CPU: predicted, not escalated
-    again = resolve_run(cfg, World(data_parallel=first.config_entries()["strategy.data_parallel"]), "cpu",
-                        requested=first.config_entries()["model.parallel"], **kw)
+    again = resolve_run(
+        cfg,
+        World(data_parallel=first.config_entries()["strategy.data_parallel"]),
+        "cpu",
+        requested=first.config_entries()["model.parallel"],
+        **kw,
+    )
     assert again == first
 
 
 def test_the_pure_rules():
     # data parallel "auto": FSDP2 where the replicated state would fill a quarter of the GPU
     gib = 2**30
-    assert resolve_data_parallel("auto", n_params=2 * 10**9, device_type="cuda", gpu_total=80 * gib,
-                                 parallelizes=True) == "fsdp"
-    assert resolve_data_parallel("auto", n_params=10**8, device_type="cuda", gpu_total=80 * gib,
-                                 parallelizes=True) == "ddp"
-    assert resolve_data_parallel("auto", n_params=2 * 10**9, device_type="cuda", gpu_total=80 * gib,
-                                 parallelizes=False) == "ddp"
-    assert resolve_data_parallel("auto", n_params=10**12, device_type="cpu", gpu_total=None,
-                                 parallelizes=True) == "ddp"
+    assert (
+        resolve_data_parallel("auto", n_params=2 * 10**9, device_type="cuda", gpu_total=80 * gib, parallelizes=True)
+        == "fsdp"
+    )
+    assert (
+        resolve_data_parallel("auto", n_params=10**8, device_type="cuda", gpu_total=80 * gib, parallelizes=True)
+        == "ddp"
+    )
+    assert (
+        resolve_data_parallel("auto", n_params=2 * 10**9, device_type="cuda", gpu_total=80 * gib, parallelizes=False)
+        == "ddp"
+    )
+    assert resolve_data_parallel("auto", n_params=10**12, device_type="cpu", gpu_total=None, parallelizes=True) == "ddp"
     assert resolve_data_parallel("fsdp", n_params=1, device_type="cpu", gpu_total=None, parallelizes=True) == "fsdp"
     # document balance: on by default under the ring and zigzag, with CP and documents
     rule = dict(documents=True, cp=2, layout="zigzag", cp_attention="ring")
@@ -159,8 +204,9 @@ def test_the_pure_rules():
     assert not balances_documents(None, **{**rule, "cp_attention": "ulysses"})
     assert balances_documents(True, **{**rule, "cp_attention": "ulysses"})
     assert not balances_documents(None, **{**rule, "layout": "contiguous"})
-    assert not balances_documents(True, **{**rule, "cp": 1}) and not balances_documents(True, **{**rule,
-                                                                                              "documents": False})
+    assert not balances_documents(True, **{**rule, "cp": 1}) and not balances_documents(
+        True, **{**rule, "documents": False}
+    )
 
 
 def test_kernels_per_block_kind_follow_the_kernels_rule(monkeypatch):
@@ -187,8 +233,16 @@ def test_kernels_per_block_kind_follow_the_kernels_rule(monkeypatch):
     assert (run.parallel.attention_backend, run.parallel.document_backend) == ("cudnn", "triton")
     assert seen == [(torch.bfloat16, 32, 1024, 1024, True)]  # the ring's blocks: this rank's shard
     with pytest.warns(UserWarning, match="no document mask"):
-        named = resolve_run(cfg, world, "cuda", requested=dict(attention_backend="cudnn"), precision="bf16-mixed",
-                            seq_len=4096, batch_size=1, memory_check=False)
+        named = resolve_run(
+            cfg,
+            world,
+            "cuda",
+            requested=dict(attention_backend="cudnn"),
+            precision="bf16-mixed",
+            seq_len=4096,
+            batch_size=1,
+            memory_check=False,
+        )
     assert (named.parallel.attention_backend, named.parallel.document_backend) == ("cudnn", "triton")
     unknown = resolve_run(cfg, world, "cuda", precision="bf16-mixed", memory_check=False)  # no seq_len yet
     assert unknown.parallel.attention_backend == "auto" and unknown.parallel.document_backend == "triton"

@@ -4,6 +4,7 @@ Everything is index arithmetic, so ranks are simulated in one process. The expec
 layouts are written out here (zigzag: rank r holds chunks r and 2P-1-r of 2P; contiguous:
 chunk r of P) rather than taken from longctx.layouts, so the tests check the contract.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -53,8 +54,13 @@ def full_batch(tokens: torch.Tensor) -> dict:
 
 
 @settings(max_examples=60, deadline=None)
-@given(world=st.integers(1, 5), per_chunk=st.integers(1, 6), batch=st.integers(1, 3),
-       layout=st.sampled_from(LAYOUTS), seed=st.integers(0, 2**16))
+@given(
+    world=st.integers(1, 5),
+    per_chunk=st.integers(1, 6),
+    batch=st.integers(1, 3),
+    layout=st.sampled_from(LAYOUTS),
+    seed=st.integers(0, 2**16),
+)
 def test_round_trip_and_positions(world, per_chunk, batch, layout, seed):
     seq_len = n_chunks(world, layout) * per_chunk
     g = torch.Generator().manual_seed(seed)
@@ -124,8 +130,11 @@ def test_tuple_and_passthrough():
     assert is_sharded(out) and isinstance(out, tuple)
     assert out[0].tolist() == [[0, 1, 2, 3], [8, 9, 10, 11]] and torch.equal(out[1], out[0] + 100)
     assert out[2] is per_sample and out[3] == "tag"
-    d = shard_batch({"input_ids": x, "mask": torch.ones(2, 8), "other": torch.ones(2, 5), "n": 3, "s": per_sample},
-                    rank=1, world_size=2)
+    d = shard_batch(
+        {"input_ids": x, "mask": torch.ones(2, 8), "other": torch.ones(2, 5), "n": 3, "s": per_sample},
+        rank=1,
+        world_size=2,
+    )
     assert d["mask"].shape == (2, 4) and d["other"].shape == (2, 5) and d["n"] == 3 and d["s"] is per_sample
 
 

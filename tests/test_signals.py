@@ -12,6 +12,7 @@
 
 Each run is a session of its own, killed as a group at the end: only our own processes.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,11 +31,36 @@ from longctx.lightning.launcher import LAUNCHER_PID_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 ARGS = [
-    "--data", "stdlib:json,email", "--preset", "tiny", "--model.model.vocab_size", "512",
-    "--seq-len", "64", "--batch-size", "2", "--max-steps", "100000", "--lr", "3e-3",
-    "--context-parallel", "2", "--devices", "2", "--accelerator", "cpu", "--precision", "32-true",
-    "--checkpoint-every", "1000", "--val-every", "0", "--trainer.enable_progress_bar", "false",
-    "--failure-timeout", "10",
+    "--data",
+    "stdlib:json,email",
+    "--preset",
+    "tiny",
+    "--model.model.vocab_size",
+    "512",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "2",
+    "--max-steps",
+    "100000",
+    "--lr",
+    "3e-3",
+    "--context-parallel",
+    "2",
+    "--devices",
+    "2",
+    "--accelerator",
+    "cpu",
+    "--precision",
+    "32-true",
+    "--checkpoint-every",
+    "1000",
+    "--val-every",
+    "0",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--failure-timeout",
+    "10",
 ]
 STARTUP_S = 150  # imports, tokenizer and corpus cache (first run), rendezvous, first steps
 
@@ -48,8 +74,14 @@ def env(tmp_path_factory) -> dict:
 
 def _start(out: Path, env: dict, *extra: str) -> subprocess.Popen:
     log = open(out.parent / f"{out.name}.log", "w")
-    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *ARGS, "--output-dir", str(out), *extra],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), *ARGS, "--output-dir", str(out), *extra],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _log(out: Path) -> str:
@@ -168,8 +200,12 @@ def test_port_clash_ends_rank_0_and_its_child(tmp_path, env):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         out = tmp_path / "run"
-        proc = _start(out, {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(taken.getsockname()[1])},
-                      "--strategy.timeout", "0:10:00")
+        proc = _start(
+            out,
+            {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(taken.getsockname()[1])},
+            "--strategy.timeout",
+            "0:10:00",
+        )
         children: set[int] = set()
         try:
             deadline = time.monotonic() + STARTUP_S

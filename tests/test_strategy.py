@@ -12,6 +12,7 @@ The data is a plain list of full-length dicts in a plain DataLoader: the strateg
 sampler (dp only, in the loader's order) and automatic sharding in batch_to_device are
 what is tested; the reference is the same loader on one device.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,10 +58,20 @@ def _fit(strategy, devices: int, loader: DataLoader, accumulate: int, **module_k
     module = CausalLMModule(MODEL, parallel=PLAN, **OPTIM, **module_kw)
     rec = _Record()
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, precision="32-true",
-        accumulate_grad_batches=accumulate, gradient_clip_val=1.0, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=strategy != "auto",
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        precision="32-true",
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=strategy != "auto",
         callbacks=[rec],
     )
     trainer.fit(module, loader)
@@ -79,12 +90,14 @@ def _fit(strategy, devices: int, loader: DataLoader, accumulate: int, **module_k
         info["run_plan"] = (run.parallel.data_parallel, run.parallel.cp, run.parallel.dp)
         from longctx.parallel import ContextParallelAttention
 
-        info["kernels"] = {(c.backend, c.document_backend) for c in module.model.modules()
-                           if isinstance(c, ContextParallelAttention)}
+        info["kernels"] = {
+            (c.backend, c.document_backend) for c in module.model.modules() if isinstance(c, ContextParallelAttention)
+        }
         info["planned_kernels"] = (run.parallel.attention_backend, run.parallel.document_backend)
         info["sharded"] = [isinstance(p, DTensor) and p.placements == (Shard(0),) for p in module.parameters()]
-        info["local_numel"] = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()
-                                  for p in module.parameters())
+        info["local_numel"] = sum(
+            p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in module.parameters()
+        )
     return info
 
 
@@ -112,8 +125,12 @@ def _rel(a: list, b: list) -> float:
 @pytest.mark.parametrize(
     "world,cp,batch,accumulate,data_parallel",
     # batch = per dp rank and micro-batch: GLOBAL_BATCH = batch * dp * accumulate.
-    [(2, 2, GLOBAL_BATCH, 1, "fsdp"), (4, 2, GLOBAL_BATCH // 4, 2, "fsdp"),
-     (2, 2, GLOBAL_BATCH, 1, "ddp"), (4, 2, GLOBAL_BATCH // 4, 2, "ddp")],
+    [
+        (2, 2, GLOBAL_BATCH, 1, "fsdp"),
+        (4, 2, GLOBAL_BATCH // 4, 2, "fsdp"),
+        (2, 2, GLOBAL_BATCH, 1, "ddp"),
+        (4, 2, GLOBAL_BATCH // 4, 2, "ddp"),
+    ],
     ids=["fsdp-cp2", "fsdp-dp2xcp2-accumulate2", "ddp-cp2", "ddp-dp2xcp2-accumulate2"],
 )
 def test_matches_single_device(reference, world, cp, batch, accumulate, data_parallel):
@@ -146,8 +163,9 @@ def test_matches_single_device(reference, world, cp, batch, accumulate, data_par
 
 
 def test_errors_and_registration():
-    with pytest.raises(ValueError,
-                       match=r"context_parallel_size must be an integer >= 1 \(null: the whole world\), got 0"):
+    with pytest.raises(
+        ValueError, match=r"context_parallel_size must be an integer >= 1 \(null: the whole world\), got 0"
+    ):
         ContextParallelStrategy(context_parallel_size=0)
     with pytest.raises(ValueError, match="got -2"):
         ContextParallelStrategy(context_parallel_size=-2)
@@ -156,11 +174,12 @@ def test_errors_and_registration():
     with pytest.raises(ValueError, match="layout"):
         ContextParallelStrategy(context_parallel_size=2, layout="spiral")
     # World 3 is not divisible by CP 2: refused when the Trainer is built, before launching.
-    with pytest.raises(ValueError,
-                       match=r"context_parallel_size 2 does not divide the world of 3 processes "
-                             r"\(3 devices x 1 nodes\)"):
-        L.Trainer(accelerator="cpu", devices=3, strategy=ContextParallelStrategy(context_parallel_size=2),
-                  logger=False)
+    with pytest.raises(
+        ValueError,
+        match=r"context_parallel_size 2 does not divide the world of 3 processes "
+        r"\(3 devices x 1 nodes\)",
+    ):
+        L.Trainer(accelerator="cpu", devices=3, strategy=ContextParallelStrategy(context_parallel_size=2), logger=False)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="context_parallel", logger=False)
     assert isinstance(trainer.strategy, ContextParallelStrategy)
     assert trainer.strategy.cp_size == 2 and trainer.strategy.dp_size == 1  # default: whole world

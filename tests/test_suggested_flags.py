@@ -5,6 +5,7 @@ renamed option must not leave a hint behind that train.py would refuse. Each fla
 their string constants runs through train.py's argument and config checks with a value of
 its kind; refusing a value for what it means (a ValueError) is fine, an unknown option is not.
 """
+
 from __future__ import annotations
 
 import ast
@@ -20,14 +21,25 @@ FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9_.<>-]*[a-z0-9_>])(?![\w.])")
 NOT_TRAIN_PY = {"--no-deps": "pip", "--sections": "benchmarks/ring.py", "--nproc-per-node": "torchrun"}
 # A value of each flag's kind (a new hint names a flag missing here: add one).
 VALUES = {
-    "--config": ["configs/tiny-cpu.yaml"], "--context-parallel": ["2"], "--data-parallel": ["ddp"],
-    "--devices": ["2"], "--hf-model": ["benchmarks/hf_configs/llama3.2-1b"], "--accelerator": ["cpu"],
-    "--max-steps": ["400"], "--decay-steps": ["400"],
-    "--model.hf_model": ["benchmarks/hf_configs/llama3.2-1b"], "--model.model": ["null"],
+    "--config": ["configs/tiny-cpu.yaml"],
+    "--context-parallel": ["2"],
+    "--data-parallel": ["ddp"],
+    "--devices": ["2"],
+    "--hf-model": ["benchmarks/hf_configs/llama3.2-1b"],
+    "--accelerator": ["cpu"],
+    "--max-steps": ["400"],
+    "--decay-steps": ["400"],
+    "--model.hf_model": ["benchmarks/hf_configs/llama3.2-1b"],
+    "--model.model": ["null"],
     "--model.parallel.<key>": ["--model.parallel.loss_chunk_size", "2048"],
-    "--model.parallel.activation_checkpointing": ["full"], "--model.parallel.fuse_pointwise": ["false"],
-    "--output-dir": ["runs/suggested-flag"], "--print_config": None, "--help": None, "--resume": None,
-    "--stop-grace-period": ["30"], "--strategy.cpu_offload": ["true"],
+    "--model.parallel.activation_checkpointing": ["full"],
+    "--model.parallel.fuse_pointwise": ["false"],
+    "--output-dir": ["runs/suggested-flag"],
+    "--print_config": None,
+    "--help": None,
+    "--resume": None,
+    "--stop-grace-period": ["30"],
+    "--strategy.cpu_offload": ["true"],
 }
 
 
@@ -47,8 +59,12 @@ FLAGS = suggested_flags()
 
 
 def test_the_scan_finds_the_hints():
-    assert {"--model.parallel.activation_checkpointing", "--strategy.cpu_offload", "--data-parallel",
-            "--model.parallel.fuse_pointwise"} <= set(FLAGS)
+    assert {
+        "--model.parallel.activation_checkpointing",
+        "--strategy.cpu_offload",
+        "--data-parallel",
+        "--model.parallel.fuse_pointwise",
+    } <= set(FLAGS)
 
 
 @pytest.fixture(scope="module")

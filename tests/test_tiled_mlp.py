@@ -2,6 +2,7 @@
 exact in float64, with and without activation checkpointing, sequence lengths that are not a
 multiple of the tile, with pointwise fusion; the full-length normalised tensor is not saved;
 the argument is validated."""
+
 from __future__ import annotations
 
 import copy
@@ -15,8 +16,16 @@ from longctx.tiled import tiled_apply
 
 
 def _config(**kw) -> GPTConfig:
-    base = dict(vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=48,
-                rope_theta=500.0, init_std=0.15)
+    base = dict(
+        vocab_size=96,
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        n_embd=32,
+        intermediate_size=48,
+        rope_theta=500.0,
+        init_std=0.15,
+    )
     base.update(kw)
     return GPTConfig(**base)
 
@@ -41,8 +50,9 @@ def test_tiled_mlp_equals_untiled_float64(checkpointing, seq_len, tile):
     torch.manual_seed(0)
     model = GPT(_config()).double()
     tiled = copy.deepcopy(model)
-    plan = dict(loss_chunk_size=7, attention_backend="torch", activation_checkpointing=checkpointing,
-                fuse_pointwise=False)
+    plan = dict(
+        loss_chunk_size=7, attention_backend="torch", activation_checkpointing=checkpointing, fuse_pointwise=False
+    )
     parallelize(model, plan=ParallelPlan(**plan))
     parallelize(tiled, plan=ParallelPlan(**plan, mlp_tile_size=tile))
     assert all(b.mlp.tile_size == tile for b in tiled.blocks)
@@ -142,8 +152,7 @@ def test_tiled_mlp_under_cpu_autocast_matches_its_own_recompute():
     model = GPT(_config())
     tiled = copy.deepcopy(model)
     parallelize(model, plan=ParallelPlan(attention_backend="torch", activation_checkpointing="full"))
-    parallelize(tiled, plan=ParallelPlan(attention_backend="torch", activation_checkpointing="full",
-                                         mlp_tile_size=8))
+    parallelize(tiled, plan=ParallelPlan(attention_backend="torch", activation_checkpointing="full", mlp_tile_size=8))
     ids, labels = _batch(32, 96, seed=5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref_loss, ref = _loss_and_grads(model, ids, labels)

@@ -11,6 +11,7 @@
 
 One tokenised corpus cache (a small stdlib subset) is shared by all runs of the session.
 """
+
 from __future__ import annotations
 
 import csv
@@ -26,13 +27,42 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "train.py"
 SMALL = [
-    "--data", "stdlib:json,email,http,logging,xml",
-    "--preset", "tiny", "--model.model.vocab_size", "512",
-    "--seq-len", "64", "--batch-size", "2", "--max-steps", "6", "--lr", "3e-3", "--warmup-steps", "2",
-    "--context-parallel", "2", "--devices", "2", "--accelerator", "cpu", "--precision", "32-true",
-    "--checkpoint-every", "3", "--run.keep_checkpoints", "-1",
-    "--val-every", "3", "--run.val_batches", "2", "--trainer.enable_progress_bar", "false",
-    "--model.weight_decay", "0.05",  # no short flag: the option comes from CausalLMModule's signature
+    "--data",
+    "stdlib:json,email,http,logging,xml",
+    "--preset",
+    "tiny",
+    "--model.model.vocab_size",
+    "512",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "2",
+    "--max-steps",
+    "6",
+    "--lr",
+    "3e-3",
+    "--warmup-steps",
+    "2",
+    "--context-parallel",
+    "2",
+    "--devices",
+    "2",
+    "--accelerator",
+    "cpu",
+    "--precision",
+    "32-true",
+    "--checkpoint-every",
+    "3",
+    "--run.keep_checkpoints",
+    "-1",
+    "--val-every",
+    "3",
+    "--run.val_batches",
+    "2",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--model.weight_decay",
+    "0.05",  # no short flag: the option comes from CausalLMModule's signature
 ]
 
 
@@ -48,8 +78,9 @@ def cache_env(tmp_path_factory) -> dict:
 
 
 def _train(args: list[str], env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(TRAIN), *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(TRAIN), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
     return proc
 
 
@@ -109,8 +140,9 @@ def test_same_seed_gives_bit_identical_losses(full_run, tmp_path, cache_env):
 def test_resume_is_exact(full_run, tmp_path, cache_env):
     out, _ = full_run
     resumed = tmp_path / "resumed"
-    proc = _train([*SMALL, "--output-dir", str(resumed), "--resume", str(out / "checkpoints" / "step000003.ckpt")],
-                  cache_env)
+    proc = _train(
+        [*SMALL, "--output-dir", str(resumed), "--resume", str(out / "checkpoints" / "step000003.ckpt")], cache_env
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     full, again = _losses(out / "metrics.csv"), _losses(resumed / "metrics.csv")
     assert sorted(again) == [3, 4, 5], again
@@ -133,9 +165,24 @@ def test_print_config_loads_back(tmp_path, capsys):
     from longctx.lightning.cli import flatten
 
     train = _train_module()
-    argv = ["--config", "configs/gpt-125m.yaml", "--context-parallel", "4", "--model.model.n_layer", "3",
-            "--model.parallel.activation_checkpointing", "selective", "--strategy.timeout", "0:07:30",
-            "--failure-timeout", "null", "--data.include_tests", "false", "--val-every", "7"]
+    argv = [
+        "--config",
+        "configs/gpt-125m.yaml",
+        "--context-parallel",
+        "4",
+        "--model.model.n_layer",
+        "3",
+        "--model.parallel.activation_checkpointing",
+        "selective",
+        "--strategy.timeout",
+        "0:07:30",
+        "--failure-timeout",
+        "null",
+        "--data.include_tests",
+        "false",
+        "--val-every",
+        "7",
+    ]
     with pytest.raises(SystemExit) as stop:
         train.resolve_config([*argv, "--print_config"])
     assert stop.value.code == 0
@@ -240,10 +287,23 @@ def test_resume_extends_the_run_in_its_own_folder(full_run, tmp_path, cache_env)
 @pytest.mark.slow
 def test_context_parallel_8_on_cpu(tmp_path, cache_env):
     """The headline command on a CPU machine: devices follow --context-parallel."""
-    small_data = ["--data", "stdlib:json,email,http,logging,xml", "--model.model.vocab_size", "512",
-                  "--seq-len", "128", "--batch-size", "1", "--trainer.enable_progress_bar", "false"]
-    proc = _train(["--context-parallel", "8", "--max-steps", "3", *small_data, "--output-dir", str(tmp_path)],
-                  cache_env, timeout=400)
+    small_data = [
+        "--data",
+        "stdlib:json,email,http,logging,xml",
+        "--model.model.vocab_size",
+        "512",
+        "--seq-len",
+        "128",
+        "--batch-size",
+        "1",
+        "--trainer.enable_progress_bar",
+        "false",
+    ]
+    proc = _train(
+        ["--context-parallel", "8", "--max-steps", "3", *small_data, "--output-dir", str(tmp_path)],
+        cache_env,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "world 8 = dp 1 x cp 8" in proc.stdout
     assert sorted(_losses(tmp_path / "metrics.csv")) == [0, 1, 2]

@@ -5,6 +5,7 @@ Cases run in-process through ``train.main`` (imports paid once); one runs as a r
 command to check the whole path, stderr included. jsonargparse's own errors (a value
 of the wrong type, an unknown option or config key) are such lines too.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -54,21 +55,26 @@ def _error(train, argv: list[str], capsys, cache: Path) -> str:
 
 CASES = [
     (["--layout", "diagonal"], "strategy.layout must be one of zigzag, contiguous, got 'diagonal'"),
-    (["--seq-len", "502"], "data: sequence length 502 cannot be split by layout 'zigzag' over P=2 ranks: it must be "
-                           "a positive multiple of 4 (2 x P); nearest valid: 500 or 504"),
+    (
+        ["--seq-len", "502"],
+        "data: sequence length 502 cannot be split by layout 'zigzag' over P=2 ranks: it must be "
+        "a positive multiple of 4 (2 x P); nearest valid: 500 or 504",
+    ),
     (["--context-parallel", "3", "--devices", "2"], "strategy.context_parallel_size 3 does not divide the world of 2"),
     # Lightning's own check, said of the section whose object refused it.
     (["--trainer.devices", "0"], "trainer: `Trainer(devices=0)` value is not a valid input using cpu accelerator"),
     # On CPU devices follow --context-parallel: CP 3 is fine, the default 512 tokens are not.
     (["--context-parallel", "3"], "by layout 'zigzag' over P=3 ranks: it must be a positive multiple of 6"),
-    (["--accumulate-grad-batches", "0"], "Parser key \"trainer.accumulate_grad_batches\": Not of type PositiveInt: 0"),
+    (["--accumulate-grad-batches", "0"], 'Parser key "trainer.accumulate_grad_batches": Not of type PositiveInt: 0'),
     (["--strategy.timeout", "0:00:00"], "strategy.timeout must be > 0 (h:mm:ss), got 0:00:00"),
     (["--val-every", "-1"], "run.val_every must be an integer >= 0 (0: never"),
-    (["--failure-timeout", ".nan"],
-     "strategy.failure_timeout must be a number > 0 seconds (null: no watchdog), got nan"),
+    (
+        ["--failure-timeout", ".nan"],
+        "strategy.failure_timeout must be a number > 0 seconds (null: no watchdog), got nan",
+    ),
     (["--lr", ".inf"], "model.lr must be a number > 0, got inf"),
     (["--lr", "-1"], "model.lr must be a number > 0, got -1.0"),
-    (["--max-steps", "0"], "Parser key \"trainer.max_steps\": Not of type PositiveInt: 0"),
+    (["--max-steps", "0"], 'Parser key "trainer.max_steps": Not of type PositiveInt: 0'),
     (["--model.min_lr_ratio", "2"], "model.min_lr_ratio must be a number in [0, 1], got 2.0"),
     (["--init-from", "nowhere/model"], "model.init_from nowhere/model: no such file or directory"),
     (["--run.keep_checkpoints", "2"], "run.keep_checkpoints must be one of -1, 0, 1, got 2"),
@@ -77,7 +83,7 @@ CASES = [
     (["--model.model.n_layers", "3"], "unknown GPTConfig key(s) ['n_layers']"),
     (["--model.parallel.cp_attention", "ulises"], "model.parallel.cp_attention must be one of"),
     # jsonargparse's own: the option, what it takes, the value given.
-    (["--precision", "bf15"], "Parser key \"trainer.precision\": expected ["),
+    (["--precision", "bf15"], 'Parser key "trainer.precision": expected ['),
     (["--failure-timeout", "soon"], "Parser key \"strategy.failure_timeout\": expected [<class 'float'>"),
     (["--lr", "fast"], "Parser key \"model.lr\": Expected a <class 'float'>. Got value: fast"),
     (["--sequence-length", "64"], "unrecognized arguments: --sequence-length 64"),
@@ -119,8 +125,9 @@ def test_unknown_key_in_a_config_file(train, capsys, cache, tmp_path):
 def _finished_run(train, tmp_path: Path, step: int, max_steps: int) -> Path:
     """A run directory as train.py leaves it: config.yaml and a checkpoint at ``step``."""
     run = tmp_path / "run"
-    resolved = train.resolve_config(["--max-steps", str(max_steps), "--decay-steps", str(max_steps),
-                                     "--devices", "2", "--output-dir", str(run)])
+    resolved = train.resolve_config(
+        ["--max-steps", str(max_steps), "--decay-steps", str(max_steps), "--devices", "2", "--output-dir", str(run)]
+    )
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.yaml").write_text(resolved.dump())
     torch.save({"global_step": step, "state_dict": {}}, run / "checkpoints" / "last.ckpt")
@@ -177,8 +184,14 @@ def test_error_as_a_command(tmp_path):
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # an earlier in-process test's rendezvous: not this run's
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--context-parallel", "3", "--devices", "2"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--context-parallel", "3", "--devices", "2"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert time.monotonic() - start < 30
     assert proc.returncode == 2 and proc.stdout == "" and not any(tmp_path.iterdir())
     assert proc.stderr.strip().splitlines() == [

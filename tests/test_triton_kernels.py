@@ -8,6 +8,7 @@ case and prints one JSON line of errors; pytest starts two workers in parallel w
 different tile shapes (BLOCK_M > BLOCK_N and BLOCK_M < BLOCK_N in every kernel, so both
 band splits and ragged tails are covered) and asserts per case.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -50,7 +51,7 @@ def _inputs(B, Sq, Sk, Hq, Hkv, D, dtype, sliced, gen):
         # A seq-dim slice of a longer buffer with padded rows (the ring passes k[:, :half]
         # and similar views): storage offset and non-packed strides.
         full = torch.randn(B, S + 7, H, D + 8, generator=gen).to(dtype)
-        return full[:, 3:3 + S, :, :D]
+        return full[:, 3 : 3 + S, :, :D]
 
     q, k, v, dout = make(Sq, Hq), make(Sk, Hkv), make(Sk, Hkv), make(Sq, Hq)
     assert not sliced or not (q.is_contiguous() or k.is_contiguous() or dout.is_contiguous())
@@ -73,13 +74,12 @@ def run_case(name):
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     q, k, v, dout = _inputs(B, Sq, Sk, Hq, Hkv, D, dtype, "slice" in opts, gen)
-    scale = D ** -0.5
+    scale = D**-0.5
     out_dtype = torch.float32 if "out32" in opts else None
     grad_dtype = torch.float32 if "grad32" in opts else None
     triton_attention.BWD_MODE = "atomic" if "atomic" in opts else "split"
 
-    out, lse = attention_forward(q, k, v, causal=causal, softmax_scale=scale, backend="triton",
-                                 out_dtype=out_dtype)
+    out, lse = attention_forward(q, k, v, causal=causal, softmax_scale=scale, backend="triton", out_dtype=out_dtype)
     delta = None
     out_arg = out
     extra = {}
@@ -88,13 +88,29 @@ def run_case(name):
         delta = attention_delta(out, dout, backend="triton")
         extra["delta"] = _rel(delta, (dout.double() * out.double()).sum(-1).transpose(1, 2))
         out_arg = None
-    dq, dk, dv = attention_backward(dout, q, k, v, out_arg, lse, causal=causal, softmax_scale=scale,
-                                    backend="triton", delta=delta, grad_dtype=grad_dtype)
+    dq, dk, dv = attention_backward(
+        dout,
+        q,
+        k,
+        v,
+        out_arg,
+        lse,
+        causal=causal,
+        softmax_scale=scale,
+        backend="triton",
+        delta=delta,
+        grad_dtype=grad_dtype,
+    )
     want = reference(q, k, v, dout, causal, scale)
     got = (out, lse, dq, dk, dv)
-    dtypes_ok = (out.dtype == (out_dtype or dtype) and lse.dtype == torch.float32
-                 and all(g.dtype == (grad_dtype or dtype) for g in (dq, dk, dv))
-                 and lse.shape == (B, Hq, Sq) and dk.shape == k.shape and dq.shape == q.shape)
+    dtypes_ok = (
+        out.dtype == (out_dtype or dtype)
+        and lse.dtype == torch.float32
+        and all(g.dtype == (grad_dtype or dtype) for g in (dq, dk, dv))
+        and lse.shape == (B, Hq, Sq)
+        and dk.shape == k.shape
+        and dq.shape == q.shape
+    )
     errs = {n: _rel(g, w) for n, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want)}
     errs.update(extra)
     return {"errs": errs, "dtypes_ok": bool(dtypes_ok)}
@@ -148,12 +164,19 @@ def test_choose_backend_table(monkeypatch):
 
     def first(dtype, d, seq, causal):
         """What the table's rows say for this call, before availability."""
-        rows = [r for r in selection.TABLE if dtype in r[0] and (r[1] is None or d in r[1])
-                and seq >= r[2] and (r[3] is None or r[3] == causal)]
+        rows = [
+            r
+            for r in selection.TABLE
+            if dtype in r[0] and (r[1] is None or d in r[1]) and seq >= r[2] and (r[3] is None or r[3] == causal)
+        ]
         return rows[0][4]
 
-    for args in ((torch.bfloat16, 128, 4096, True), (torch.bfloat16, 64, 131072, True),
-                 (torch.float16, 64, 1024, False), (torch.float32, 128, 4096, True)):
+    for args in (
+        (torch.bfloat16, 128, 4096, True),
+        (torch.bfloat16, 64, 131072, True),
+        (torch.float16, 64, 1024, False),
+        (torch.float32, 128, 4096, True),
+    ):
         want = next((n for n in first(*args) if available[n]), "torch")
         assert selection.choose_backend(cuda, args[0], args[1], args[2], args[2], args[3]) == want
     available.update(fa4=True, cudnn=True)
@@ -186,4 +209,3 @@ def test_attention_delta_dispatch():
         attention_delta(out, dout, backend="auto")
     with pytest.raises(ValueError, match="differs"):
         attention_delta(out, dout[:, :8], backend="torch")
-

@@ -1,4 +1,5 @@
 """Head-parallel (Ulysses) attention against a float64 single-device reference, over gloo."""
+
 from __future__ import annotations
 
 import random
@@ -73,8 +74,9 @@ def _model_with_ulysses(rank, world):
     labels = torch.randint(0, 64, (2, 16), generator=g)
     results = []
     for model in (ring_model, ulysses_model):
-        loss, _ = model.loss(shard_sequence(ids, 1, rank=rank, world_size=world),
-                             shard_sequence(labels, 1, rank=rank, world_size=world))
+        loss, _ = model.loss(
+            shard_sequence(ids, 1, rank=rank, world_size=world), shard_sequence(labels, 1, rank=rank, world_size=world)
+        )
         loss.backward()
         results.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
     (l0, g0), (l1, g1) = results

@@ -11,6 +11,7 @@ Logged losses and final parameters must agree: same global batches in the same o
 (the strategy's dp-only sampler; Lightning's own would shuffle them) and the exact global
 token mean (``causal_lm_loss``).
 """
+
 from __future__ import annotations
 
 import os
@@ -73,9 +74,14 @@ def _train(rank: int, world: int, cp: int | None) -> dict:
     data = _samples(module.head.out_features, with_positions=cp is None)
     loader = torch.utils.data.DataLoader(data, batch_size=GLOBAL_BATCH // dp)
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, max_steps=STEPS,
+        accelerator="cpu",
+        devices=world,
+        max_steps=STEPS,
         strategy="auto" if cp is None else ContextParallelStrategy(context_parallel_size=cp),
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[Record()],
     )
     trainer.fit(module, loader)
@@ -116,9 +122,16 @@ def test_readme_fsdp_snippet_trains():
     torch.manual_seed(0)
     data = [{"input_ids": t[:-1], "labels": t[1:]} for t in torch.randint(0, 4096, (4, 65))]
     module = namespace["LlamaModule"]("tiny")
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        strategy=namespace["longctx"].ContextParallelStrategy(data_parallel="fsdp"))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        strategy=namespace["longctx"].ContextParallelStrategy(data_parallel="fsdp"),
+    )
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
     from torch.distributed.tensor import DTensor
 

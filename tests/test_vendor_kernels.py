@@ -3,6 +3,7 @@
 Skipped without CUDA. Shapes are moderate (ragged lengths, GQA, causal and full, Sq != Sk)
 so that multi-tile loops, masked tails and the autotuned configs are all exercised.
 """
+
 from __future__ import annotations
 
 import os
@@ -65,21 +66,20 @@ def _require(backend):
     pytest.fail(f"{backend} reported unavailable but a direct call worked")
 
 
-def check(backend, shape, dtype=torch.bfloat16, tol=BF16_TOL, out_dtype=None, grad_dtype=None,
-          bwd_mode="split"):
+def check(backend, shape, dtype=torch.bfloat16, tol=BF16_TOL, out_dtype=None, grad_dtype=None, bwd_mode="split"):
     from longctx.kernels import attention_backward, attention_forward, triton_attention
 
     _require(backend)
     B, Sq, Sk, Hq, Hkv, D, causal = shape
     q, k, v, dout = make_inputs(B, Sq, Sk, Hq, Hkv, D, dtype)
-    scale = D ** -0.5
+    scale = D**-0.5
     old_mode = triton_attention.BWD_MODE
     triton_attention.BWD_MODE = bwd_mode
     try:
-        out, lse = attention_forward(q, k, v, causal=causal, softmax_scale=scale, backend=backend,
-                                     out_dtype=out_dtype)
-        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
-                                        backend=backend, grad_dtype=grad_dtype)
+        out, lse = attention_forward(q, k, v, causal=causal, softmax_scale=scale, backend=backend, out_dtype=out_dtype)
+        dq, dk, dv = attention_backward(
+            dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, backend=backend, grad_dtype=grad_dtype
+        )
     finally:
         triton_attention.BWD_MODE = old_mode
     want = reference(q, k, v, dout, causal, scale)
@@ -130,9 +130,9 @@ def test_triton_strided_views_and_delta():
     B, S, Hq, Hkv, D = 1, 640, 4, 2, 128
     g = torch.Generator(device="cuda").manual_seed(1)
     big = lambda H: torch.randn(B, S + 64, H, D + 64, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
-    q, k, v, dout = (big(h)[:, 32:32 + S, :, :D] for h in (Hq, Hkv, Hkv, Hq))
+    q, k, v, dout = (big(h)[:, 32 : 32 + S, :, :D] for h in (Hq, Hkv, Hkv, Hq))
     kh, vh = k[:, : S // 2], v[:, : S // 2]  # first KV half, as in zigzag steps s <= r
-    scale = D ** -0.5
+    scale = D**-0.5
     out, lse = ta.forward(q, kh, vh, False, scale, torch.float32)
     delta = (dout.float() * out).sum(-1).transpose(1, 2).contiguous()
     dq, dk, dv = ta.backward(dout, q, kh, vh, None, lse, False, scale, delta, torch.float32)

@@ -1,6 +1,7 @@
 """A rank that raises, is SIGKILLed, freezes (SIGSTOP) or stalls (alive, sleeping) inside
 ring attention ends the whole job quickly, and every surviving rank's message names the
 failed rank - also when the failed rank is rank 0, whose process hosts the rendezvous store."""
+
 from __future__ import annotations
 
 import math
@@ -26,8 +27,20 @@ def _run_job(mode: str, failing_rank: int, world: int = 3):
     does not count."""
     port = str(free_port())
     procs = [
-        subprocess.Popen([sys.executable, os.path.join(HERE, "failure_worker.py"), str(r), str(world), port, mode,
-                          str(failing_rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [
+                sys.executable,
+                os.path.join(HERE, "failure_worker.py"),
+                str(r),
+                str(world),
+                port,
+                mode,
+                str(failing_rank),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for r in range(world)
     ]
     outputs, ended = {}, None
@@ -74,16 +87,19 @@ def test_stalled_rank_ends_every_rank_and_is_named():
     for r, (p, (out, err)) in enumerate(zip(procs, outputs)):
         assert p.returncode == 75, f"rank {r} exited {p.returncode}:\n{err[-3000:]}"
         assert "finished" not in out
-        assert re.search(rf"\[longctx watchdog\] rank {r} stopping: rank 1 is stalled: alive .* has not joined "
-                         r"collective #\d+ of the default process group, which rank 0 has waited in for over 3s",
-                         err), err[-3000:]
+        assert re.search(
+            rf"\[longctx watchdog\] rank {r} stopping: rank 1 is stalled: alive .* has not joined "
+            r"collective #\d+ of the default process group, which rank 0 has waited in for over 3s",
+            err,
+        ), err[-3000:]
 
 
 def test_stall_needs_the_peer_behind_without_progress_for_the_whole_timeout():
     """The stall check alone: a peer behind this rank's collective count is stalled only once
     it has stayed at the same count for ``collective_timeout``; level, ahead or moving is not."""
-    watchdog = RankWatchdog(0, 2, timeout=5.0, interval=0.1, store=dist.HashStore(), collective_timeout=30.0,
-                            collectives=lambda: 0)
+    watchdog = RankWatchdog(
+        0, 2, timeout=5.0, interval=0.1, store=dist.HashStore(), collective_timeout=30.0, collectives=lambda: 0
+    )
     # Counts as published: the peer's count plus one (0: not published yet).
     assert watchdog._stalled(mine=850, theirs=0, now=0.0) is None  # the peer has not published yet
     assert watchdog._stalled(mine=850, theirs=851, now=1.0) is None  # level
@@ -95,8 +111,10 @@ def test_stall_needs_the_peer_behind_without_progress_for_the_whole_timeout():
     assert watchdog._stalled(mine=860, theirs=855, now=40.0) is None  # behind again, from here
     assert watchdog._stalled(mine=860, theirs=857, now=69.0) is None  # it moved: the clock restarts
     message = watchdog._stalled(mine=860, theirs=857, now=99.5)
-    assert message == ("rank 1 is stalled: alive (its heartbeat moves) but it has not joined collective #857 of the "
-                       "default process group, which rank 0 has waited in for over 30s (the process-group timeout)")
+    assert message == (
+        "rank 1 is stalled: alive (its heartbeat moves) but it has not joined collective #857 of the "
+        "default process group, which rank 0 has waited in for over 30s (the process-group timeout)"
+    )
     with pytest.raises(ValueError, match="collective_timeout must be a finite number of seconds"):
         RankWatchdog(0, 2, timeout=5.0, store=dist.HashStore(), collective_timeout=math.nan, collectives=lambda: 0)
     if not dist.is_initialized():
@@ -115,8 +133,11 @@ def test_store_host_failure_ends_every_rank(mode):
         out, err = outputs[r]
         assert procs[r].returncode == 75, f"rank {r} exited {procs[r].returncode}:\n{err[-3000:]}"
         assert "finished" not in out
-        assert re.search(rf"\[longctx watchdog\] rank {r} stopping: .*rank 0 \(it hosts the rendezvous "
-                         rf"store\) (died|is hung or dead)", err), err[-3000:]
+        assert re.search(
+            rf"\[longctx watchdog\] rank {r} stopping: .*rank 0 \(it hosts the rendezvous "
+            rf"store\) (died|is hung or dead)",
+            err,
+        ), err[-3000:]
     assert procs[0].returncode == -9
 
 

@@ -1,5 +1,6 @@
 """train.py loaded as a module (it is a script, not part of the package), for tests that
 call its functions in-process."""
+
 from __future__ import annotations
 
 import importlib.util

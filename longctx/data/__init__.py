@@ -4,6 +4,7 @@
 Names are imported lazily (PEP 562), so ``from longctx.data import SentencePieceTokenizer``
 does not import Lightning or ``datasets``.
 """
+
 from __future__ import annotations
 
 import importlib

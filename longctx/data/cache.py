@@ -6,6 +6,7 @@ so a second run with the same inputs only memory-maps files. Results are written
 temporary name and renamed into place, so concurrent builders (several ranks, several
 jobs) never see half-written files: the loser of a race just discards its copy.
 """
+
 from __future__ import annotations
 
 import hashlib

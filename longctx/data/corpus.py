@@ -4,6 +4,7 @@ and its ``SourceStats``; UTF-8 decoding with counted replacements, and the stats
 Shared by ``sources`` (files, tables, saved datasets) and ``stdlib_corpus`` (the embedded
 default corpus), which ``sources`` dispatches to: kept here so neither imports the other.
 """
+
 from __future__ import annotations
 
 import logging
@@ -71,8 +72,16 @@ def report_stats(stats: SourceStats, where: str) -> None:
             f"{stats.skipped_binary} binary"
         )
     if stats.skipped_empty or stats.skipped_binary:
-        logger.warning("corpus %s: skipped %d empty and %d binary documents/files", where,
-                       stats.skipped_empty, stats.skipped_binary)
+        logger.warning(
+            "corpus %s: skipped %d empty and %d binary documents/files",
+            where,
+            stats.skipped_empty,
+            stats.skipped_binary,
+        )
     if stats.decode_replacements:
-        logger.warning("corpus %s: %d invalid UTF-8 sequences in %d files were replaced by U+FFFD", where,
-                       stats.decode_replacements, stats.files_with_replacements)
+        logger.warning(
+            "corpus %s: %d invalid UTF-8 sequences in %d files were replaced by U+FFFD",
+            where,
+            stats.decode_replacements,
+            stats.files_with_replacements,
+        )

@@ -18,6 +18,7 @@ Resume: the training dataloader is a ``ResumableDataLoader`` whose state Lightni
 in checkpoints; ``state_dict``/``load_state_dict`` of the module carry it too, for loops
 that checkpoint the data module themselves.
 """
+
 from __future__ import annotations
 
 import logging
@@ -175,8 +176,12 @@ class LongDocumentDataModule(L.LightningDataModule):
         self._tokenizer_arg = tokenizer
         # Resolving the corpus lists its files and validates names: cheap, so do it now.
         self._corpus: Corpus = resolve_corpus(
-            data_path, text_column=text_column, max_documents=max_documents, cache_dir=self.cache_dir,
-            include_tests=include_tests, stdlib_documents=stdlib_documents,
+            data_path,
+            text_column=text_column,
+            max_documents=max_documents,
+            cache_dir=self.cache_dir,
+            include_tests=include_tests,
+            stdlib_documents=stdlib_documents,
         )
         self._tokenizer: Optional[TextTokenizer] = None
         self._packed_dir: Optional[Path] = None
@@ -237,8 +242,14 @@ class LongDocumentDataModule(L.LightningDataModule):
     def _build(self) -> Path:
         tokenizer = self.get_tokenizer()
         tokenized = tokenize_corpus(self._corpus, tokenizer, cache_dir=self.cache_dir, num_proc=self.num_proc)
-        packed = pack_corpus(tokenized, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
-                             val_fraction=self.val_fraction, seed=self.seed, cache_dir=self.cache_dir)
+        packed = pack_corpus(
+            tokenized,
+            bos_id=tokenizer.bos_id,
+            eos_id=tokenizer.eos_id,
+            val_fraction=self.val_fraction,
+            seed=self.seed,
+            cache_dir=self.cache_dir,
+        )
         self._corpus.release()  # the raw text is no longer needed
         return packed
 
@@ -272,7 +283,9 @@ class LongDocumentDataModule(L.LightningDataModule):
             logger.warning(
                 "data: the validation split has %d sequences of %d tokens for %d data-parallel ranks; "
                 "validation is skipped (raise val_fraction or lower seq_len)",
-                len(val), self.seq_len + 1, dp_size,
+                len(val),
+                self.seq_len + 1,
+                dp_size,
             )
         self.train_dataset, self.val_dataset = train, val
 
@@ -305,10 +318,21 @@ class LongDocumentDataModule(L.LightningDataModule):
                 "data: %s: %d documents, %d tokens (%d empty and %d binary skipped, %d non-UTF-8 "
                 "replacements in %d files); train %d docs / %d tokens / %d sequences, val %d docs / "
                 "%d tokens / %d sequences of %d+1 tokens; vocab %d",
-                s["corpus"], s["documents"], s["tokens"], s["skipped_empty"], s["skipped_binary"],
-                s["decode_replacements"], s["files_with_replacements"], s["train_documents"],
-                s["train_tokens"], s["train_sequences"], s["val_documents"], s["val_tokens"],
-                s["val_sequences"], self.seq_len, s["vocab_size"],
+                s["corpus"],
+                s["documents"],
+                s["tokens"],
+                s["skipped_empty"],
+                s["skipped_binary"],
+                s["decode_replacements"],
+                s["files_with_replacements"],
+                s["train_documents"],
+                s["train_tokens"],
+                s["train_sequences"],
+                s["val_documents"],
+                s["val_tokens"],
+                s["val_sequences"],
+                self.seq_len,
+                s["vocab_size"],
             )
 
     # ------------------------------------------------------------------ loaders
@@ -319,11 +343,16 @@ class LongDocumentDataModule(L.LightningDataModule):
     def train_dataloader(self) -> ResumableDataLoader:
         self._require_setup()
         dp_size, dp_rank = self._dp()
-        sampler = ContextParallelSampler(self.train_dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True,
-                                         seed=self.seed, drop_last=True)
+        sampler = ContextParallelSampler(
+            self.train_dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=self.seed, drop_last=True
+        )
         loader = ResumableDataLoader(
-            self.train_dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True,
-            num_workers=self.num_workers, pin_memory=self.pin_memory,
+            self.train_dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            drop_last=True,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0,
         )
         if self._pending_loader_state is not None:
@@ -341,15 +370,24 @@ class LongDocumentDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         self._require_setup()
         dp_size, dp_rank = self._dp()
-        sampler = ContextParallelSampler(self.val_dataset, num_replicas=dp_size, rank=dp_rank, shuffle=False,
-                                         seed=self.seed, drop_last=True)
-        return DataLoader(self.val_dataset, batch_size=self.batch_size, sampler=sampler,
-                          num_workers=self.num_workers, pin_memory=self.pin_memory)
+        sampler = ContextParallelSampler(
+            self.val_dataset, num_replicas=dp_size, rank=dp_rank, shuffle=False, seed=self.seed, drop_last=True
+        )
+        return DataLoader(
+            self.val_dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def _identity(self) -> dict[str, Any]:
-        return {"packed": None if self._packed_dir is None else self._packed_dir.name,
-                "seq_len": self.seq_len, "seed": self.seed}
+        return {
+            "packed": None if self._packed_dir is None else self._packed_dir.name,
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         loader = self._train_loader
@@ -362,9 +400,13 @@ class LongDocumentDataModule(L.LightningDataModule):
         saved, now = state_dict.get("identity", {}), self._identity()
         changed = [k for k in ("packed", "seq_len", "seed") if saved.get(k) != now.get(k) and now.get(k) is not None]
         if changed:
-            logger.warning("data: resuming with changed %s (checkpoint %s, now %s); the sampler checks "
-                           "whether the saved position still applies", changed,
-                           {k: saved.get(k) for k in changed}, {k: now[k] for k in changed})
+            logger.warning(
+                "data: resuming with changed %s (checkpoint %s, now %s); the sampler checks "
+                "whether the saved position still applies",
+                changed,
+                {k: saved.get(k) for k in changed},
+                {k: now[k] for k in changed},
+            )
         loader_state = state_dict.get("train_loader")
         if loader_state:
             if self._train_loader is not None:

@@ -7,6 +7,7 @@ cut to fit); ``document_ids(lengths)`` the ``(S,)`` ids of those documents packe
 and benchmarks/fa4_blocks.py check document masking on (short runs, one-token documents,
 reused ids, rows without keys).
 """
+
 from __future__ import annotations
 
 import math
@@ -37,19 +38,19 @@ def document_lengths(mix: str, total: int, seed: int = 0) -> list:
             n = 256
         else:
             sigma = 1.5
-            n = int(math.exp(math.log(4 * K) - sigma ** 2 / 2 + sigma * float(torch.randn(1, generator=g))))
+            n = int(math.exp(math.log(4 * K) - sigma**2 / 2 + sigma * float(torch.randn(1, generator=g))))
         lengths.append(max(1, min(n, total - sum(lengths))))
     return lengths
 
 
 def document_ids(lengths: list, device=None) -> torch.Tensor:
     """``(S,)`` int64 ids, document i being ``lengths[i]`` tokens of id i, packed in order."""
-    return torch.repeat_interleave(torch.arange(len(lengths), device=device),
-                                   torch.tensor(lengths, device=device))
+    return torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
 
 
 def document_id_pattern(kind, B, Sq, Sk, gen):
     """(q_ids, k_ids) int tensors. Causal cases need Sq == Sk and use q_ids for both."""
+
     def runs(S, max_len, n_ids=None):
         ids, doc = [], 0
         while len(ids) < S:
@@ -68,7 +69,7 @@ def document_id_pattern(kind, B, Sq, Sk, gen):
     if kind == "short":
         return batch(lambda: runs(Sq, 12)), batch(lambda: runs(Sk, 12))
     if kind == "len1":  # every token its own document (huge ids: compared as int64)
-        return (torch.arange(Sq).expand(B, Sq) + 2 ** 40, torch.arange(Sk).expand(B, Sk) + 2 ** 40)
+        return (torch.arange(Sq).expand(B, Sq) + 2**40, torch.arange(Sk).expand(B, Sk) + 2**40)
     if kind == "mix":  # long documents with runs of one-token documents between them
         ids = [0] * 30 + list(range(1, 9)) + [9] * 20 + list(range(10, 22))
         return torch.tensor([ids[:Sq]] * B), torch.tensor([ids[:Sk]] * B)

@@ -18,6 +18,7 @@ context-parallel sharding. By default a label whose token belongs to another doc
 than its input position is ignored (-100): the last token of a document does not
 learn to predict the first token of an unrelated one.
 """
+
 from __future__ import annotations
 
 import logging
@@ -109,11 +110,18 @@ def tokenize_corpus(
         _check_ids(tokenized, tokenizer)
         tokenized.save_to_disk(str(out))
         n_tokens = int(np.asarray(tokenized["num_tokens"]).sum()) if len(tokenized) else 0
-        write_json(out / "meta.json", {
-            "corpus": corpus.name, "corpus_fingerprint": corpus.fingerprint,
-            "tokenizer": repr(tokenizer), "vocab_size": tokenizer.vocab_size,
-            "documents": len(tokenized), "tokens": n_tokens, "source_stats": stats.as_dict(),
-        })
+        write_json(
+            out / "meta.json",
+            {
+                "corpus": corpus.name,
+                "corpus_fingerprint": corpus.fingerprint,
+                "tokenizer": repr(tokenizer),
+                "vocab_size": tokenizer.vocab_size,
+                "documents": len(tokenized),
+                "tokens": n_tokens,
+                "source_stats": stats.as_dict(),
+            },
+        )
         del tokenized
         publish(out, final)
     finally:
@@ -193,8 +201,14 @@ def pack_corpus(
     out = tmp_sibling(final)
     out.mkdir()
     try:
-        meta: dict = {"bos_id": bos_id, "eos_id": eos_id, "val_fraction": val_fraction, "seed": seed,
-                      "zero_token_documents": int((lengths == 0).sum()), "tokenized": tokenized_dir.name}
+        meta: dict = {
+            "bos_id": bos_id,
+            "eos_id": eos_id,
+            "val_fraction": val_fraction,
+            "seed": seed,
+            "zero_token_documents": int((lengths == 0).sum()),
+            "tokenized": tokenized_dir.name,
+        }
         for split, members in zip(SPLITS, (train_docs, val_docs)):
             total = _write_stream(out, split, members, docs, lengths, bos_id=bos_id, eos_id=eos_id)
             meta[split] = {"documents": len(members), "tokens": total}
@@ -205,13 +219,20 @@ def pack_corpus(
     return final
 
 
-def _write_stream(out: Path, split: str, members: np.ndarray, docs: "_DocumentValues", lengths: np.ndarray,
-                  *, bos_id: Optional[int], eos_id: int) -> int:
+def _write_stream(
+    out: Path,
+    split: str,
+    members: np.ndarray,
+    docs: "_DocumentValues",
+    lengths: np.ndarray,
+    *,
+    bos_id: Optional[int],
+    eos_id: int,
+) -> int:
     """Write ``[BOS] doc [EOS]`` for each member document, and its ids, as two ``.npy`` files."""
     total = int(lengths[members].sum()) + (1 + (bos_id is not None)) * len(members)
     tokens = np.lib.format.open_memmap(out / f"{split}.tokens.npy", mode="w+", dtype=np.int32, shape=(total,))
-    doc_ids = np.lib.format.open_memmap(out / f"{split}.documents.npy", mode="w+", dtype=np.int32,
-                                        shape=(total,))
+    doc_ids = np.lib.format.open_memmap(out / f"{split}.documents.npy", mode="w+", dtype=np.int32, shape=(total,))
     pos = 0
     for d in members:
         start = pos
@@ -219,7 +240,7 @@ def _write_stream(out: Path, split: str, members: np.ndarray, docs: "_DocumentVa
             tokens[pos] = bos_id
             pos += 1
         values = docs[int(d)]
-        tokens[pos:pos + len(values)] = values
+        tokens[pos : pos + len(values)] = values
         pos += len(values)
         tokens[pos] = eos_id
         pos += 1
@@ -248,7 +269,7 @@ class _DocumentValues:
         c = int(np.searchsorted(self.starts, d, side="right") - 1)
         offsets, values = self.chunks[c]
         i = d - self.starts[c]
-        return values[offsets[i]:offsets[i + 1]]
+        return values[offsets[i] : offsets[i + 1]]
 
 
 class PackedSequenceDataset(torch.utils.data.Dataset):
@@ -318,8 +339,9 @@ class PackedSequenceDataset(torch.utils.data.Dataset):
 def load_split(packed_dir: Path, split: str, seq_len: int, **kwargs) -> PackedSequenceDataset:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    return PackedSequenceDataset(packed_dir / f"{split}.tokens.npy", packed_dir / f"{split}.documents.npy",
-                                 seq_len, **kwargs)
+    return PackedSequenceDataset(
+        packed_dir / f"{split}.tokens.npy", packed_dir / f"{split}.documents.npy", seq_len, **kwargs
+    )
 
 
 def packed_meta(packed_dir: Path) -> dict:

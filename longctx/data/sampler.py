@@ -19,6 +19,7 @@ the sampler (DataLoader workers run ahead of training): ``ResumableDataLoader`` 
 that and is a Lightning "stateful" dataloader, so Lightning saves its state in
 checkpoints and restores it when resuming mid-epoch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,9 +41,7 @@ def dp_coordinates(global_rank: int, world_size: int, context_parallel_size: int
     ``num_replicas``/``rank`` instead.
     """
     if context_parallel_size < 1 or world_size % context_parallel_size != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by context_parallel_size {context_parallel_size}"
-        )
+        raise ValueError(f"world size {world_size} is not divisible by context_parallel_size {context_parallel_size}")
     if not 0 <= global_rank < world_size:
         raise ValueError(f"rank {global_rank} is outside [0, {world_size})")
     return global_rank // context_parallel_size, world_size // context_parallel_size
@@ -71,8 +70,7 @@ class ContextParallelSampler(DistributedSampler):
         if not isinstance(rank, int) or not 0 <= rank < num_replicas:
             raise ValueError(f"rank (the data-parallel rank) {rank!r} is outside [0, {num_replicas})")
         # Explicit num_replicas/rank: the parent never queries torch.distributed.
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
-                         drop_last=drop_last)
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self._resume_from = 0  # global offset into the epoch for the next __iter__
         self._consumed = 0  # global samples of this epoch delivered to the training loop
 
@@ -138,16 +136,23 @@ class ContextParallelSampler(DistributedSampler):
         ]
         self.epoch = int(state["epoch"])
         if mismatch:
-            msg = ("sampler state does not match this dataset (" + "; ".join(mismatch) + "): the resumed run "
-                   f"restarts epoch {self.epoch} from its beginning and will not see the same samples")
+            msg = (
+                "sampler state does not match this dataset (" + "; ".join(mismatch) + "): the resumed run "
+                f"restarts epoch {self.epoch} from its beginning and will not see the same samples"
+            )
             logger.warning(msg)
             warnings.warn(msg, stacklevel=2)
             self._resume_from = self._consumed = 0
             return
         consumed = int(state["consumed"])
         if state.get("num_replicas") != self.num_replicas:
-            logger.info("sampler: resuming with %d data-parallel replicas (checkpoint had %s) at sample %d of "
-                        "epoch %d", self.num_replicas, state.get("num_replicas"), consumed, self.epoch)
+            logger.info(
+                "sampler: resuming with %d data-parallel replicas (checkpoint had %s) at sample %d of epoch %d",
+                self.num_replicas,
+                state.get("num_replicas"),
+                consumed,
+                self.epoch,
+            )
         self._resume_from = self._consumed = min(consumed, n)
 
 

@@ -18,6 +18,7 @@ reads the documents into a ``datasets.Dataset`` with one column, ``text``. Accep
 ``load()`` also returns ``SourceStats`` (documents, skipped files, decode replacements)
 so the data module can report them.
 """
+
 from __future__ import annotations
 
 import glob
@@ -57,12 +58,15 @@ def resolve_corpus(
     if path is None or (isinstance(path, str) and (path == "stdlib" or path.startswith("stdlib:"))):
         packages = None
         if isinstance(path, str) and path.startswith("stdlib:"):
-            packages = [p for p in path[len("stdlib:"):].split(",") if p]
-        return stdlib_corpus(packages=packages, include_tests=include_tests, max_documents=max_documents,
-                             unit=stdlib_documents)
+            packages = [p for p in path[len("stdlib:") :].split(",") if p]
+        return stdlib_corpus(
+            packages=packages, include_tests=include_tests, max_documents=max_documents, unit=stdlib_documents
+        )
     if stdlib_documents != "package":
-        raise ValueError(f"stdlib_documents={stdlib_documents!r} applies to the default (stdlib) corpus only; "
-                         f"in {path!r} every file or row is one document")
+        raise ValueError(
+            f"stdlib_documents={stdlib_documents!r} applies to the default (stdlib) corpus only; "
+            f"in {path!r} every file or row is one document"
+        )
 
     paths = []
     for p in [path] if isinstance(path, (str, os.PathLike)) else path:
@@ -151,8 +155,7 @@ def _load_tables(tables: list[Path], ignored: list[Path], text_column: str, max_
 
     stats = SourceStats(files=len(tables), ignored_files=[str(f) for f in ignored])
     if ignored:
-        logger.info("corpus: %d non-table files next to the data files are ignored (e.g. %s)",
-                    len(ignored), ignored[0])
+        logger.info("corpus: %d non-table files next to the data files are ignored (e.g. %s)", len(ignored), ignored[0])
     parts = []
     by_builder: dict[str, list[str]] = {}
     for f in tables:

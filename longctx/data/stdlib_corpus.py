@@ -15,6 +15,7 @@ Test directories (``test``, ``tests``, ``idle_test``) are left out by default: t
 double the size with repetitive code. ``site-packages``, ``lib-dynload``, build
 configuration and ``__pycache__`` are never included.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,9 +42,7 @@ def _package_files(root: Path, package: str, include_tests: bool) -> list[Path]:
         return sorted(p for p in root.glob("*.py") if p.is_file())
     files = []
     for dirpath, dirnames, filenames in os.walk(root / package):
-        dirnames[:] = sorted(
-            d for d in dirnames if d not in _NEVER and (include_tests or d not in _TEST_DIRS)
-        )
+        dirnames[:] = sorted(d for d in dirnames if d not in _NEVER and (include_tests or d not in _TEST_DIRS))
         files.extend(Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py"))
     return files
 
@@ -53,8 +52,12 @@ def list_stdlib_packages(*, include_tests: bool = False, root: Optional[Path] = 
     root = root or stdlib_root()
     names = [TOPLEVEL]
     for d in sorted(root.iterdir()):
-        if (not d.is_dir() or d.name in _NEVER or d.name.startswith((".", "config-"))
-                or (not include_tests and d.name in _TEST_DIRS)):
+        if (
+            not d.is_dir()
+            or d.name in _NEVER
+            or d.name.startswith((".", "config-"))
+            or (not include_tests and d.name in _TEST_DIRS)
+        ):
             continue
         if _package_files(root, d.name, include_tests):
             names.append(d.name)
@@ -62,7 +65,10 @@ def list_stdlib_packages(*, include_tests: bool = False, root: Optional[Path] = 
 
 
 def stdlib_documents(
-    packages: Optional[Sequence[str]] = None, *, include_tests: bool = False, root: Optional[Path] = None,
+    packages: Optional[Sequence[str]] = None,
+    *,
+    include_tests: bool = False,
+    root: Optional[Path] = None,
     unit: str = "package",
 ) -> list[tuple[str, list[Path]]]:
     """``(name, files)`` per document; ``packages`` picks a subset (e.g. for tests); ``unit``:
@@ -137,10 +143,13 @@ def stdlib_corpus(
         docs = docs[:max_documents]
     files = [f for _, group in docs for f in group]
     fp = stable_hash("stdlib", sys.version_info[:3], [n for n, _ in docs], files_fingerprint(files, root))
-    label = ("stdlib" if packages is None else "stdlib:" + ",".join(packages)) + ("" if unit == "package" else
-                                                                                  f" ({unit} documents)")
+    label = ("stdlib" if packages is None else "stdlib:" + ",".join(packages)) + (
+        "" if unit == "package" else f" ({unit} documents)"
+    )
     return Corpus(
-        label, fp,
-        lambda: build_default_corpus(packages, include_tests=include_tests, max_documents=max_documents, root=root,
-                                     unit=unit),
+        label,
+        fp,
+        lambda: build_default_corpus(
+            packages, include_tests=include_tests, max_documents=max_documents, root=root, unit=unit
+        ),
     )

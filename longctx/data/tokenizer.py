@@ -16,6 +16,7 @@ Optional extras a tokenizer may offer and the pipeline uses when present:
 ``encode_batch(texts) -> list[list[int]]`` (faster bulk tokenizing) and
 ``fingerprint: str`` (an exact cache key).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -148,8 +149,11 @@ class SentencePieceTokenizer:
                 minloglevel=2,
             )
         except RuntimeError as e:
-            hint = (" A vocabulary larger than the text supports needs a smaller vocab_size or more text."
-                    if "ocabulary size" in str(e) else "")
+            hint = (
+                " A vocabulary larger than the text supports needs a smaller vocab_size or more text."
+                if "ocabulary size" in str(e)
+                else ""
+            )
             raise ValueError(
                 f"SentencePiece training failed for vocab_size={vocab_size} on a sample of "
                 f"{len(lines)} lines ({sum(map(len, lines))} characters): {e}.{hint}"
@@ -173,21 +177,28 @@ class SentencePieceTokenizer:
         ``texts_fn`` is only called on a cache miss, so a warm start reads no corpus text.
         """
         _check_spm_settings(vocab_size, model_type, max_chars)
-        path = spm_cache_path(cache_dir, corpus_fingerprint, vocab_size=vocab_size, model_type=model_type,
-                              max_chars=max_chars, seed=seed)
+        path = spm_cache_path(
+            cache_dir, corpus_fingerprint, vocab_size=vocab_size, model_type=model_type, max_chars=max_chars, seed=seed
+        )
         if path.is_file():
             logger.info("tokenizer: reusing cached SentencePiece model %s", path)
             return cls(path)
-        logger.info("tokenizer: training a SentencePiece %s model (vocab_size=%d) -> %s",
-                    model_type, vocab_size, path)
+        logger.info("tokenizer: training a SentencePiece %s model (vocab_size=%d) -> %s", model_type, vocab_size, path)
         tok = cls.train(texts_fn(), vocab_size=vocab_size, model_type=model_type, max_chars=max_chars, seed=seed)
         tmp = tmp_sibling(path)
         tok.save(tmp)
         publish(tmp, path)
-        write_json(path.with_suffix(".json"), {
-            "corpus_fingerprint": corpus_fingerprint, "vocab_size": vocab_size, "model_type": model_type,
-            "max_chars": max_chars, "seed": seed, "recipe": _SPM_RECIPE_VERSION,
-        })
+        write_json(
+            path.with_suffix(".json"),
+            {
+                "corpus_fingerprint": corpus_fingerprint,
+                "vocab_size": vocab_size,
+                "model_type": model_type,
+                "max_chars": max_chars,
+                "seed": seed,
+                "recipe": _SPM_RECIPE_VERSION,
+            },
+        )
         return cls(path)
 
 
@@ -225,7 +236,7 @@ def sample_training_lines(texts: Iterable[str], *, max_chars: int, seed: int = 0
             share = max(1, int(max_chars * len(text) / total))
             start = rng.randrange(0, max(1, len(text) - share + 1))
             start = text.rfind("\n", 0, start) + 1  # begin on a line boundary
-            text = text[start:start + share]
+            text = text[start : start + share]
         lines.extend(line for line in text.split("\n") if line.strip())
     return lines
 
@@ -312,8 +323,9 @@ def _load_tokenizer_path(path: Path) -> TextTokenizer:
             from transformers import AutoTokenizer
         except ImportError:
             raise ImportError(f"loading the Hugging Face tokenizer at {str(path)!r} needs 'transformers'") from None
-        return HFTokenizerAdapter(AutoTokenizer.from_pretrained(str(path if path.is_dir() else path.parent),
-                                                                local_files_only=True))
+        return HFTokenizerAdapter(
+            AutoTokenizer.from_pretrained(str(path if path.is_dir() else path.parent), local_files_only=True)
+        )
     raise ValueError(
         f"do not know how to load a tokenizer from {str(path)!r}: expected a SentencePiece .model file, "
         "a Hugging Face tokenizer directory or tokenizer.json"
@@ -333,9 +345,10 @@ def tokenizer_fingerprint(tok: TextTokenizer) -> str:
         pass
     logger.warning(
         "tokenizer %r has no 'fingerprint' and cannot be hashed; its cache key is a probe of its "
-        "behaviour. Give it a 'fingerprint' attribute to make caching exact.", tok,
+        "behaviour. Give it a 'fingerprint' attribute to make caching exact.",
+        tok,
     )
-    probe = ("The quick brown fox 0123456789 jumps over\n\tthe lazy dog; déjà vu 日本語 ✓ 😀 "
-             "def f(x): return x\n")
-    return "probe-" + stable_hash(type(tok).__qualname__, tok.vocab_size, tok.eos_id,
-                                  getattr(tok, "bos_id", None), tok.encode(probe), length=32)
+    probe = "The quick brown fox 0123456789 jumps over\n\tthe lazy dog; déjà vu 日本語 ✓ 😀 def f(x): return x\n"
+    return "probe-" + stable_hash(
+        type(tok).__qualname__, tok.vocab_size, tok.eos_id, getattr(tok, "bos_id", None), tok.encode(probe), length=32
+    )

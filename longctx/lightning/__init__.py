@@ -4,6 +4,7 @@ Everything outside this package (the ring, layouts, data, ``parallelize``, the m
 imports with torch alone; importing this package imports Lightning and registers the
 strategy name ``"context_parallel"``.
 """
+
 from .health import NonFiniteError, NonFiniteGuard
 from .strategy import ContextParallelStrategy
 

@@ -17,6 +17,7 @@ Every pickle is read with ``weights_only=True`` or an allowlist: a checkpoint is
 The integrity checks and the data-only DCP readers (and the names and manifest format
 they read) are checkpoint_verify's.
 """
+
 from __future__ import annotations
 
 import io
@@ -152,8 +153,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise
         _fsync_dir(path.parent)
 
-    def load_checkpoint(self, path: PathLike, map_location: Optional[Any] = lambda storage, loc: storage,
-                        weights_only: Optional[bool] = None) -> dict:
+    def load_checkpoint(
+        self,
+        path: PathLike,
+        map_location: Optional[Any] = lambda storage, loc: storage,
+        weights_only: Optional[bool] = None,
+    ) -> dict:
         if weights_only is False:
             raise ValueError(
                 f"{type(self).__name__} loads checkpoints with weights_only=True only (a pickle can run "
@@ -213,8 +218,9 @@ def _replace(tmp: Path, path: Path) -> None:
         aside.unlink()
 
 
-def save_sharded_checkpoint(path: PathLike, state: dict[str, Any], metadata: dict[str, Any], *,
-                            group: Optional[dist.ProcessGroup] = None) -> None:
+def save_sharded_checkpoint(
+    path: PathLike, state: dict[str, Any], metadata: dict[str, Any], *, group: Optional[dist.ProcessGroup] = None
+) -> None:
     """Write a sharded checkpoint folder; call on every rank of ``group`` (default: world).
 
     ``state`` maps names to state dicts of DTensors/tensors (e.g. ``{"model": ...,
@@ -243,8 +249,9 @@ def save_sharded_checkpoint(path: PathLike, state: dict[str, Any], metadata: dic
     if error is not None:
         raise _save_failed(path, f"rank 0: {error}")
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group,
-                 no_dist=world == 1)
+        dcp.save(
+            state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group, no_dist=world == 1
+        )
         # Every rank checksums a share of the files, so rank 0 does not read the whole model.
         names = _from_rank0(sorted(os.listdir(tmp)) if rank == 0 else None, group)
         sums, error = {}, None
@@ -262,8 +269,7 @@ def save_sharded_checkpoint(path: PathLike, state: dict[str, Any], metadata: dic
                     raise OSError(errors[0])
                 files = {name: entry for share, _ in shares for name, entry in share.items()}
                 files[METADATA_NAME] = _write_synced(tmp / METADATA_NAME, metadata_bytes)
-                manifest = {"format": _MANIFEST_FORMAT, "global_step": step, "world_size": world,
-                            "files": files}
+                manifest = {"format": _MANIFEST_FORMAT, "global_step": step, "world_size": world, "files": files}
                 _write_synced(tmp / MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
                 _fsync_dir(tmp)
                 _replace(tmp, path)
@@ -304,8 +310,10 @@ def _save_failed(path: Path, cause: str) -> RuntimeError:
     failed and that nothing else changed (the temp folder is removed, ``path`` and every
     earlier checkpoint are untouched)."""
     cause = " ".join(cause.split())  # one line, whatever the cause's message looks like
-    return RuntimeError(f"cannot save sharded checkpoint {path} ({cause}); nothing of it was kept, the "
-                        "checkpoints saved before are intact and --resume takes the newest of them")
+    return RuntimeError(
+        f"cannot save sharded checkpoint {path} ({cause}); nothing of it was kept, the "
+        "checkpoints saved before are intact and --resume takes the newest of them"
+    )
 
 
 def _write_synced(path: Path, data: bytes) -> dict:
@@ -316,8 +324,9 @@ def _write_synced(path: Path, data: bytes) -> dict:
     return {"size": len(data), "crc32": zlib.crc32(data)}
 
 
-def load_sharded_checkpoint(path: PathLike, state: dict[str, Any], *,
-                            group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
+def load_sharded_checkpoint(
+    path: PathLike, state: dict[str, Any], *, group: Optional[dist.ProcessGroup] = None
+) -> dict[str, Any]:
     """Verify ``path`` against its manifest, then load it into ``state`` in place; returns
     the metadata. Call on every rank of ``group``.
 
@@ -332,8 +341,13 @@ def load_sharded_checkpoint(path: PathLike, state: dict[str, Any], *,
     if problems:
         raise CorruptCheckpointError(f"sharded checkpoint {path} failed verification: {problems[0]}")
     _read_dcp_metadata(path)  # a clear error here, instead of inside DCP's fallbacks
-    dcp.load(state, storage_reader=_SafeFileSystemReader(path), planner=_SafeLoadPlanner(),
-             process_group=group, no_dist=world == 1)
+    dcp.load(
+        state,
+        storage_reader=_SafeFileSystemReader(path),
+        planner=_SafeLoadPlanner(),
+        process_group=group,
+        no_dist=world == 1,
+    )
     return _load_metadata(path)
 
 
@@ -350,8 +364,9 @@ def save_training_state(path: PathLike, checkpoint: dict[str, Any]) -> None:
     save_sharded_checkpoint(path, state, checkpoint)
 
 
-def load_training_state(path: PathLike, model: torch.nn.Module, optimizers: list, *,
-                        strict: bool = True) -> dict[str, Any]:
+def load_training_state(
+    path: PathLike, model: torch.nn.Module, optimizers: list, *, strict: bool = True
+) -> dict[str, Any]:
     """Load a folder ``save_training_state`` wrote into an FSDP2 ``model`` and its ``optimizers``,
     in place (verified first; resharded to this world); returns the metadata. Every rank."""
     from torch.distributed.checkpoint.state_dict import (
@@ -378,8 +393,9 @@ def load_training_state(path: PathLike, model: torch.nn.Module, optimizers: list
     return metadata
 
 
-def consolidate_checkpoint(sharded_path: PathLike, out_file: PathLike, *,
-                           safetensors_model_key: Optional[str] = None) -> None:
+def consolidate_checkpoint(
+    sharded_path: PathLike, out_file: PathLike, *, safetensors_model_key: Optional[str] = None
+) -> None:
     """One file with the full (unsharded) state of a sharded checkpoint; no process group.
 
     Default: a ``torch.save`` file ``{"state": {name: full state dict}, "metadata": ...}``.
@@ -392,8 +408,9 @@ def consolidate_checkpoint(sharded_path: PathLike, out_file: PathLike, *,
         raise CorruptCheckpointError(f"sharded checkpoint {sharded_path} failed verification: {problem}")
     _read_dcp_metadata(sharded_path)
     full: dict[str, Any] = {}
-    _load_state_dict(full, storage_reader=_SafeFileSystemReader(sharded_path),
-                     planner=_SafeConsolidatePlanner(), no_dist=True)
+    _load_state_dict(
+        full, storage_reader=_SafeFileSystemReader(sharded_path), planner=_SafeConsolidatePlanner(), no_dist=True
+    )
     out_file.parent.mkdir(parents=True, exist_ok=True)
     if safetensors_model_key is None:
         AtomicCheckpointIO().save_checkpoint({"state": full, "metadata": _load_metadata(sharded_path)}, out_file)
@@ -417,8 +434,9 @@ def consolidate_checkpoint(sharded_path: PathLike, out_file: PathLike, *,
 def _looks_like_checkpoint(path: Path) -> bool:
     if path.is_file():
         return path.suffix == ".ckpt"
-    return path.is_dir() and ((path / MANIFEST_NAME).exists() or (path / _DCP_METADATA_NAME).exists()
-                              or path.suffix == ".ckpt")
+    return path.is_dir() and (
+        (path / MANIFEST_NAME).exists() or (path / _DCP_METADATA_NAME).exists() or path.suffix == ".ckpt"
+    )
 
 
 def checkpoint_step(path: PathLike) -> int:
@@ -448,25 +466,29 @@ def find_resume_checkpoint(path: PathLike) -> Path:
         problem = checkpoint_problem(path)
         if problem is None:
             return path
-        warnings.warn(f"checkpoint {path} is incomplete or corrupt ({problem}); "
-                      "looking for the newest intact one beside it", stacklevel=2)
+        warnings.warn(
+            f"checkpoint {path} is incomplete or corrupt ({problem}); looking for the newest intact one beside it",
+            stacklevel=2,
+        )
         search, skip = [path.parent], {path}
     else:
         search = [path, path / "checkpoints"]
-    candidates = [p for d in search if d.is_dir() for p in sorted(d.iterdir())
-                  if not p.name.startswith(".") and p not in skip and _looks_like_checkpoint(p)]
+    candidates = [
+        p
+        for d in search
+        if d.is_dir()
+        for p in sorted(d.iterdir())
+        if not p.name.startswith(".") and p not in skip and _looks_like_checkpoint(p)
+    ]
     ranked = []
     for candidate in candidates:
         try:
             ranked.append((checkpoint_step(candidate), candidate.stem == "last", candidate.name, candidate))
         except Exception as exc:  # noqa: BLE001 - an unreadable candidate is skipped, loudly
-            warnings.warn(f"skipping checkpoint {candidate}: unreadable ({type(exc).__name__}: {exc})",
-                          stacklevel=2)
+            warnings.warn(f"skipping checkpoint {candidate}: unreadable ({type(exc).__name__}: {exc})", stacklevel=2)
     for *_, candidate in sorted(ranked, key=lambda r: r[:3], reverse=True):
         problem = checkpoint_problem(candidate)
         if problem is None:
             return candidate
         warnings.warn(f"skipping checkpoint {candidate}: incomplete or corrupt ({problem})", stacklevel=2)
-    raise FileNotFoundError(
-        f"no intact checkpoint under {path} (found {len(candidates)} candidate(s), none intact)"
-    )
+    raise FileNotFoundError(f"no intact checkpoint under {path} (found {len(candidates)} candidate(s), none intact)")

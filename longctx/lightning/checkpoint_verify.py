@@ -3,6 +3,7 @@ intact (single files: the zip CRC of every member, which ``torch.load`` never ch
 folders: the size and crc32 of every file against ``manifest.json``), and reading a sharded
 one as data only (DCP's ``.metadata`` and non-tensor entries through allowlists, where DCP
 itself would unpickle anything); with the file names and manifest format they read."""
+
 from __future__ import annotations
 
 import io
@@ -63,8 +64,11 @@ def _read_manifest(path: Path) -> dict:
     except (OSError, ValueError) as exc:
         raise CorruptCheckpointError(f"{manifest_file} is unreadable ({exc})") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if (manifest.get("format") != _MANIFEST_FORMAT or not isinstance(files, dict)
-            or not isinstance(manifest.get("global_step"), int)):
+    if (
+        manifest.get("format") != _MANIFEST_FORMAT
+        or not isinstance(files, dict)
+        or not isinstance(manifest.get("global_step"), int)
+    ):
         raise CorruptCheckpointError(f"{manifest_file} is not a {_MANIFEST_FORMAT} manifest")
     for name in files:  # flat names only: a manifest must not point outside its folder
         if Path(name).name != name or name in (".", ".."):
@@ -113,12 +117,26 @@ def is_complete_checkpoint(path: PathLike) -> bool:
 # DCP reads its ``.metadata`` with a bare pickle.load and non-tensor entries with
 # torch.load(weights_only=False); both would run code from a crafted checkpoint.
 _DCP_METADATA_GLOBALS = {
-    *(("torch.distributed.checkpoint.metadata", n) for n in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    *(
+        ("torch.distributed.checkpoint.metadata", n)
+        for n in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib._local", "PosixPath"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib._local", "PosixPath"),
     ("pathlib._local", "WindowsPath"),
 }
 

@@ -11,6 +11,7 @@ its section, so a refusal is said of that section's option (``model.lr must be .
 model itself is built once the data module's tokenizer exists (``instantiate_model``): the
 tokenizer decides its vocabulary.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,17 @@ from .cli_args import check_sections, expand_short_flags, flag_values, hf_model_
 # Trainer arguments train.py derives itself (from the strategy section, the run options
 # and its callbacks), so they are not options.
 TRAINER_DERIVED = (
-    "strategy", "logger", "callbacks", "enable_checkpointing", "val_check_interval", "check_val_every_n_epoch",
-    "limit_val_batches", "num_sanity_val_steps", "max_epochs", "enable_model_summary", "default_root_dir",
+    "strategy",
+    "logger",
+    "callbacks",
+    "enable_checkpointing",
+    "val_check_interval",
+    "check_val_every_n_epoch",
+    "limit_val_batches",
+    "num_sanity_val_steps",
+    "max_epochs",
+    "enable_model_summary",
+    "default_root_dir",
 )
 
 
@@ -77,8 +87,13 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
     repo = default_config.resolve().parents[1]
     # Trainer options a run needs bounded (Lightning's own types allow an endless -1,
     # zero micro-batches, ...): typed here, so the parser refuses the rest.
-    bounded = {"max_steps": PositiveInt, "accumulate_grad_batches": PositiveInt, "num_nodes": PositiveInt,
-               "log_every_n_steps": Optional[PositiveInt], "gradient_clip_val": Optional[NonNegativeFloat]}
+    bounded = {
+        "max_steps": PositiveInt,
+        "accumulate_grad_batches": PositiveInt,
+        "num_nodes": PositiveInt,
+        "log_every_n_steps": Optional[PositiveInt],
+        "gradient_clip_val": Optional[NonNegativeFloat],
+    }
 
     class HelpFormatter(RawDescriptionHelpFormatter, DefaultHelpFormatter):
         """Keeps the epilog's table of short flags as written."""
@@ -91,11 +106,20 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
             self.overrides: dict = {}  # dotted key -> (run's value, value now), on resume
             self.trainer = self.datamodule = self.model = self.run_lock = None
             super().__init__(
-                CausalLMModule, LongDocumentDataModule, save_config_callback=None, run=False,
-                auto_configure_optimizers=False, load_from_checkpoint_support=False, args=args,
-                parser_kwargs={"prog": "train.py", "exit_on_error": False, "description": description,
-                               "formatter_class": HelpFormatter, "epilog": "short flags:\n" + "\n".join(
-                                   f"  {flag:26} --{key}" for flag, key in short_flags.items())},
+                CausalLMModule,
+                LongDocumentDataModule,
+                save_config_callback=None,
+                run=False,
+                auto_configure_optimizers=False,
+                load_from_checkpoint_support=False,
+                args=args,
+                parser_kwargs={
+                    "prog": "train.py",
+                    "exit_on_error": False,
+                    "description": description,
+                    "formatter_class": HelpFormatter,
+                    "epilog": "short flags:\n" + "\n".join(f"  {flag:26} --{key}" for flag, key in short_flags.items()),
+                },
             )
 
         # -- the parser ----------------------------------------------------------------------
@@ -107,22 +131,37 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
             pass  # seeded from data.seed once the options passed their checks
 
         def add_core_arguments_to_parser(self, parser) -> None:
-            parser.add_class_arguments(Trainer, "trainer", skip=set(TRAINER_DERIVED) | set(bounded),
-                                       fail_untyped=False, instantiate=False, sub_configs=True)
+            parser.add_class_arguments(
+                Trainer,
+                "trainer",
+                skip=set(TRAINER_DERIVED) | set(bounded),
+                fail_untyped=False,
+                instantiate=False,
+                sub_configs=True,
+            )
             defaults = inspect.signature(Trainer.__init__).parameters
             for name, kind in bounded.items():
                 default = defaults[name].default
                 # Lightning's default max_steps (-1, endless) is no default for a run: a config sets it.
-                parser.add_argument(f"--trainer.{name}", type=kind, default=None if name == "max_steps" else default,
-                                    help=f"Trainer's {name} (see lightning.pytorch.Trainer)")
+                parser.add_argument(
+                    f"--trainer.{name}",
+                    type=kind,
+                    default=None if name == "max_steps" else default,
+                    help=f"Trainer's {name} (see lightning.pytorch.Trainer)",
+                )
             # CausalLMModule's ``model`` also takes a GPTConfig; as an option it is the mapping
             # only: jsonargparse would turn it into a GPTConfig and drop ``preset``. The module is
             # built by instantiate_model, after the tokenizer: not by the parser.
-            parser.add_class_arguments(self.model_class, "model", skip={"model"}, fail_untyped=False,
-                                       instantiate=False, sub_configs=True)
-            parser.add_argument("--model.model", type=Optional[dict[str, Any]], default=None,
-                                help="the GPT: GPTConfig fields plus `preset` (tiny, gpt-125m, llama3-8b, ...); "
-                                     "with init_from, overrides of non-size fields")
+            parser.add_class_arguments(
+                self.model_class, "model", skip={"model"}, fail_untyped=False, instantiate=False, sub_configs=True
+            )
+            parser.add_argument(
+                "--model.model",
+                type=Optional[dict[str, Any]],
+                default=None,
+                help="the GPT: GPTConfig fields plus `preset` (tiny, gpt-125m, llama3-8b, ...); "
+                "with init_from, overrides of non-size fields",
+            )
             parser.add_lightning_class_args(self.datamodule_class, "data")
 
         def add_arguments_to_parser(self, parser) -> None:
@@ -131,9 +170,13 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
             parser.add_class_arguments(ContextParallelStrategy, "strategy", skip=ddp)
             parser.add_class_arguments(NonFiniteGuard, "nonfinite", skip={"group"})
             parser.add_class_arguments(RunOptions, "run")
-            parser.add_argument("--resume", type=Optional[str], default=None,
-                                help="checkpoint, checkpoint directory or run directory (its newest complete "
-                                     "checkpoint); continues from the run's own config.yaml")
+            parser.add_argument(
+                "--resume",
+                type=Optional[str],
+                default=None,
+                help="checkpoint, checkpoint directory or run directory (its newest complete "
+                "checkpoint); continues from the run's own config.yaml",
+            )
             # One value, set once: the data splits like the strategy; the module's FLOPs use the data's length.
             parser.link_arguments("strategy.context_parallel_size", "data.context_parallel_size")
             # On instantiation: the strategy is built (and its world checked) before the data module.
@@ -165,8 +208,11 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
             if run_yaml is not None:
                 self.run_config = self._parse(parser, ["--config", str(run_yaml)])
                 before, now = flatten(self.run_config), flatten(self.config)
-                self.overrides = {k: (before.get(k), v) for k, v in now.items()
-                                  if k not in ("config", "resume", "run.output_dir") and before.get(k) != v}
+                self.overrides = {
+                    k: (before.get(k), v)
+                    for k, v in now.items()
+                    if k not in ("config", "resume", "run.output_dir") and before.get(k) != v
+                }
                 if self.config.run.output_dir == self.run_config.run.output_dir:  # not given now: where it is
                     self.config.run.output_dir = str(run_dir_of(self.resume_checkpoint))
 
@@ -200,8 +246,7 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
                 trainer.accelerator = resolve_accelerator(trainer.accelerator)
             else:
                 trainer.accelerator = "gpu"  # checked only: this machine may have none
-            trainer.devices = resolve_devices(trainer.devices, trainer.accelerator,
-                                              cfg.strategy.context_parallel_size)
+            trainer.devices = resolve_devices(trainer.devices, trainer.accelerator, cfg.strategy.context_parallel_size)
             if trainer.precision is None:
                 trainer.precision = "bf16-mixed" if trainer.accelerator == "gpu" else "32-true"
             if cfg.model.decay_steps is None:  # pinned: extending max_steps on resume keeps the schedule
@@ -232,8 +277,10 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
             per_node = per_node if isinstance(per_node, int) else None
             world = launched_world()
             if world is not None and per_node is not None and per_node * nodes != world:
-                raise ValueError(f"trainer.devices {devices} x num_nodes {nodes} does not match the launcher's world "
-                                 f"of {world} processes")
+                raise ValueError(
+                    f"trainer.devices {devices} x num_nodes {nodes} does not match the launcher's world "
+                    f"of {world} processes"
+                )
             world = world if world is not None else None if per_node is None else per_node * nodes
             cp = self.config.strategy.context_parallel_size
             if world is not None and cp is not None:
@@ -251,12 +298,15 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
             from .training import launch_rank
 
             cfg = self.config
-            self.config_init = self.parser.instantiate(cfg, instantiators=[
-                (self._instantiator("run"), RunOptions, False),
-                (self._instantiator("nonfinite"), NonFiniteGuard, False),
-                (self._instantiator("strategy", then=self._check_world), ContextParallelStrategy, False),
-                (self._instantiator("data", given=self._data_arguments), LongDocumentDataModule, False),
-            ])
+            self.config_init = self.parser.instantiate(
+                cfg,
+                instantiators=[
+                    (self._instantiator("run"), RunOptions, False),
+                    (self._instantiator("nonfinite"), NonFiniteGuard, False),
+                    (self._instantiator("strategy", then=self._check_world), ContextParallelStrategy, False),
+                    (self._instantiator("data", given=self._data_arguments), LongDocumentDataModule, False),
+                ],
+            )
             self.datamodule = self.config_init.data
             self.out = Path(self.config_init.run.output_dir)
             if self.device_checks:
@@ -270,12 +320,14 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
         def _instantiator(section: str, given: Any = dict, then: Any = None):
             """Builds a section's class with its parsed arguments (and those ``given()`` adds);
             ``then`` checks what needs the object."""
+
             def build(cls, *args: Any, **kwargs: Any):
                 with refused_as(section, kwargs):
                     built = cls(*args, **{**kwargs, **given()})
                 if then is not None:
                     then()
                 return built
+
             return build
 
         def _data_arguments(self) -> dict:
@@ -308,8 +360,9 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
 
             init, trainer = self.config_init, self.config.trainer.as_dict()
             with refused_as("trainer", trainer):
-                return build_trainer(trainer, init.strategy, init.run, self.out, [init.nonfinite],
-                                     on_train_start=self._write_config)
+                return build_trainer(
+                    trainer, init.strategy, init.run, self.out, [init.nonfinite], on_train_start=self._write_config
+                )
 
         def _write_config(self, trainer: Any, module: Any) -> None:
             # At train start, i.e. after a resumed checkpoint was accepted: a rejected resume
@@ -347,11 +400,17 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
             from .training import say
 
             cfg, ckpt = self.config, self.resume_checkpoint
-            changed = [f"{k} {before} -> {now}" for k in MODEL_SHAPE_KEYS
-                       for before, now in [self.overrides.get(f"model.model.{k}", (None, None))] if before != now]
+            changed = [
+                f"{k} {before} -> {now}"
+                for k in MODEL_SHAPE_KEYS
+                for before, now in [self.overrides.get(f"model.model.{k}", (None, None))]
+                if before != now
+            ]
             if changed:
-                raise ValueError(f"--resume {ckpt}: the checkpoint holds another model shape than asked for "
-                                 f"({', '.join(changed)}); resume with the run's model (drop those flags)")
+                raise ValueError(
+                    f"--resume {ckpt}: the checkpoint holds another model shape than asked for "
+                    f"({', '.join(changed)}); resume with the run's model (drop those flags)"
+                )
             step = checkpoint_step(ckpt)  # the checkpoint was verified when parsing picked it
             max_steps = cfg.trainer.max_steps
             if step >= 0 and step >= max_steps:
@@ -368,8 +427,9 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
             changes = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in self.overrides.items())
             say(f"resume: the run's own config {where}" + (f"; overridden here: {changes}" if changes else ""))
             if "trainer.max_steps" in self.overrides and "model.decay_steps" not in self.overrides:
-                say(f"resume: the lr schedule keeps ending at step {cfg.model.decay_steps} "
-                    "(--decay-steps N changes it)")
+                say(
+                    f"resume: the lr schedule keeps ending at step {cfg.model.decay_steps} (--decay-steps N changes it)"
+                )
 
     return TrainCLI
 
@@ -433,14 +493,16 @@ def run_dir_of(checkpoint: Path) -> Path:
 
 
 def resolve_accelerator(accelerator: str) -> str:
-    """"auto" as the machine has it; a GPU asked for where none is: one line, not Lightning's."""
+    """ "auto" as the machine has it; a GPU asked for where none is: one line, not Lightning's."""
     import torch
 
     resolved = "gpu" if accelerator == "cuda" or accelerator == "auto" and torch.cuda.is_available() else accelerator
     resolved = "cpu" if resolved == "auto" else resolved
     if resolved == "gpu" and not torch.cuda.is_available():
-        raise ValueError(f"accelerator {accelerator!r} needs a CUDA GPU and none is visible here; "
-                         "run on a GPU machine or pass --accelerator cpu (and a CPU-sized --config)")
+        raise ValueError(
+            f"accelerator {accelerator!r} needs a CUDA GPU and none is visible here; "
+            "run on a GPU machine or pass --accelerator cpu (and a CPU-sized --config)"
+        )
     return resolved
 
 
@@ -453,12 +515,22 @@ def resolve_devices(devices: Any, accelerator: str, context_parallel_size: Optio
     return devices
 
 
-MODEL_SHAPE_KEYS = ("preset", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size",
-                    "head_dim", "tie_embeddings")
+MODEL_SHAPE_KEYS = (
+    "preset",
+    "vocab_size",
+    "n_layer",
+    "n_head",
+    "n_kv_head",
+    "n_embd",
+    "intermediate_size",
+    "head_dim",
+    "tie_embeddings",
+)
 
 
 class _UnreadTokenizer:
     """A GGUF tokenizer named (and its spec checked) but not read: reading it is data work."""
+
     vocab_size, eos_id, bos_id = 1, 0, None
 
     def encode(self, text: str) -> list[int]:

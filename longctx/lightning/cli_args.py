@@ -2,6 +2,7 @@
 paths found from the repo (``expand_short_flags``), a config file's top level checked
 (``check_sections``), a Hugging Face model dropping the GPT sizes of the configs read before
 it (``hf_model_drops_config_models``), and the values of a flag (``flag_values``)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -77,8 +78,10 @@ def check_sections(path: str) -> None:
     top = yaml.safe_load(Path(path).read_text())
     unknown = sorted(set(top) - {*SECTIONS, "resume"}) if isinstance(top, dict) else []
     if unknown:
-        raise ValueError(f"config {path}: unknown top-level key(s) {unknown}; a config has the sections "
-                         f"{', '.join(SECTIONS)}, like the options (`python train.py --print_config` shows one)")
+        raise ValueError(
+            f"config {path}: unknown top-level key(s) {unknown}; a config has the sections "
+            f"{', '.join(SECTIONS)}, like the options (`python train.py --print_config` shows one)"
+        )
 
 
 def expand_short_flags(argv: list[str], short_flags: dict[str, str], repo: Path) -> list[str]:

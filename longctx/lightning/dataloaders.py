@@ -7,6 +7,7 @@ batches one device sees. ``DpSampling`` turns it off while fitting and injects t
 itself. The two private Lightning seams this needs (the trainer's ``_accelerator_connector``
 and ``lightning.pytorch.utilities.data._update_dataloader``) are used here and nowhere else.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,8 +49,12 @@ class DpSampling:
         from lightning.pytorch.utilities.data import _update_dataloader
         from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
-        if (not self._lightning_injects or not isinstance(dataloader, DataLoader)
-                or isinstance(dataloader.sampler, DistributedSampler) or has_iterable_dataset(dataloader)):
+        if (
+            not self._lightning_injects
+            or not isinstance(dataloader, DataLoader)
+            or isinstance(dataloader.sampler, DistributedSampler)
+            or has_iterable_dataset(dataloader)
+        ):
             return dataloader
         kwargs = {"num_replicas": num_replicas, "rank": rank, "seed": int(os.getenv("PL_GLOBAL_SEED", 0))}
         sampler = dataloader.sampler

@@ -16,6 +16,7 @@ watchdog cannot see, e.g. one between point-to-point operations) lands within
 ``failure_timeout`` + 5 polls of the process-group timeout, after the watchdog's own
 message (about 5 polls after it).
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,10 @@ def out_of_memory_hint(data_parallel: str) -> str:
     """What to try first when a rank runs out of GPU memory under ``data_parallel``."""
     if data_parallel == "ddp":
         return "data_parallel='fsdp' (--data-parallel fsdp) shards weights, gradients and optimizer state"
-    return ("activation_checkpointing (--model.parallel.activation_checkpointing full), a larger "
-            "--context-parallel, or cpu_offload=True (--strategy.cpu_offload true)")
+    return (
+        "activation_checkpointing (--model.parallel.activation_checkpointing full), a larger "
+        "--context-parallel, or cpu_offload=True (--strategy.cpu_offload true)"
+    )
 
 
 NCCL_DUMP_WAIT_ENV = "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"
@@ -75,9 +78,14 @@ class RankFailures:
         """Watch the ranks; ``collective_timeout`` (the process-group timeout, seconds) also
         catches a stalled rank (the default group must exist)."""
         if self.failure_timeout is not None and world_size > 1:
-            self._watchdog = RankWatchdog(rank, world_size, timeout=self.failure_timeout,
-                                          interval=_interval(self.failure_timeout), on_failure=self._on_failure,
-                                          collective_timeout=collective_timeout).start()
+            self._watchdog = RankWatchdog(
+                rank,
+                world_size,
+                timeout=self.failure_timeout,
+                interval=_interval(self.failure_timeout),
+                on_failure=self._on_failure,
+                collective_timeout=collective_timeout,
+            ).start()
 
     def failed(self, exception: BaseException, *, rank: int, data_parallel: str, tell_others: bool = True) -> None:
         """This rank raised ``exception``; ``tell_others=False`` where a stop by signal is under

@@ -58,6 +58,7 @@ the guard would count each as non-finite, so it warns at setup. Use bf16.
 Outside Lightning, call ``guard.observe_loss(loss)`` before each backward and
 ``guard.check(step, named_parameters, optimizer)`` before ``optimizer.step()``.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -81,8 +82,9 @@ class NonFiniteError(FloatingPointError):
     ``grad_ranks`` / ``loss_ranks`` (ranks whose gradients / local loss were non-finite).
     """
 
-    def __init__(self, message: str, *, step: int, parameter: Optional[str],
-                 grad_ranks: list[int], loss_ranks: list[int]) -> None:
+    def __init__(
+        self, message: str, *, step: int, parameter: Optional[str], grad_ranks: list[int], loss_ranks: list[int]
+    ) -> None:
         super().__init__(message)
         self.step, self.parameter = step, parameter
         self.grad_ranks, self.loss_ranks = grad_ranks, loss_ranks
@@ -142,11 +144,11 @@ class NonFiniteGuard(Callback):
             the optimizer step).
     """
 
-    def __init__(self, policy: Policy = "stop", max_skips: Optional[int] = None,
-                 group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(
+        self, policy: Policy = "stop", max_skips: Optional[int] = None, group: Optional[dist.ProcessGroup] = None
+    ) -> None:
         check_choice("policy", policy, POLICIES)
-        if max_skips is not None and (isinstance(max_skips, bool) or not isinstance(max_skips, int)
-                                      or max_skips < 1):
+        if max_skips is not None and (isinstance(max_skips, bool) or not isinstance(max_skips, int) or max_skips < 1):
             raise ArgumentValueError("max_skips", f"must be None or an int >= 1, got {max_skips!r}")
         if max_skips is not None and policy != "skip":
             raise ArgumentValueError("max_skips", "only applies to policy='skip'")
@@ -159,8 +161,10 @@ class NonFiniteGuard(Callback):
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if getattr(getattr(trainer, "precision_plugin", None), "scaler", None) is not None:
-            warnings.warn("NonFiniteGuard with fp16 loss scaling: the GradScaler's routine overflow "
-                          "steps will be counted as non-finite steps; use bf16-mixed precision")
+            warnings.warn(
+                "NonFiniteGuard with fp16 loss scaling: the GradScaler's routine overflow "
+                "steps will be counted as non-finite steps; use bf16-mixed precision"
+            )
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         self.observe_loss(loss)
@@ -186,8 +190,7 @@ class NonFiniteGuard(Callback):
         bad = ~torch.isfinite(loss.detach()).all()
         self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad.to(self._loss_bad.device)
 
-    def check(self, step: int, named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
-              optimizer: Any) -> bool:
+    def check(self, step: int, named_parameters: Iterable[tuple[str, torch.nn.Parameter]], optimizer: Any) -> bool:
         """Decide collectively; returns True when the step was skipped (grads set to None).
 
         Must be called on every rank of ``group`` at the same point (it is a collective).
@@ -196,8 +199,13 @@ class NonFiniteGuard(Callback):
         params = _optimizer_params_in_module_order(named_parameters, optimizer)
         with_grad = [i for i, (_, p) in enumerate(params) if p.grad is not None]
         loss_bad, self._loss_bad = self._loss_bad, None
-        device = (_local(params[with_grad[0]][1].grad).device if with_grad
-                  else loss_bad.device if loss_bad is not None else torch.device("cpu"))
+        device = (
+            _local(params[with_grad[0]][1].grad).device
+            if with_grad
+            else loss_bad.device
+            if loss_bad is not None
+            else torch.device("cpu")
+        )
         norms = grad_norms([params[i][1].grad for i in with_grad], device)
         grad_bad = ~torch.isfinite(norms).all()
         loss_bad = torch.zeros((), dtype=torch.bool, device=device) if loss_bad is None else loss_bad.to(device)
@@ -225,13 +233,24 @@ class NonFiniteGuard(Callback):
             raise NonFiniteError(
                 f"{self.consecutive} consecutive optimizer steps skipped for non-finite values "
                 f"(max_skips={self.max_skips}); last one: {err}",
-                step=err.step, parameter=err.parameter, grad_ranks=err.grad_ranks, loss_ranks=err.loss_ranks)
+                step=err.step,
+                parameter=err.parameter,
+                grad_ranks=err.grad_ranks,
+                loss_ranks=err.loss_ranks,
+            )
         if _rank(self.group) == 0:
             warnings.warn(f"skipping optimizer step ({self.skips} skipped so far): {err}")
         return True
 
-    def _diagnose(self, step: int, params: list[tuple[str, torch.Tensor]], with_grad: list[int],
-                  norms: torch.Tensor, loss_bad: bool, world: int) -> NonFiniteError:
+    def _diagnose(
+        self,
+        step: int,
+        params: list[tuple[str, torch.Tensor]],
+        with_grad: list[int],
+        norms: torch.Tensor,
+        loss_bad: bool,
+        world: int,
+    ) -> NonFiniteError:
         """Failure path: gather (loss flag, first bad parameter index) from every rank."""
         bad_local = (~torch.isfinite(norms)).nonzero().flatten().tolist()
         first = with_grad[bad_local[0]] if bad_local else -1  # index into params: same on all ranks
@@ -251,14 +270,18 @@ class NonFiniteGuard(Callback):
             idx = min(rows[r][1] for r in grad_ranks)
             parameter = params[idx][0]
             seen = [r for r in grad_ranks if rows[r][1] == idx]
-            what.append(f"first parameter (module order) with a non-finite gradient: '{parameter}' "
-                        f"(on rank(s) {seen}; ranks with any non-finite gradient: {grad_ranks})")
+            what.append(
+                f"first parameter (module order) with a non-finite gradient: '{parameter}' "
+                f"(on rank(s) {seen}; ranks with any non-finite gradient: {grad_ranks})"
+            )
         if loss_ranks:
             what.append(f"non-finite loss on rank(s) {loss_ranks}")
         msg = f"non-finite values at optimizer step {step} (world size {world}): " + "; ".join(what)
         if world > 1 and len(grad_ranks) == world:  # sharded (FSDP) gradients name the rank they came from
-            msg += (" (under DDP gradients are averaged before this check, so a NaN produced on "
-                    "one rank shows on every rank; the loss flags are per rank)")
+            msg += (
+                " (under DDP gradients are averaged before this check, so a NaN produced on "
+                "one rank shows on every rank; the loss flags are per rank)"
+            )
         return NonFiniteError(msg, step=step, parameter=parameter, grad_ranks=grad_ranks, loss_ranks=loss_ranks)
 
 
@@ -272,8 +295,9 @@ def _rank(group: Optional[dist.ProcessGroup]) -> int:
     return dist.get_rank(group) if _world(group) > 1 else 0
 
 
-def _optimizer_params_in_module_order(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
-                                      optimizer: Any) -> list[tuple[str, torch.Tensor]]:
+def _optimizer_params_in_module_order(
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]], optimizer: Any
+) -> list[tuple[str, torch.Tensor]]:
     """(name, param) of every parameter the optimizer steps, in the module's order.
 
     Parameters the optimizer holds but the module does not name come last, named by their

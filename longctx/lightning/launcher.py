@@ -16,6 +16,7 @@ Here:
   only after the watchdog had time to name the cause, and never while the job is
   stopping by a signal (children then exit with 128 + signal while rank 0 still writes).
 """
+
 from __future__ import annotations
 
 import atexit

@@ -19,6 +19,7 @@ that rank failing. Here (installed by ``ContextParallelStrategy``):
   it is doing (a save that does not fit, a rank stuck in a collective): better without a
   checkpoint than a hang; atomic saves keep the previous checkpoint whole.
 """
+
 from __future__ import annotations
 
 import os
@@ -71,8 +72,11 @@ class SignalStop:
         if self.signum is not None:
             return
         self._begin(signum)
-        os.write(2, f"\n[longctx] rank {self.rank}: received {signal_name(signum)}; stopping after the current "
-                    f"step (checkpoint, then exit; at most {self.grace_period:g}s)\n".encode())
+        os.write(
+            2,
+            f"\n[longctx] rank {self.rank}: received {signal_name(signum)}; stopping after the current "
+            f"step (checkpoint, then exit; at most {self.grace_period:g}s)\n".encode(),
+        )
         self._forward(signum)
 
     def _begin(self, signum: int) -> None:
@@ -118,9 +122,11 @@ class SignalStop:
         if self.checkpoint_saved:
             what = f"still running {self.grace_period:g}s after {name} (the grace period): exiting now"
         else:
-            what = (f"stopped by {name}: no checkpoint could be saved within the {self.grace_period:g}s "
-                    "grace period (stop_grace_period / --stop-grace-period); exiting without one, the "
-                    "previous checkpoint stays whole")
+            what = (
+                f"stopped by {name}: no checkpoint could be saved within the {self.grace_period:g}s "
+                "grace period (stop_grace_period / --stop-grace-period); exiting without one, the "
+                "previous checkpoint stays whole"
+            )
         self._before_exit()
         hard_exit(f"rank {self.rank}: {what}", 128 + self.signum)
 

@@ -3,6 +3,7 @@ checkpoint callback whose last.ckpt is always the newest step.
 
 Used by train.py; usable by any Lightning script that keeps its outputs in one directory.
 """
+
 from __future__ import annotations
 
 import csv

@@ -49,6 +49,7 @@ within ``failure_timeout``, naming it, and one that stalls (alive, but leaving t
 waiting in a collective) within a few seconds of the process-group timeout, also under NCCL,
 where the timeout raises nothing in Python (``longctx.lightning.failures``).
 """
+
 from __future__ import annotations
 
 import signal
@@ -90,9 +91,10 @@ def _check_divisible(world_size: int, cp_size: int, devices: Optional[int] = Non
     if world_size % cp_size != 0:
         how = f" ({devices} devices x {nodes} nodes)" if devices is not None else ""
         raise ArgumentValueError(
-            "context_parallel_size", f"{cp_size} does not divide the world of {world_size} processes{how}; use a "
+            "context_parallel_size",
+            f"{cp_size} does not divide the world of {world_size} processes{how}; use a "
             f"CP size that divides it, or a number of processes that is a multiple of {cp_size} "
-            "(data-parallel size = world size / CP size)"
+            "(data-parallel size = world size / CP size)",
         )
 
 
@@ -142,19 +144,25 @@ class ContextParallelStrategy(ModelParallelStrategy):
     ) -> None:
         # Every value refused here, before the Trainer exists; the world size is checked
         # when it is known (_configure_launcher, before any process starts).
-        check_number("context_parallel_size", context_parallel_size, low=1, integer=True, optional=True,
-                     hint=" (null: the whole world)")
+        check_number(
+            "context_parallel_size",
+            context_parallel_size,
+            low=1,
+            integer=True,
+            optional=True,
+            hint=" (null: the whole world)",
+        )
         check_choice("data_parallel", data_parallel, DATA_PARALLEL)
         check_layout(layout)
         if timeout is not None and not timeout.total_seconds() > 0:
             raise ArgumentValueError("timeout", f"must be > 0 (h:mm:ss), got {timeout}")
-        check_number("failure_timeout", failure_timeout, low=0, low_open=True, optional=True,
-                     hint=" seconds (null: no watchdog)")
+        check_number(
+            "failure_timeout", failure_timeout, low=0, low_open=True, optional=True, hint=" seconds (null: no watchdog)"
+        )
         check_number("stop_grace_period", stop_grace_period, low=0, low_open=True, hint=" seconds")
         if cpu_offload and data_parallel == "ddp":
             raise ValueError("cpu_offload=True needs data_parallel='fsdp' (FSDP2 offloads the shards)")
-        super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend,
-                         timeout=timeout)
+        super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
         self.checkpoint_io = AtomicCheckpointIO()
         self._cp_size_arg = context_parallel_size
         self._data_parallel_arg = "fsdp" if cpu_offload and data_parallel == "auto" else data_parallel
@@ -165,8 +173,9 @@ class ContextParallelStrategy(ModelParallelStrategy):
         self._dp_sampling = DpSampling()
         self._cp_group: Optional[dist.ProcessGroup] = None
         self._parallel_dims: Optional[ParallelDims] = None
-        self._signal_stop = SignalStop(stop_grace_period, forward=self._signal_children,
-                                       before_exit=lambda: self._signal_children(signal.SIGKILL))
+        self._signal_stop = SignalStop(
+            stop_grace_period, forward=self._signal_children, before_exit=lambda: self._signal_children(signal.SIGKILL)
+        )
         self._failures = RankFailures(failure_timeout, on_failure=self._signal_stop.exit_now)
 
     # -- sizes and ranks ---------------------------------------------------------------
@@ -219,8 +228,13 @@ class ContextParallelStrategy(ModelParallelStrategy):
     def run_world(self) -> RunWorld:
         """What this strategy fixes of a run (``longctx.run_plan.World``): the module's
         ``resolve_run`` starts from it (valid once the processes exist)."""
-        return RunWorld(cp=self.cp_size, dp=self.dp_size, layout=self.layout, data_parallel=self._data_parallel_arg,
-                        cpu_offload=self.cpu_offload)
+        return RunWorld(
+            cp=self.cp_size,
+            dp=self.dp_size,
+            layout=self.layout,
+            data_parallel=self._data_parallel_arg,
+            cpu_offload=self.cpu_offload,
+        )
 
     def _resolve_data_parallel(self) -> str:
         # The module's run plan decided it (CausalLMModule, in setup); a module without one by
@@ -233,10 +247,12 @@ class ContextParallelStrategy(ModelParallelStrategy):
             else:
                 on_gpu = self.root_device.type == "cuda"
                 self._data_parallel = resolve_data_parallel(
-                    self._data_parallel_arg, n_params=sum(p.numel() for p in module.parameters()) if module else 0,
+                    self._data_parallel_arg,
+                    n_params=sum(p.numel() for p in module.parameters()) if module else 0,
                     device_type=self.root_device.type,
                     gpu_total=torch.cuda.get_device_properties(self.root_device).total_memory if on_gpu else None,
-                    parallelizes=module is not None and is_overridden("configure_model", module))
+                    parallelizes=module is not None and is_overridden("configure_model", module),
+                )
         return self._data_parallel
 
     def _compute_dtype(self) -> Optional[torch.dtype]:
@@ -251,12 +267,15 @@ class ContextParallelStrategy(ModelParallelStrategy):
         # Runs in the Trainer constructor, before any process is launched: a bad CP size
         # fails here once, in the launching process, instead of in every worker.
         if self._cp_size_arg is not None and self.parallel_devices is not None:
-            _check_divisible(self.num_nodes * self.num_processes, self._cp_size_arg, self.num_processes,
-                             self.num_nodes)
+            _check_divisible(self.num_nodes * self.num_processes, self._cp_size_arg, self.num_processes, self.num_nodes)
         exit_with_launcher()  # in a process rank 0 launched: never outlive it
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = ReapingScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
-                                                   is_stopping=lambda: self.received_signal is not None)
+            self._launcher = ReapingScriptLauncher(
+                self.cluster_environment,
+                self.num_processes,
+                self.num_nodes,
+                is_stopping=lambda: self.received_signal is not None,
+            )
 
     def setup_environment(self) -> None:
         # Every launch path (ours, torchrun, SLURM) passes here in each rank's process, before NCCL reads its env.
@@ -289,9 +308,7 @@ class ContextParallelStrategy(ModelParallelStrategy):
     def _build_groups(self) -> None:
         world, cp = self.world_size, self.cp_size
         if dist.get_world_size() != world:
-            raise RuntimeError(
-                f"the process group has {dist.get_world_size()} ranks but the strategy expects {world}"
-            )
+            raise RuntimeError(f"the process group has {dist.get_world_size()} ranks but the strategy expects {world}")
         _check_divisible(world, cp)
         # CP groups are created by hand (not init_device_mesh) so they get our timeout and a
         # communicator of their own: gradient reductions on the default group never queue
@@ -300,8 +317,7 @@ class ContextParallelStrategy(ModelParallelStrategy):
         groups = [new_ring_group(r.tolist(), timeout=self._timeout) for r in ranks] if cp > 1 else []
         self._cp_group = groups[self.dp_rank] if groups else None
         # FSDP2 shards over every rank of dp x cp: a 1-D mesh over the default group.
-        self._device_mesh = DeviceMesh.from_group(dist.group.WORLD, self.root_device.type,
-                                                  mesh_dim_names=("dp_cp",))
+        self._device_mesh = DeviceMesh.from_group(dist.group.WORLD, self.root_device.type, mesh_dim_names=("dp_cp",))
 
     def setup(self, trainer: Any) -> None:
         assert self.model is not None and self.accelerator is not None
@@ -334,9 +350,12 @@ class ContextParallelStrategy(ModelParallelStrategy):
     def _check_replica_fits(self, module: torch.nn.Module) -> None:
         """DDP keeps everything on every GPU: say so (and how to fix it) before the OOM."""
         if self.root_device.type == "cuda":
-            check_replica_fits(sum(p.numel() for p in module.parameters()), world_size=self.world_size,
-                               gpu_total=torch.cuda.get_device_properties(self.root_device).total_memory,
-                               device_name=torch.cuda.get_device_name(self.root_device))
+            check_replica_fits(
+                sum(p.numel() for p in module.parameters()),
+                world_size=self.world_size,
+                gpu_total=torch.cuda.get_device_properties(self.root_device).total_memory,
+                device_name=torch.cuda.get_device_name(self.root_device),
+            )
 
     # -- checkpoints: sharded folders (FSDP) or single files (DDP) -----------------------
 
@@ -373,8 +392,12 @@ class ContextParallelStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if not self._sharded:
             return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
-        return load_training_state(Path(self.broadcast(str(checkpoint_path))), self.model, self.optimizers,
-                                   strict=self.lightning_module.strict_loading)
+        return load_training_state(
+            Path(self.broadcast(str(checkpoint_path))),
+            self.model,
+            self.optimizers,
+            strict=self.lightning_module.strict_loading,
+        )
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if not self._sharded:
@@ -419,8 +442,12 @@ class ContextParallelStrategy(ModelParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         if not isinstance(exception, StoppedBySignal):  # every rank raises that one at the same step
             # A peer that left during a stop by signal is no failure: nothing to tell the others.
-            self._failures.failed(exception, rank=self.global_rank, data_parallel=self.data_parallel,
-                                  tell_others=self.received_signal is None)
+            self._failures.failed(
+                exception,
+                rank=self.global_rank,
+                data_parallel=self.data_parallel,
+                tell_others=self.received_signal is None,
+            )
         super().on_exception(exception)
 
     def teardown(self) -> None:

@@ -2,6 +2,7 @@
 (``RunOptions``), the Trainer around a ``ContextParallelStrategy`` with the run's callbacks,
 the tokenizer the data module gets, the banner, ``fit`` that ends cleanly on SIGTERM, and
 the end-of-run summary. Usable by any script that keeps train.py's folder layout."""
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,9 @@ class RunOptions:
     keep_checkpoints: KeepCheckpoints = 1
 
     def __post_init__(self) -> None:
-        check_number("val_every", self.val_every, low=0, integer=True, optional=True,
-                     hint=" (0: never; null: once, at the end)")
+        check_number(
+            "val_every", self.val_every, low=0, integer=True, optional=True, hint=" (0: never; null: once, at the end)"
+        )
         check_number("val_batches", self.val_batches, low=1, integer=True)
         check_number("checkpoint_every", self.checkpoint_every, low=0, integer=True)
         check_choice("keep_checkpoints", self.keep_checkpoints, get_args(KeepCheckpoints))
@@ -59,8 +61,9 @@ def say(*msg: Any) -> None:
         print(*msg, flush=True)
 
 
-def build_trainer(trainer_args: dict, strategy: Any, run: RunOptions, out: Path, callbacks: list,
-                  on_train_start: Callable) -> Any:
+def build_trainer(
+    trainer_args: dict, strategy: Any, run: RunOptions, out: Path, callbacks: list, on_train_start: Callable
+) -> Any:
     """The Trainer of a run in ``out``: checkpoints and metrics there, validation every
     ``run.val_every`` optimizer steps. Building it checks the world against the strategy's
     CP size (before any process starts)."""
@@ -74,19 +77,32 @@ def build_trainer(trainer_args: dict, strategy: Any, run: RunOptions, out: Path,
     check_number("max_steps", trainer_args["max_steps"], low=1, integer=True)
     val_every = run.val_every if run.val_every is not None else trainer_args["max_steps"]
     checkpoint = FinalCheckpoint(
-        dirpath=out / "checkpoints", filename="step{step:06d}", every_n_train_steps=run.checkpoint_every,
-        save_last=True, save_top_k=run.keep_checkpoints, auto_insert_metric_name=False, enable_version_counter=False,
+        dirpath=out / "checkpoints",
+        filename="step{step:06d}",
+        every_n_train_steps=run.checkpoint_every,
+        save_last=True,
+        save_top_k=run.keep_checkpoints,
+        auto_insert_metric_name=False,
+        enable_version_counter=False,
     )
-    callbacks = [*([checkpoint] if run.checkpoint_every else []), *callbacks,
-                 LambdaCallback(on_train_start=on_train_start),
-                 *([TQDMProgressBar(refresh_rate=1)] if trainer_args.get("enable_progress_bar") is not False else [])]
+    callbacks = [
+        *([checkpoint] if run.checkpoint_every else []),
+        *callbacks,
+        LambdaCallback(on_train_start=on_train_start),
+        *([TQDMProgressBar(refresh_rate=1)] if trainer_args.get("enable_progress_bar") is not False else []),
+    ]
     return L.Trainer(
-        **trainer_args, strategy=strategy,
+        **trainer_args,
+        strategy=strategy,
         val_check_interval=(val_every * trainer_args["accumulate_grad_batches"]) if val_every else None,
         check_val_every_n_epoch=None if val_every else 1,
-        limit_val_batches=run.val_batches if val_every else 0, num_sanity_val_steps=0,
-        logger=CSVLogger(save_dir=str(out), name="logs", flush_logs_every_n_steps=1), callbacks=callbacks,
-        enable_model_summary=False, max_epochs=-1, enable_checkpointing=bool(run.checkpoint_every),
+        limit_val_batches=run.val_batches if val_every else 0,
+        num_sanity_val_steps=0,
+        logger=CSVLogger(save_dir=str(out), name="logs", flush_logs_every_n_steps=1),
+        callbacks=callbacks,
+        enable_model_summary=False,
+        max_epochs=-1,
+        enable_checkpointing=bool(run.checkpoint_every),
     )
 
 
@@ -104,12 +120,11 @@ def data_tokenizer(tokenizer: Any, init_from: Optional[str], hf_model: Optional[
     return GGUFTokenizer.from_gguf(tokenizer) if GGUFTokenizer.accepts(tokenizer) else tokenizer
 
 
-def describe_run(trainer: Any, module: Any, *, seq_len: int, batch_size: int, out: Path,
-                 resume: Optional[Path]) -> str:
+def describe_run(trainer: Any, module: Any, *, seq_len: int, batch_size: int, out: Path, resume: Optional[Path]) -> str:
     """The banner: the (dp, cp) layout, the model, the tokens per rank and step."""
     strategy, config, accumulate = trainer.strategy, module.config, trainer.accumulate_grad_batches
     world, cp, dp = strategy.world_size, strategy.cp_size, strategy.dp_size
-    accelerator = type(trainer.accelerator).__name__.removesuffix('Accelerator').lower()
+    accelerator = type(trainer.accelerator).__name__.removesuffix("Accelerator").lower()
     return (
         f"longctx | world {world} = dp {dp} x cp {cp} ({accelerator}, "
         f"{trainer.precision}, layout {strategy.layout}, data parallel {strategy.data_parallel})\n"
@@ -119,7 +134,8 @@ def describe_run(trainer: Any, module: Any, *, seq_len: int, batch_size: int, ou
         f"{batch_size} sequence(s) per dp rank x {accumulate} micro-batch(es)\n"
         f"        | tokens per step {seq_len * batch_size * dp * accumulate:,} (global), per rank "
         f"{seq_len // cp * batch_size:,} per micro-batch; {trainer.max_steps} steps\n"
-        + (f"        | resuming from {resume}\n" if resume else "") + f"        | output {out}"
+        + (f"        | resuming from {resume}\n" if resume else "")
+        + f"        | output {out}"
     )
 
 
@@ -143,8 +159,12 @@ def fit(trainer: Any, module: Any, datamodule: Any, resume: Optional[Path]) -> t
         if strategy.received_signal is None:
             raise
         # Another rank left first during the stop (its grace period ran out): no failure of ours.
-        print(f"train.py: stopped by {signal_name(strategy.received_signal)} before a checkpoint of the "
-              f"current step ({type(error).__name__}: {str(error)[:300]})", file=sys.stderr, flush=True)
+        print(
+            f"train.py: stopped by {signal_name(strategy.received_signal)} before a checkpoint of the "
+            f"current step ({type(error).__name__}: {str(error)[:300]})",
+            file=sys.stderr,
+            flush=True,
+        )
         return None, 128 + strategy.received_signal
     return None, None
 
@@ -168,6 +188,9 @@ def summarize_run(trainer: Any, out: Path, *, title: str, resumed: bool, stopped
         checkpoint = f"  checkpoint {stopped.checkpoint} (continue: --resume {out})\n"
     else:
         checkpoint = "  checkpoint none saved at this step\n"
-    return ((f"stopped by {signal_name(stopped.signum)}" if stopped else "done") +
-            f": {trainer.global_step} steps; {summary}\n  metrics    {out / 'metrics.csv'}\n" + checkpoint +
-            f"  loss plot  {out / 'loss.png'}\n  config     {out / 'config.yaml'}")
+    return (
+        (f"stopped by {signal_name(stopped.signum)}" if stopped else "done")
+        + f": {trainer.global_step} steps; {summary}\n  metrics    {out / 'metrics.csv'}\n"
+        + checkpoint
+        + f"  loss plot  {out / 'loss.png'}\n  config     {out / 'config.yaml'}"
+    )
