@@ -60,7 +60,7 @@ def fit_time(points: list[tuple[int, int, float]], c2_min: float = 0.0) -> tuple
 
 def attention_time_floor(cfg, checkpointing: bool, device_name: str) -> float:
     """Seconds per (local token x total token) of causal attention at the GPU's peak FLOP/s."""
-    from longctx.models.lit_module import peak_bf16_flops
+    from longctx.hardware import peak_bf16_flops
 
     peak = peak_bf16_flops(device_name)
     if peak is None:

@@ -29,8 +29,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from longctx import position_ids, shard_sequence
 from longctx.bench.step import LossModule, mean_step_seconds, train_step
+from longctx.hardware import peak_bf16_flops
 from longctx.models import GPT, GPTConfig
-from longctx.models.lit_module import peak_bf16_flops
 from longctx.ring_comm import new_ring_group
 
 

@@ -312,8 +312,8 @@ def test_context_parallel_8_on_cpu(tmp_path, cache_env):
 def test_one_peak_flops_table():
     """MFU in the training module and both benchmarks reads one table."""
     from longctx.bench.max_context_fit import attention_time_floor
+    from longctx.hardware import peak_bf16_flops
     from longctx.models import GPTConfig
-    from longctx.models.lit_module import peak_bf16_flops
 
     assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == peak_bf16_flops("NVIDIA H200") == 989.4e12
     assert peak_bf16_flops("NVIDIA H100 PCIe") == 756.0e12 and peak_bf16_flops("Tesla T4") is None
