@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .rows import Rows, count_rows, rows_of
+from .rows import Rows, count_rows, row_block, rows_of
 
 try:  # Triton is optional: CPU-only machines merge with PyTorch ops.
     import triton
@@ -153,8 +153,7 @@ def merge_partials_(
     if n == 0:
         return
     b, _, h, d = out.shape
-    block_d = triton.next_power_of_2(d)
-    block_s = max(16, min(128, 8192 // block_d))
+    block_s, block_d = row_block(d)
     grid = (triton.cdiv(n, block_s), b * h)
     indexed = isinstance(rows, torch.Tensor)
     _merge_kernel[grid](

@@ -140,7 +140,8 @@ if triton is not None:
         tl.store(out_ptr, nan.to(out.dtype.element_ty), mask=bad[:, None] & (cols[None, :] < head_dim))
 
 
-def _row_block(head_dim: int) -> tuple[int, int]:
+def row_block(head_dim: int) -> tuple[int, int]:
+    """(rows, columns) of one program's tile for rows of ``head_dim`` values (~8K elements)."""
     block_d = triton.next_power_of_2(head_dim)
     return max(16, min(128, 8192 // block_d)), block_d
 
@@ -171,7 +172,7 @@ def add_rows_(dst: torch.Tensor, rows: Rows, src: torch.Tensor, *, impl: str = "
     if n == 0:
         return
     b, _, h, d = dst.shape
-    block_r, block_d = _row_block(d)
+    block_r, block_d = row_block(d)
     offset = rows.start if isinstance(rows, slice) else 0
     index = rows if indexed else dst  # any pointer: not read unless INDEXED
     _add_rows_kernel[(triton.cdiv(n, block_r), b * h)](
@@ -211,7 +212,7 @@ def mark_nonfinite_rows_(
         out.masked_fill_(bad.transpose(1, 2).contiguous().unsqueeze(-1), float("nan"))
         return
     b, s, h, d = out.shape
-    block_s, block_d = _row_block(d)
+    block_s, block_d = row_block(d)
     has_covered = covered is not None
     cov = covered.view(torch.uint8) if has_covered else lse  # bool is one byte: no copy
     _mark_rows_kernel[(triton.cdiv(s, block_s), b * h)](
