@@ -149,7 +149,8 @@ def model_shape(config: Any) -> _Shape:
     )
 
 
-def _plan(plan):
+def as_plan(plan):
+    """A ``ParallelPlan`` from a plan, its dict form, or None (the defaults)."""
     if plan is None or isinstance(plan, dict):
         from .parallel import ParallelPlan
 
@@ -222,7 +223,7 @@ def estimate(
         raise ValueError(f"precision must be 'bf16-mixed' or '32-true', got {precision!r}")
     if cpu_offload and data_parallel != "fsdp":
         raise ValueError("cpu_offload needs data_parallel='fsdp'")
-    plan = _plan(plan)
+    plan = as_plan(plan)
     s = model_shape(config)
     if attention_kernel == "auto":  # the plan's backend; "auto" as the kernels will choose it
         chosen = plan.attention_backend

@@ -14,7 +14,7 @@ import dataclasses
 import os
 from typing import Any, Optional
 
-from .memory import GiB, MemoryEstimate, _plan, estimate, model_shape
+from .memory import GiB, MemoryEstimate, as_plan, estimate, model_shape
 
 
 def max_seq_len(
@@ -127,7 +127,7 @@ def fitting_plan(
     their defaults (untiled, one chunk, no offload) are changed; None where even every
     block offloaded does not fit. ``kw``: the rest of ``estimate``'s arguments (cp, dp,
     data_parallel, ...)."""
-    plan = _plan(plan)
+    plan = as_plan(plan)
 
     def gpu_ok(p):
         return estimate(config, seq_len, plan=p, **kw).gpu_bytes <= gpu_total
@@ -189,7 +189,7 @@ def check_fits(
     """Estimate, then raise ``PredictedOutOfMemory`` (a ValueError: one line, naming what to change) when the
     prediction exceeds ``gpu_total`` bytes per GPU or ``host_total`` bytes of host memory
     shared by ``host_ranks`` ranks. A total of None is not checked (e.g. no GPU)."""
-    plan = _plan(plan)
+    plan = as_plan(plan)
     kw = dict(
         cp=cp,
         dp=dp,
