@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -53,11 +54,25 @@ def hard_exit(message: str, exit_code: int = EXIT_CODE) -> None:
     os._exit(exit_code)
 
 
+# How a backend's failure reads at the START of a plain RuntimeError: gloo's own errors lead
+# with their C++ source location in gloo's tree ("[.../gloo/transport/tcp/pair.cc:553]
+# Connection closed by peer ..."), torch's gloo wrapper with "Gloo ..." or "[gloo]", NCCL
+# with "NCCL error". Only the start counts: a path anywhere else in a message (a checkpoint
+# dir named /tmp/glooall) says nothing about what failed.
+_BACKEND_FAILURE = re.compile(
+    r"\[(?:gloo|[^\]\s]*/gloo/[^\]\s]+:\d+)\]|Gloo |NCCL error|Connection (?:reset|closed) by peer"
+)
+
+
 def _is_communication_error(error: BaseException) -> bool:
-    if isinstance(error, getattr(dist, "DistError", ())):
+    """Whether ``error`` is torch's report of a failed collective or store operation (often a
+    symptom of a dead peer), judged by its type and how torch words it, never by a substring:
+    torch's distributed errors (NCCL's included) are ``DistError``s; gloo raises plain
+    ``RuntimeError``s whose message starts as ``_BACKEND_FAILURE`` says. Anything else, an
+    ``OSError`` (disk full) above all, is this rank's own failure."""
+    if isinstance(error, dist.DistError):
         return True
-    text = str(error)
-    return any(marker in text for marker in ("gloo", "NCCL", "Connection reset", "Connection closed"))
+    return isinstance(error, RuntimeError) and _BACKEND_FAILURE.match(str(error)) is not None
 
 
 def _check_seconds(name: str, value: Any) -> None:

@@ -4,18 +4,23 @@ failed rank - also when the failed rank is rank 0, whose process hosts the rende
 
 from __future__ import annotations
 
+import errno
+import gc
 import math
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
+from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 from dist_harness import free_port
 
-from longctx.watchdog import RankWatchdog
+from longctx.watchdog import RankWatchdog, _is_communication_error
 
 HERE = os.path.dirname(__file__)
 
@@ -161,3 +166,81 @@ def test_a_timeout_nobody_explains_is_reported_as_a_stalled_rank():
     named = RankWatchdog(0, 2, timeout=0.5, interval=0.1, store=dist.HashStore())
     named._call("set", "failure", "rank 1 stopped responding (no heartbeat for 3s; killed or hung)")
     assert named.report_failure(RuntimeError("Connection reset by peer")).startswith("rank 1 stopped responding")
+
+
+def _gloo_error_from_a_closed_peer() -> RuntimeError:
+    """The RuntimeError gloo raises in a rank whose peer went away mid-job (two ranks of one
+    gloo group, as threads of this process: no process to spawn)."""
+    store, groups = dist.HashStore(), {}
+
+    def join(rank):
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("closed_peer/", store), rank, 2, timedelta(seconds=10))
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    del groups[1]  # closes its connections, as a dying process does
+    gc.collect()
+    try:
+        groups[0].allreduce([torch.ones(2)]).wait()
+    except RuntimeError as exc:
+        return exc
+    finally:
+        del groups[0]
+    raise AssertionError("an allreduce without its peer succeeded")
+
+
+def test_communication_errors_are_told_by_type_and_backend_wording():
+    gloo = _gloo_error_from_a_closed_peer()
+    assert "Connection closed by peer" in str(gloo) and "/gloo/" in str(gloo).split("]")[0], gloo
+    store_timeout = None
+    hash_store = dist.HashStore()
+    hash_store.set_timeout(timedelta(milliseconds=10))
+    try:
+        hash_store.get("never set")
+    except dist.DistStoreError as exc:
+        store_timeout = exc
+    communication = [
+        gloo,
+        store_timeout,
+        RuntimeError(
+            "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
+            "Timed out waiting 3000ms for recv operation to complete"
+        ),
+        # NCCL's errors are DistBackendErrors (TORCH_CHECK_WITH(DistBackendError, ...) in NCCLUtils.hpp)
+        dist.DistBackendError(
+            "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, unhandled "
+            "system error (run with NCCL_DEBUG=INFO for details), NCCL version 2.27.3"
+        ),
+        dist.DistNetworkError(
+            "The client socket has timed out after 1000ms while trying to connect to (10.0.0.1, 29500)."
+        ),
+    ]
+    for error in communication:
+        assert _is_communication_error(error), repr(error)
+
+
+def test_a_disk_full_under_a_path_named_after_a_backend_is_no_communication_error(tmp_path):
+    """A work dir called /tmp/glooall (or .../nccl-runs) once turned a disk-full checkpoint
+    save into "rank 0 stopped waiting in a collective": a path says nothing about what failed."""
+    ckpt = tmp_path / "glooall" / "nccl-runs" / "NCCL" / "last.ckpt"
+    disk_full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(ckpt))
+    with pytest.raises(RuntimeError) as missing_dir:  # torch's own wording for a bad path
+        torch.save({}, str(ckpt))
+    wrapped = RuntimeError(f"could not save {ckpt}: [gloo] NCCL error Connection reset by peer")
+    for error in (
+        disk_full,
+        missing_dir.value,
+        wrapped,
+        OSError(errno.ECONNRESET, "Connection reset by peer", str(ckpt)),
+    ):
+        assert "gloo" in str(error) and not _is_communication_error(error), repr(error)
+    # The message says at once that this rank failed, with its cause, instead of waiting a
+    # failure timeout for another rank to name a cause.
+    watchdog = RankWatchdog(0, 2, timeout=5.0, interval=0.1, store=dist.HashStore())
+    start = time.monotonic()
+    first = watchdog.report_failure(disk_full)
+    assert time.monotonic() - start < 2.0
+    assert first == f"rank 0 failed: OSError: [Errno {errno.ENOSPC}] No space left on device: '{ckpt}'", first
