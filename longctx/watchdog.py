@@ -27,6 +27,10 @@ answering: under a plain launch it lives in rank 0's process, so a frozen rank 0
 (SIGSTOP, a hung host) never replies, and ``TCPStore.add`` has no timeout of its own.
 Every store operation therefore runs on a helper thread that callers wait for at most
 ``timeout`` seconds; a rank that cannot reach the store that long exits, naming its host.
+
+One store outlives a fit (a second ``Trainer.fit``, a ``validate`` after it, two jobs in a
+test process all reuse it), so each watchdog's keys live under its ``generation``: a
+``done`` or ``failure`` key of an earlier fit is never seen by a later one.
 """
 
 from __future__ import annotations
@@ -91,8 +95,8 @@ class _BoundedStore:
     callers get ``StoreUnreachable`` and the process exits, so nothing is leaked for long.
     """
 
-    def __init__(self, connect: Callable[[], dist.Store]):
-        self._connect = connect
+    def __init__(self, connect: Callable[[], dist.Store], prefix: str):
+        self._connect, self._prefix = connect, prefix
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._serve, name="longctx-watchdog-store", daemon=True).start()
 
@@ -102,7 +106,7 @@ class _BoundedStore:
             op, args, reply = request
             try:
                 if store is None:
-                    store = dist.PrefixStore("longctx_watchdog/", self._connect())
+                    store = dist.PrefixStore(self._prefix, self._connect())
                 reply["value"] = getattr(store, op)(*args)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 reply["error"] = exc
@@ -137,7 +141,9 @@ class RankWatchdog:
     seconds between polls; ``collective_timeout``: seconds a peer may stay behind this rank
     in the default group's collectives before it counts as stalled (the process-group
     timeout; ``None``: no stall check); ``collectives()``: how many collectives this rank
-    has issued (default: the default group's sequence number)."""
+    has issued (default: the default group's sequence number); ``generation``: which fit over
+    this rendezvous store the keys belong to, the same on every rank of a fit and new for
+    each fit (``longctx.lightning.failures`` counts a process's fits)."""
 
     def __init__(
         self,
@@ -150,6 +156,7 @@ class RankWatchdog:
         on_failure: Callable[[str], None] = hard_exit,
         collective_timeout: Optional[float] = None,
         collectives: Optional[Callable[[], int]] = None,
+        generation: int = 0,
     ):
         _check_seconds("timeout", timeout)
         _check_seconds("interval", interval)
@@ -165,7 +172,9 @@ class RankWatchdog:
         self._published = 0  # this rank's collective count as the store has it, plus one (0: none yet)
         self._behind: Optional[tuple[int, float]] = None  # (the peer's published count, since when) while behind
         self.on_failure = on_failure
-        self._store = _BoundedStore((lambda: store) if store is not None else self._connect)
+        self._store = _BoundedStore(
+            (lambda: store) if store is not None else self._connect, prefix=f"longctx_watchdog/{generation}/"
+        )
         self._store_host = self._describe_store_host(store)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -261,7 +270,6 @@ class RankWatchdog:
             try:
                 self._call("add", f"hb/{self.rank}", 1)
                 if mine is not None and mine + 1 != self._published:  # plus one: 0 is "none yet"
-                    # set, not add: a watchdog of an earlier fit may have left a count here
                     self._call("set", f"coll/{self.rank}", str(mine + 1))
                     self._published = mine + 1
                 if self._call("check", ["failure"]):

@@ -244,3 +244,19 @@ def test_a_disk_full_under_a_path_named_after_a_backend_is_no_communication_erro
     first = watchdog.report_failure(disk_full)
     assert time.monotonic() - start < 2.0
     assert first == f"rank 0 failed: OSError: [Errno {errno.ENOSPC}] No space left on device: '{ckpt}'", first
+
+
+def test_a_later_generation_sees_none_of_an_earlier_ones_keys():
+    """Two fits over one store: fit 1's failure and done keys must neither end fit 2 nor stop
+    it watching its peer (here rank 1, which never beats: fit 2 declares it dead)."""
+    store = dist.HashStore()
+    first = RankWatchdog(0, 2, timeout=0.5, interval=0.1, store=store, generation=1)
+    first.report_failure(RuntimeError("injected failure in fit 1"))
+    first._call("set", "done/1", "1")
+    ended = []
+    second = RankWatchdog(0, 2, timeout=0.5, interval=0.1, store=store, generation=2, on_failure=ended.append).start()
+    deadline = time.monotonic() + 10
+    while not ended and time.monotonic() < deadline:
+        time.sleep(0.05)
+    second.stop()
+    assert ended and ended[0].startswith("rank 0 stopping: rank 1 stopped responding (no heartbeat"), ended

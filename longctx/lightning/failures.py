@@ -7,6 +7,11 @@ is declared dead, a rank that leaves the others waiting in a collective for the
 process-group timeout is declared stalled, and every rank exits naming it. An
 out-of-memory error also says what to try first. At the end of a fit no rank stops
 watching (and exits, maybe taking rank 0's store with it) while another is still working.
+Each fit's watchdog keeps its keys apart from an earlier fit's over the same rendezvous
+store (a ``validate`` after ``fit``, two fits in one script): its generation is this
+process's count of watched fits, which every rank agrees on without exchanging anything,
+since every rank runs the same fits; a shared counter in the store would not be (a rank
+that starts late could read it before or after another rank bumped it).
 
 Under NCCL a collective that times out raises nothing in Python: NCCL's own watchdog
 thread tears the process down, after sleeping 4 x ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``
@@ -19,6 +24,7 @@ message (about 5 polls after it).
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Callable, Optional
 
@@ -61,6 +67,9 @@ def _interval(failure_timeout: float) -> float:
     return min(1.0, failure_timeout / 4)
 
 
+_watched_fits = itertools.count(1)  # this process's watchdog generations (see the module doc)
+
+
 class RankFailures:
     """``failure_timeout``: seconds without a heartbeat before a rank counts as dead (None: no
     watchdog); ``on_failure(message)``: how this rank ends when another failed."""
@@ -85,6 +94,7 @@ class RankFailures:
                 interval=_interval(self.failure_timeout),
                 on_failure=self._on_failure,
                 collective_timeout=collective_timeout,
+                generation=next(_watched_fits),
             ).start()
 
     def failed(self, exception: BaseException, *, rank: int, data_parallel: str, tell_others: bool = True) -> None:
