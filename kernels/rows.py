@@ -2,9 +2,8 @@
 
 ``add_rows_(dst, rows, src)``: a gradient partial ``src`` added into rows of an accumulator
 ``dst`` in fp32, stored back in ``dst``'s dtype (bf16 where the first contribution was a
-vendor kernel's own output). PyTorch needs a gather, an upcast, the add and a scatter; at
-128K tokens with a sixth of a shard's rows exchanged those four passes cost about as much as
-a ring step's communication.
+vendor kernel's own output). PyTorch needs a gather, an upcast, the add and a scatter
+(what that cost the document ring: benchmarks/NOTES.md).
 
 ``mark_nonfinite_rows_(out, lse, covered)``: rows whose lse is not finite become NaN in
 ``out`` and ``lse``. A kernel's max (fmax) can drop NaN scores and report the row as one

@@ -405,7 +405,7 @@ class CausalLMModule(L.LightningModule):
         else:
             # ru_maxrss is KiB on Linux: the process's resident-set high-water mark.
             metrics["peak_rss_gib"] = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
-        # Values are already global (identical on all ranks): no sync needed.
+        # Values are global (identical on all ranks; the peak was all-reduced above): no sync_dist.
         self.log("train_loss", mean, prog_bar=True, on_step=True, on_epoch=False)
         self.log_dict({k: v.float() for k, v in metrics.items()}, on_step=True, on_epoch=False)
         self._step_tokens = 0
