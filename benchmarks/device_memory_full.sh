@@ -19,6 +19,10 @@
 # less the table). FlashAttention-4 as for the other device scripts: after fa4_carry.sh's stash
 # call, carry .carry/fa4-2 and .carry/wheels (device_env.sh installs them; idempotent).
 # metrics.csv reaches the disk after every step, so a run killed at its limit keeps its steps.
+# Each case runs under torchrun (both ranks build their model at once; Lightning's own
+# launcher starts rank 1 only after rank 0 has built an 8B model on the host).
+# PREPARE_ONLY=1: only build every case's tokenizer and corpus caches (no GPU work), e.g. in
+# the FlashAttention-4 stash call, so that the timed calls start from a warm data cache.
 set -u
 STEPS=${STEPS:-3}
 CASES=${CASES:-hf_1b_128k 1b_1m}
@@ -33,6 +37,18 @@ CASE_1b_1m="200 --config configs/llama3.2-1b-128k.yaml --devices 2 --context-par
 CASE_8b_512k="510 --config configs/llama3-8b-128k.yaml --seq-len 524288 --data.stdlib_documents file --attention document --trainer.max_steps 1"
 
 source benchmarks/device_env.sh
+if [ "${PREPARE_ONLY:-0}" = 1 ]; then
+  for name in $CASES; do
+    var=CASE_$name
+    read -r _ args <<< "${!var}"
+    t0=$(date +%s)
+    # shellcheck disable=SC2086
+    python -c "import sys; from train import prepare; prepare(sys.argv[1:], device_checks=False).datamodule.prepare_data()" \
+      ${args//STEPS/1} 2>&1 | grep -v "Warning\|warn(" | tail -2
+    echo "[prepare] $name: data caches ready in $(( $(date +%s) - t0 )) s"
+  done
+  return 0 2>/dev/null || exit 0
+fi
 RUNS=/tmp/memory_full_runs
 rm -rf "$RUNS" && mkdir -p "$RUNS"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$RUNS/gpus.txt" 2>&1
@@ -48,7 +64,7 @@ for name in $CASES; do
   fi
   t0=$(date +%s)
   # shellcheck disable=SC2086  # the arguments are words
-  timeout -k 10 "$limit" python train.py ${args//STEPS/$STEPS} --output-dir "$RUNS/$name/run" \
+  timeout -k 10 "$limit" torchrun --standalone --nproc-per-node 2 train.py ${args//STEPS/$STEPS} --output-dir "$RUNS/$name/run" \
     --checkpoint-every 0 --trainer.enable_progress_bar false > "$RUNS/$name/train.log" 2>&1
   echo $? > "$RUNS/$name/rc"
   echo $(( $(date +%s) - t0 )) > "$RUNS/$name/wall_s"
