@@ -32,25 +32,35 @@ def predict(row: dict, meta: dict, attention_kernel: str = "fa4") -> MemoryEstim
     )
 
 
+def comparisons(row: dict, pred: MemoryEstimate) -> list[tuple[str, int, int, str]]:
+    """``(what, measured, predicted, phase)`` for each measurement a stored row holds: a
+    steady step's peak (``measured_gpu``) against the model's peak, and a full run's first
+    step (``measured_first_step_gpu``, taken before the first optimizer step creates AdamW's
+    states) against the model's first step."""
+    out = []
+    if row.get("measured_first_step_gpu"):
+        out.append(("step 1", row["measured_first_step_gpu"], pred.first_step_allocated_bytes, "the first step"))
+    if row.get("measured_gpu"):
+        out.append(("steady", row["measured_gpu"], pred.allocated_bytes, pred.phase))
+    return out
+
+
 def recheck(path, attention_kernel: str) -> list[dict]:
     """The stored measurements of ``path`` (a results JSON memory_validate.py or
     memory_full_table.py wrote) against the memory model as it is now: ``(case, measured,
-    predicted, ratio, phase)`` per measured row. ``attention_kernel``: what
+    predicted, ratio, phase)`` per measurement (a full run's first step is its case name with
+    " (step 1)"). ``attention_kernel``: what
     ``backend="auto"`` ran in a memory_validate.py run whose ``meta`` does not name it
     (before 2026-11-25)."""
     data = json.loads(Path(path).read_text())
     rows = []
     for r in data["rows"]:
-        if not r.get("measured_gpu"):
+        if "model" not in r:  # a run that did not start
             continue
         pred = predict(r, data["meta"], attention_kernel)
-        rows.append(
-            dict(
-                case=r["case"],
-                measured=r["measured_gpu"],
-                predicted=pred.allocated_bytes,
-                ratio=r["measured_gpu"] / pred.allocated_bytes,
-                phase=pred.phase,
+        for what, measured, predicted, phase in comparisons(r, pred):
+            case = r["case"] if what == "steady" else f"{r['case']} ({what})"
+            rows.append(
+                dict(case=case, measured=measured, predicted=predicted, ratio=measured / predicted, phase=phase)
             )
-        )
     return rows

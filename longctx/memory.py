@@ -72,7 +72,9 @@ class MemoryEstimate:
     ``host_items`` to ``host_bytes``. ``allocated_bytes`` is the part
     ``torch.cuda.max_memory_allocated`` sees (``gpu_bytes`` less context and slack).
     ``phase`` names the moment of the peak; ``phases`` maps every moment the model
-    considers to its allocated bytes."""
+    considers to its allocated bytes. ``first_step_allocated_bytes``: the first step's
+    forward and backward, before AdamW's states exist (the first optimizer step creates
+    them): what a one-step run's peak, taken before its optimizer step, shows."""
 
     gpu_bytes: int
     host_bytes: int
@@ -83,6 +85,7 @@ class MemoryEstimate:
     tokens_per_rank: int = 0
     params: int = 0
     phases: dict = field(default_factory=dict)
+    first_step_allocated_bytes: int = 0
 
     def summary(self) -> str:
         top = sorted(((v, k) for k, v in self.items.items()), reverse=True)[:4]
@@ -428,6 +431,7 @@ def estimate(
         items.pop("saved_block_inputs", None)
         items.pop("rope_tables", None)
     totals = {n: sum(i.values()) for n, i in phases}
+    first_step = max(sum(i.values()) - i.get("adamw_states", 0) for n, i in phases if n != "the optimizer step")
     name, items = max(phases, key=lambda p: sum(p[1].values()))
     allocated = sum(items.values())
     items["allocator_slack"] = int(SLACK_FRACTION * allocated)
@@ -449,6 +453,7 @@ def estimate(
         tokens_per_rank=T,
         params=N,
         phases=totals,
+        first_step_allocated_bytes=int(first_step),
     )
 
 
