@@ -172,6 +172,7 @@ def baseline(s: Settings, name: str = "baseline") -> Row:
     found = losses(s.workdir / name)
     row.check(len(found) == s.steps, f"{len(found)} losses logged of {s.steps}")
     row["message"] = find_line(run.log(), r"^done: ")
+    row["run_plan"] = find_line(run.log(), r"^run plan: ")  # which kernels the suite ran
     row["losses"] = found
     return row
 

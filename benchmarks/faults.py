@@ -254,6 +254,7 @@ def main(argv=None) -> int:
         "failure_timeout": s.failure_timeout,
         "grace_period": s.grace,
         "train_flags": s.flags,
+        "run_plan": next((r["run_plan"] for r in rows if r.get("run_plan")), None),
         "noise": s.noise,
         "wall_s": round(time.monotonic() - start),
         "passed": sum(r["outcome"] == "pass" for r in rows),
