@@ -10,6 +10,8 @@
 # was killed at 210 s just after its first step (model init and data took ~2 min), 8B at 512K
 # was still starting at 150 s. Cases, run in the order CASES gives:
 #   8b_128k     Llama-3-8B shape, 131,072 tokens, STEPS steps (tokens/s and MFU of the last)
+#   8b_128k_auto  the same with activation checkpointing "auto" (selective where it is
+#               predicted to fit: no attention recompute)
 #   hf_1b_128k  transformers' Llama-3.2-1B (--hf-model), 131,072 tokens, STEPS steps
 #   1b_1m       Llama-3.2-1B shape, 1,048,576 tokens, one step on packed files (document
 #               masking: plain causal attention at 1M would take ~5 minutes alone)
@@ -32,6 +34,7 @@ OUT=${OUT:-out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: device_env.sh may move to a staged copy
 # NAME="LIMIT_S train.py arguments" (STEPS is replaced; tests/test_memory.py parses these lines)
 CASE_8b_128k="480 --config configs/llama3-8b-128k.yaml --trainer.max_steps STEPS"
+CASE_8b_128k_auto="480 --config configs/llama3-8b-128k.yaml --model.parallel.activation_checkpointing auto --trainer.max_steps STEPS"
 CASE_hf_1b_128k="120 --config configs/llama3.2-1b-128k.yaml --hf-model benchmarks/hf_configs/llama3.2-1b --devices 2 --context-parallel 2 --trainer.max_steps STEPS"
 CASE_1b_1m="200 --config configs/llama3.2-1b-128k.yaml --devices 2 --context-parallel 2 --seq-len 1048576 --data.stdlib_documents file --attention document --trainer.max_steps 1"
 CASE_8b_512k="510 --config configs/llama3-8b-128k.yaml --seq-len 524288 --data.stdlib_documents file --attention document --trainer.max_steps 1"

@@ -227,6 +227,10 @@ def estimate(
     if cpu_offload and data_parallel != "fsdp":
         raise ValueError("cpu_offload needs data_parallel='fsdp'")
     plan = as_plan(plan)
+    if plan.activation_checkpointing == "auto":
+        raise ValueError(
+            "estimate needs a decided activation_checkpointing ('none', 'selective' or 'full'), got 'auto'"
+        )
     s = model_shape(config)
     if attention_kernel == "auto":  # the plan's backend; "auto" as the kernels will choose it
         chosen = plan.attention_backend

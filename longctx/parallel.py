@@ -41,7 +41,8 @@ from .validation import ArgumentValueError
 
 CP_ATTENTION = ("ring", "ulysses")
 DATA_PARALLEL = ("fsdp", "ddp", "none")
-CHECKPOINTING = ("none", "selective", "full")
+CHECKPOINTING = ("none", "selective", "full")  # what a model applies
+PLAN_CHECKPOINTING = (*CHECKPOINTING, "auto")  # what a plan may ask for (run_plan decides "auto")
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,11 @@ class ParallelPlan:
     Args:
         activation_checkpointing: ``"none"``; ``"full"`` (keep each block's input, recompute
             the whole block, ring included); ``"selective"`` (keep attention's inputs and
-            output too: norms, projections, RoPE and MLP are recomputed, never the ring).
+            output too: norms, projections, RoPE and MLP are recomputed, never the ring);
+            ``"auto"``: the least recompute the memory model predicts to fit the GPU (none,
+            selective, full; then the rest of ``longctx.memory_fit.fitting_plan``'s ladder),
+            decided once before the model is built (``longctx.run_plan.resolve_run``); "full"
+            where it cannot be checked (no GPU, or the sequence length not known yet).
         fuse_pointwise: RMSNorm, RoPE and the SwiGLU gate through ``torch.compile``.
         cp_attention: ``"ring"`` (any head count) or ``"ulysses"`` (``n_kv_head % cp == 0``).
         attention_backend: block kernels: ``"auto"`` (measured fastest: FlashAttention-4
@@ -192,8 +197,8 @@ class ParallelPlan:
     def __post_init__(self) -> None:
         ac = self.activation_checkpointing
         ac = {False: "none", True: "full"}.get(ac, ac) if isinstance(ac, bool) else ac
-        if ac not in CHECKPOINTING:
-            raise ArgumentValueError("activation_checkpointing", f"must be one of {CHECKPOINTING}, got {ac!r}")
+        if ac not in PLAN_CHECKPOINTING:
+            raise ArgumentValueError("activation_checkpointing", f"must be one of {PLAN_CHECKPOINTING}, got {ac!r}")
         object.__setattr__(self, "activation_checkpointing", ac)  # frozen: normalised once, here
         if self.cp_attention not in CP_ATTENTION:
             raise ArgumentValueError("cp_attention", f"must be one of {CP_ATTENTION}, got {self.cp_attention!r}")
@@ -336,6 +341,11 @@ def _apply_run_settings(model: nn.Module, plan: ParallelPlan) -> None:
     """The plan's settings that change how the model runs, not its layout (checkpointing,
     fusion, loss chunk, offload, MLP tiling, attention head chunks), through the model's setters."""
     ac = plan.activation_checkpointing
+    if ac == "auto":
+        raise ValueError(
+            "activation_checkpointing='auto' is decided before the model is built "
+            "(longctx.run_plan.resolve_run; CausalLMModule does it): give parallelize 'none', 'selective' or 'full'"
+        )
     if hasattr(model, "set_activation_checkpointing"):
         model.set_activation_checkpointing(ac)
     elif ac != "none":

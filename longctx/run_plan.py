@@ -255,14 +255,29 @@ def resolve_run(
             mode, world, plan, precision=precision, batch_size=batch_size, documents=documents, hf_modules=hf_modules
         )
         try:
-            estimate = memory.estimate(config, seq_len, plan=plan, **memory_kw)
+            memory.estimate(config, seq_len, plan=_decided(plan), **memory_kw)
         except (ValueError, AttributeError, TypeError):
             memory_kw = None  # a model shape the memory model cannot read: no prediction, no check
-    if memory_kw is not None and on_gpu and gpu_total is not None:
-        host = None if host_total is None else host_total // world.local_ranks
+    fits_checked = memory_kw is not None and on_gpu and gpu_total is not None
+    host = None if host_total is None else host_total // world.local_ranks
+    if plan.activation_checkpointing == "auto":  # the least recompute that fits; "full" unchecked
+        if fits_checked:
+            plan = memory_fit.least_recompute(
+                config, seq_len, plan=plan, gpu_total=gpu_total, host_total=host, **memory_kw
+            )
+            chose = memory.estimate(config, seq_len, plan=plan, **memory_kw).gpu_bytes
+            notes = (
+                f"memory: activation_checkpointing auto -> {plan.activation_checkpointing} "
+                f"({chose / memory.GiB:.1f} GiB predicted, {gpu_total / memory.GiB:.1f} GiB on the GPU)",
+            )
+        else:
+            plan = _decided(plan)
+    if memory_kw is not None:
+        estimate = memory.estimate(config, seq_len, plan=plan, **memory_kw)
+    if fits_checked:
         fitted = memory_fit.fitting_plan(config, seq_len, plan=plan, gpu_total=gpu_total, host_total=host, **memory_kw)
         if fitted is not None and fitted != plan:
-            notes = (
+            notes += (
                 f"memory: {estimate.gpu_bytes / memory.GiB:.1f} GiB predicted does not fit; running with "
                 f"mlp_tile_size={fitted.mlp_tile_size}, attention_head_chunks={fitted.attention_head_chunks}, "
                 f"offload_activations={fitted.offload_activations}",
@@ -294,6 +309,13 @@ def resolve_run(
     )
     mem = MemoryChoices(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(MemoryChoices)})
     return RunPlan(parallel, mem, estimate=estimate, notes=notes)
+
+
+def _decided(plan: ParallelPlan) -> ParallelPlan:
+    """``plan`` with activation checkpointing "auto" taken as "full" (where fitting is not checked)."""
+    if plan.activation_checkpointing != "auto":
+        return plan
+    return dataclasses.replace(plan, activation_checkpointing="full")
 
 
 def _memory_kw(
