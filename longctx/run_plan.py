@@ -272,6 +272,7 @@ def resolve_run(
             )
         else:
             plan = _decided(plan)
+            notes = ("memory: activation_checkpointing auto -> full (no GPU memory to check a lighter mode against)",)
     if memory_kw is not None:
         estimate = memory.estimate(config, seq_len, plan=plan, **memory_kw)
     if fits_checked:

@@ -321,6 +321,7 @@ def test_auto_checkpointing_takes_the_least_recompute_that_fits(monkeypatch, cap
         assert {block.activation_checkpointing for block in module.model.blocks} == {expected}
         assert run(module.hparams["parallel"], gpu).run_plan == module.run_plan
     assert run({"activation_checkpointing": "auto"}).plan.activation_checkpointing == "full"  # CPU: unchecked
+    assert "auto -> full (no GPU memory to check" in capsys.readouterr().out
 
 
 def test_auto_checkpointing_is_decided_before_estimate_and_parallelize():
