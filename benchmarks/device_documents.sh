@@ -7,7 +7,7 @@
 # the same mixes (PEER_BALANCERS, default ptrr: torchtitan's choice for flex), and with
 # DOCS_512K=1 part B at 524,288 tokens (long-tailed, mean 16K). JSON and logs under $OUT.
 set -u
-source benchmarks/device_env.sh
+source benchmarks/device_env.sh || exit 3  # REQUIRE_FA4=1 without FlashAttention-4, or longctx not importable
 nvidia-smi -L
 export PYTHONUNBUFFERED=1
 mixes=mean4k,mean16k,longtail,mean1k,docs256

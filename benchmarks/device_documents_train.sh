@@ -6,7 +6,7 @@
 # $OUT. Usage: bash benchmarks/device_documents_train.sh [STEPS]
 set -u
 steps=${1:-4}
-source benchmarks/device_env.sh
+source benchmarks/device_env.sh || exit 3  # REQUIRE_FA4=1 without FlashAttention-4, or longctx not importable
 for run in "doc 1" "doc 2" "causal 2"; do
   set -- $run
   attention=$1 gpus=$2

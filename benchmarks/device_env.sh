@@ -31,3 +31,9 @@ if ! python -m pip install --no-deps --no-build-isolation -e . -q >/tmp/longctx_
   export PYTHONPATH=/tmp/longctx_stage${PYTHONPATH:+:$PYTHONPATH}
 fi
 python -c "import longctx.models, longctx.kernels; print('[device_env] longctx from', longctx.__file__)"
+# REQUIRE_FA4=1: stop here where FlashAttention-4 is not importable (a call that landed on a fresh
+# machine, without the stash call's first half) instead of letting "auto" run other kernels.
+if [ "${REQUIRE_FA4:-0}" = 1 ] && ! python -c "import flash_attn.cute" 2>/dev/null; then
+  echo "[device_env] REQUIRE_FA4=1 but FlashAttention-4 is not installed here (a fresh machine?): run the stash call again"
+  return 3 2>/dev/null || exit 3
+fi

@@ -39,7 +39,7 @@ CASE_hf_1b_128k="120 --config configs/llama3.2-1b-128k.yaml --hf-model benchmark
 CASE_1b_1m="200 --config configs/llama3.2-1b-128k.yaml --devices 2 --context-parallel 2 --seq-len 1048576 --data.stdlib_documents file --attention document --trainer.max_steps 1"
 CASE_8b_512k="510 --config configs/llama3-8b-128k.yaml --seq-len 524288 --data.stdlib_documents file --attention document --trainer.max_steps 1"
 
-source benchmarks/device_env.sh
+source benchmarks/device_env.sh || exit 3  # REQUIRE_FA4=1 without FlashAttention-4, or longctx not importable
 if [ "${PREPARE_ONLY:-0}" = 1 ]; then
   for name in $CASES; do
     var=CASE_$name

@@ -12,7 +12,7 @@ set -u
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 N=$(nvidia-smi -L | wc -l)
-source benchmarks/device_env.sh
+source benchmarks/device_env.sh || exit 3  # REQUIRE_FA4=1 without FlashAttention-4, or longctx not importable
 nvidia-smi topo -m > "$OUT/topology.txt" 2>&1
 case "${1:-ring}" in
   ring)
