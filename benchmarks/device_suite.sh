@@ -3,7 +3,8 @@
 #   bash benchmarks/device_suite.sh ring    # ring.py: correctness, scaling, peers, breakdown
 #   bash benchmarks/device_suite.sh train [--set k=v ...]  # train_throughput.py, profiled
 #   bash benchmarks/device_suite.sh tests [PYTEST ARGS]   # every test that needs CUDA, NCCL or 2 GPUs
-#     (pytest -m gpu: tests/conftest.py marks them; MARK=multigpu for the 2-GPU ones only);
+#     (pytest -m gpu: tests/conftest.py marks them; MARK=multigpu for the 2-GPU ones only;
+#     MARK= (empty) for the whole suite, as `python -m pytest tests` runs it there);
 #     log and JUnit XML in $OUT (gpu_tests.log, gpu_tests.xml), the last line its rc and time.
 #     Needs pytest (and hypothesis, pytest-timeout) there: carry their wheels in .carry/wheels.
 # Each part has its own time limit (LIMIT seconds, default 560) so one slow part cannot
@@ -33,11 +34,11 @@ case "${1:-ring}" in
     start=$(date +%s)
     # Modules that cannot be imported here (a missing CPU-side package) are reported as errors
     # and the rc says so, but do not stop the GPU tests of the other modules.
-    timeout "${LIMIT:-560}" python -m pytest -q -rs -m "${MARK:-gpu}" -p no:cacheprovider \
+    timeout "${LIMIT:-560}" python -m pytest -q -rs -m "${MARK-gpu}" -p no:cacheprovider \
       --continue-on-collection-errors --junitxml "$OUT/gpu_tests.xml" tests "${@:2}" > "$OUT/gpu_tests.log" 2>&1
     rc=$?
     tail -40 "$OUT/gpu_tests.log"
-    echo "[device_suite] tests -m ${MARK:-gpu}: rc $rc in $(( $(date +%s) - start )) s on $N GPU(s)" \
+    echo "[device_suite] tests -m '${MARK-gpu}': rc $rc in $(( $(date +%s) - start )) s on $N GPU(s)" \
       | tee -a "$OUT/gpu_tests.log"
     exit $rc
     ;;
