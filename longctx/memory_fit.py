@@ -117,19 +117,26 @@ def _fix(config, seq_len, kw, plan, gpu_total, host_total) -> str:
 DEFAULT_MLP_TILE = 8192  # tokens per MLP tile where tiling is switched on for memory
 
 
+# A lighter checkpointing mode only saves time; running out of memory loses the run: "auto"
+# takes one only where its prediction leaves this share of the GPU free.
+LIGHTER_MODE_HEADROOM = 0.05
+
+
 def least_recompute(
     config: Any, seq_len: int, *, plan=None, gpu_total: int, host_total: Optional[int] = None, **kw
 ) -> Any:
-    """``plan`` with the least activation recompute predicted to fit: no checkpointing, else
-    selective (not for transformers' blocks: ``kw["hf_modules"]``), else full, which
-    ``fitting_plan`` escalates from where even it does not fit. ``kw``: the rest of
-    ``estimate``'s arguments."""
+    """``plan`` with the least activation recompute predicted to fit with
+    ``LIGHTER_MODE_HEADROOM`` to spare: no checkpointing, else selective (not for
+    transformers' blocks: ``kw["hf_modules"]``), else full, which ``fitting_plan`` escalates
+    from where even it does not fit. ``kw``: the rest of ``estimate``'s arguments."""
     plan = as_plan(plan)
     modes = ("none", "full") if kw.get("hf_modules") else ("none", "selective")
     for mode in modes:
         candidate = dataclasses.replace(plan, activation_checkpointing=mode)
         e = estimate(config, seq_len, plan=candidate, **kw)
-        if e.gpu_bytes <= gpu_total and (host_total is None or e.host_bytes <= host_total):
+        if e.gpu_bytes <= (1 - LIGHTER_MODE_HEADROOM) * gpu_total and (
+            host_total is None or e.host_bytes <= host_total
+        ):
             return candidate
     return dataclasses.replace(plan, activation_checkpointing="full")
 
