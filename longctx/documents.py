@@ -28,6 +28,7 @@ same id in the same batch row (and j <= i in the sequence when causal).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from dataclasses import dataclass
 from typing import Optional
@@ -94,6 +95,8 @@ class DocumentPlan:
         received,
         fingerprint,
         full_doc=None,
+        documents=0,
+        shipped=None,
     ):
         self.world_size, self.rank, self.layout, self.causal = world_size, rank, layout, causal
         self.batch, self.seq_len, self.local_len = batch, seq_len, seq_len // world_size
@@ -101,6 +104,8 @@ class DocumentPlan:
         self.one_document = one_document
         self.local_calls: list[BlockCall] = local_calls
         self.exchanges: list[Exchange] = exchanges
+        self.documents = documents  # documents in the batch (every row's own)
+        self._shipped = shipped  # (calls with placeholders, flat tensors): what ``to`` moves
         self.pairs: np.ndarray = pairs
         self.received: np.ndarray = received
         self.moved = int(received.sum())
@@ -113,6 +118,51 @@ class DocumentPlan:
             f"DocumentPlan(rank {self.rank} of {self.world_size}, {self.layout}, B={self.batch}, "
             f"S={self.seq_len}, imbalance {self.imbalance:.3f}, K/V rows moved {self.moved})"
         )
+
+    def to(self, device, non_blocking: bool = True) -> "DocumentPlan":
+        """This plan with its tensors on ``device`` (two copies; non-blocking from pinned host
+        memory): a plan built on the host in the data pipeline reaches the GPU with the batch."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device == self.device:
+            return self
+        flats = self._flats()
+        return self._with_flats({key: flat.to(device, non_blocking=non_blocking) for key, flat in flats.items()})
+
+    def pin_memory(self) -> "DocumentPlan":
+        """This plan with its host tensors in pinned memory (the DataLoader's pin-memory thread
+        calls it), so that ``to("cuda")`` copies without blocking."""
+        if self.device.type != "cpu" or not torch.cuda.is_available():
+            return self
+        return self._with_flats({key: flat.pin_memory() for key, flat in self._flats().items()})
+
+    def _flats(self) -> dict:
+        return self._shipped[1] if self._shipped is not None else {}
+
+    def _with_flats(self, flats: dict) -> "DocumentPlan":
+        pending = self._shipped[0]
+        device = next(iter(flats.values())).device if flats else self.device
+        plan = copy.copy(self)
+        plan.device = device
+        plan.local_calls, plan.exchanges = _resolve(pending, flats)
+        plan._shipped = (pending, flats)
+        plan._sequence_calls = None
+        return plan
+
+    def __getstate__(self) -> dict:
+        # Pickled (DataLoader workers -> the training process) as the flat tensors and the
+        # structure that refers to them; the per-call views are rebuilt on arrival.
+        state = dict(self.__dict__)
+        state["local_calls"] = state["exchanges"] = None
+        state["_sequence_calls"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self._shipped is not None:
+            pending, flats = self._shipped
+            self.local_calls, self.exchanges = _resolve(pending, flats)
 
     @property
     def calls(self) -> int:
@@ -232,7 +282,9 @@ def plan_documents(
         exchanges.append(
             Exchange(ship.rows(send, s_local * batch) if len(send) else None, len(send), len(k_index), call)
         )
-    local_calls, exchanges = ship.send((local_calls, exchanges), device)
+    pending = (local_calls, exchanges)
+    flats = ship.flats(device)
+    local_calls, exchanges = _resolve(pending, flats)
     return DocumentPlan(
         world_size=world_size,
         rank=rank,
@@ -248,6 +300,8 @@ def plan_documents(
         received=received,
         fingerprint=fingerprint,
         full_doc=doc,
+        documents=int(doc.max(initial=-1)) + 1,
+        shipped=(pending, flats),
     )
 
 
@@ -388,9 +442,12 @@ class _Shipper:
         self.int32: list[np.ndarray] = []
 
     def _add(self, array: np.ndarray, dtype) -> "_Pending":
-        store = self.int64 if dtype == np.int64 else self.int32
-        store.append(np.ascontiguousarray(array, dtype=dtype))
-        return _Pending(dtype == np.int64, len(store) - 1)
+        wide = dtype == np.int64
+        store = self.int64 if wide else self.int32
+        array = np.ascontiguousarray(array, dtype=dtype)
+        offset = sum(a.size for a in store)
+        store.append(array)
+        return _Pending(wide, offset, tuple(array.shape))
 
     def rows(self, index: np.ndarray, n: int):
         """None (all n rows in order), a slice (a contiguous range) or a pending index."""
@@ -419,9 +476,9 @@ class _Shipper:
             pairs=float(np.dot(q_lens, k_lens)) if pairs is None else pairs,
         )
 
-    def send(self, value, device):
-        """``value`` with every pending array replaced by its tensor on ``device``."""
-        tensors = {}
+    def flats(self, device) -> dict:
+        """The collected arrays as two flat tensors on ``device`` (int64 rows, int32 tables)."""
+        flats = {}
         for wide, store in ((True, self.int64), (False, self.int32)):
             if not store:
                 continue
@@ -430,33 +487,39 @@ class _Shipper:
                 flat = flat.pin_memory().to(device, non_blocking=True)
             else:
                 flat = flat.to(device)
-            offset = 0
-            for i, a in enumerate(store):
-                tensors[(wide, i)] = flat[offset : offset + a.size].view(a.shape)
-                offset += a.size
-        return _resolve(value, tensors)
+            flats[wide] = flat
+        return flats
+
+    def send(self, value, device):
+        """``value`` with every pending array replaced by its tensor on ``device``."""
+        return _resolve(value, self.flats(device))
 
 
 @dataclass(frozen=True)
 class _Pending:
+    """Where one shipped array lies in its flat tensor."""
+
     wide: bool
-    index: int
+    offset: int
+    shape: tuple
 
 
-def _resolve(value, tensors):
+def _resolve(value, flats: dict):
+    """``value`` with every ``_Pending`` replaced by its view of ``flats``."""
     if isinstance(value, _Pending):
-        return tensors[(value.wide, value.index)]
+        size = int(np.prod(value.shape))
+        return flats[value.wide][value.offset : value.offset + size].view(value.shape)
     if isinstance(value, list):
-        return [_resolve(v, tensors) for v in value]
+        return [_resolve(v, flats) for v in value]
     if isinstance(value, tuple):
-        return tuple(_resolve(v, tensors) for v in value)
+        return tuple(_resolve(v, flats) for v in value)
     if isinstance(value, Segments):
         return Segments(
-            _resolve(value.cu_seqlens_q, tensors),
-            _resolve(value.cu_seqlens_k, tensors),
+            _resolve(value.cu_seqlens_q, flats),
+            _resolve(value.cu_seqlens_k, flats),
             value.max_seqlen_q,
             value.max_seqlen_k,
         )
     if isinstance(value, (BlockCall, Exchange)):
-        return type(value)(**{f: _resolve(getattr(value, f), tensors) for f in value.__dataclass_fields__})
+        return type(value)(**{f: _resolve(getattr(value, f), flats) for f in value.__dataclass_fields__})
     return value
