@@ -11,8 +11,9 @@ the strategy shards every batch. What this module adds:
 * AdamW (weight decay on matrices only) with linear warmup + cosine decay, per step; the
   gradients freed right after each optimizer step (not through the next forward);
 * logging: ``train_loss`` (the true global mean, identical on every rank), ``train_ppl``,
-  ``lr``, ``tokens_per_s``, ``mfu`` (GPU), ``step_s`` (the step's forward and backward; the
-  first step's includes the kernels' compiles), peak memory (GPU: ``max_memory_allocated``
+  ``lr``, ``tokens_per_s`` (the wall rate, from one optimizer step to the next), ``mfu`` (GPU),
+  ``step_s`` (the step's forward and backward; the first step's includes the kernels'
+  compiles), ``outside_s`` (the rest of the wall time between steps), peak memory (GPU: ``max_memory_allocated``
   of the fullest rank); ``val_loss`` / ``val_ppl``
   token-weighted over all ranks (torchmetrics).
 
@@ -37,6 +38,7 @@ import torch
 from torchmetrics import MeanMetric
 
 from longctx.balance import balance_documents
+from longctx.data.prepare import BatchPreparation, PreparedBatch
 from longctx.documents import plan_documents
 from longctx.hardware import peak_flops
 from longctx.loss import TokenWeightedAccumulator
@@ -223,7 +225,30 @@ class CausalLMModule(L.LightningModule):
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.model(input_ids, position_ids)
 
+    def batch_preparation(self) -> Optional[BatchPreparation]:
+        """What the data pipeline does to each full batch for this rank (document positions,
+        balance, shard, document plan), or None where nothing is to be done there. The
+        strategy installs it in the DataLoaders' collate, so it runs on the host while the
+        GPUs compute the previous step, and a step reads nothing back from the device."""
+        if self._trainer is None or self.run_plan is None:
+            return None
+        strategy = self._trainer.strategy
+        cp = _cp_size(self._trainer)
+        return BatchPreparation(
+            cp_size=cp,
+            cp_rank=int(getattr(strategy, "cp_rank", 0)) if cp > 1 else 0,
+            layout=getattr(strategy, "layout", "zigzag"),
+            rope_positions=self.rope_positions,
+            balance=bool(self.run_plan.parallel.balance_documents),
+            plan=self.attention == "document",
+        )
+
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if isinstance(batch, PreparedBatch):  # made ready in the data pipeline
+            plan = batch.get("document_plan")
+            if plan is not None and not self._documents_reported:
+                self._first_plan(plan)
+            return batch
         # Still the full sequences here (the strategy shards after this hook): positions that
         # restart per document need the whole sequence, and so does the load balance.
         if not (isinstance(batch, Mapping) and "document_ids" in batch):
@@ -238,8 +263,7 @@ class CausalLMModule(L.LightningModule):
         return batch
 
     def _document_plan(self, document_ids: torch.Tensor):
-        """This rank's plan of the full batch, checked against the CP group's (one tiny
-        all-gather per step: every rank must plan the same batch); the first is reported."""
+        """This rank's plan of a full batch that reached the device unprepared."""
         strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
         cp = _cp_size(self._trainer) if self._trainer is not None else 1
         rank = int(getattr(strategy, "cp_rank", 0)) if cp > 1 else 0
@@ -247,12 +271,20 @@ class CausalLMModule(L.LightningModule):
         plan = plan_documents(
             document_ids, world_size=cp, rank=rank, layout=layout, causal=True, device=document_ids.device
         )
-        if cp > 1:
-            plan.check_group(strategy.cp_group)
-        if not self._documents_reported and self._trainer is not None and self.trainer.global_rank == 0:
-            self._documents_reported = True
-            print(_document_report(plan, document_ids), flush=True)
+        if not self._documents_reported:
+            self._first_plan(plan)
         return plan
+
+    def _first_plan(self, plan) -> None:
+        """The first batch's plan: checked against the CP group's (one tiny all-gather: every
+        rank must plan the same batch; later batches come from the same sampler) and reported."""
+        self._documents_reported = True
+        if self._trainer is None:
+            return
+        if plan.world_size > 1:
+            plan.check_group(self._trainer.strategy.cp_group)
+        if self.trainer.global_rank == 0:
+            print(_document_report(plan), flush=True)
 
     def _balance_over(self, batch: Mapping[str, Any]) -> Optional[tuple[int, str]]:
         """(CP size, layout) to balance ``batch`` for (the run plan's ``balance_documents``), None for none."""
@@ -396,6 +428,10 @@ class CausalLMModule(L.LightningModule):
                 metrics["mfu"] = torch.tensor(flops / (peak * self.trainer.world_size))
         if self._step_start is not None:
             metrics["step_s"] = torch.tensor(now - self._step_start)
+            if self._last_step_end is not None:
+                # The wall time of the step that forward and backward do not account for: data,
+                # host work and waits between steps, the previous optimizer step, logging.
+                metrics["outside_s"] = torch.tensor(max(self._step_start - self._last_step_end, 0.0))
             self._step_start = None
         if self.device.type == "cuda":
             peak = torch.tensor(float(torch.cuda.max_memory_allocated(self.device)), device=self.device)
@@ -419,6 +455,32 @@ class CausalLMModule(L.LightningModule):
         # an 8B model on 2) would sit through that forward, its peak. Freed here instead, as
         # longctx.memory counts the step.
         optimizer.zero_grad(set_to_none=True)
+
+    def on_fit_start(self) -> None:
+        self._warm_up_kernels()
+
+    def _warm_up_kernels(self) -> None:
+        """FlashAttention-4 compiles a kernel variant on its first call: every variant a step
+        calls is called once here, before step 1, so that no compile lands mid-run."""
+        plan = self.run_plan.parallel if self.run_plan is not None else None
+        if plan is None or self.device.type != "cuda":
+            return
+        documents = self.attention == "document"
+        if "fa4" not in (plan.attention_backend, plan.document_backend if documents else None):
+            return
+        precision = str(self.trainer.precision)
+        dtype = torch.bfloat16 if "bf16" in precision else torch.float16 if precision.startswith("16") else None
+        if dtype is None:
+            return
+        from longctx.kernels import fa4
+
+        cfg = self.config
+        start = time.perf_counter()
+        n = fa4.warm_up(self.device, dtype, cfg.head_dim, cfg.n_head, cfg.n_kv_head, documents=documents)
+        self.print(
+            f"FlashAttention-4: {n} kernel variants compiled or loaded before step 1 "
+            f"in {time.perf_counter() - start:.1f} s"
+        )
 
     def _report_kernel_compile(self) -> None:
         """After the first step: what FlashAttention-4's first-call compiles (or loads from its
@@ -548,9 +610,9 @@ def _check_arguments(args: Mapping[str, Any]) -> None:
         GPTConfig.from_dict(dict(model or {}))  # unknown keys and bad sizes
 
 
-def _document_report(plan, document_ids: torch.Tensor) -> str:
+def _document_report(plan) -> str:
     """One line: the batch's documents over the CP ranks (work balance, K/V moved)."""
-    docs = sum(int(torch.unique(row).numel()) for row in document_ids.detach().cpu())
+    docs = plan.documents
     if plan.world_size == 1:
         return f"documents: {docs} in the first batch, one rank (no context parallelism)"
     if plan.one_document:

@@ -387,18 +387,18 @@ def _train_cp2(rank, world):
     from test_strategy import GLOBAL_BATCH, _fit
     from torch.utils.data import DataLoader
 
-    import longctx.models.lit_module as lit_module
+    import longctx.data.prepare as prepare  # batches are balanced in the DataLoader's collate
     from longctx.lightning.strategy import ContextParallelStrategy
 
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", PL_GLOBAL_SEED="0")
-    balanced, real = [], lit_module.balance_documents
+    balanced, real = [], prepare.balance_documents
 
     def counting(batch, **kwargs):
         out = real(batch, **kwargs)
         balanced.append(not torch.equal(out["input_ids"], batch["input_ids"]))
         return out
 
-    lit_module.balance_documents = counting
+    prepare.balance_documents = counting
     strategy = ContextParallelStrategy(context_parallel_size=2, data_parallel="ddp")
     info = _fit(strategy, world, DataLoader(_document_samples(), batch_size=GLOBAL_BATCH), 1, load_balance=True)
     return dict(info, balanced=balanced)

@@ -90,7 +90,9 @@ class LongDocumentDataModule(L.LightningDataModule):
         seed: split and shuffling seed; shuffling also depends on the epoch.
         cache_dir: where tokenizers, tokenized and packed corpora are cached
             (default ``$LONGCTX_CACHE_DIR`` or ``~/.cache/longctx``).
-        num_workers: ``DataLoader`` worker processes.
+        num_workers: ``DataLoader`` worker processes. None: 1 where CUDA is present (each batch
+            is then prepared for its rank — document balance, shard, document plan — while the
+            GPUs run the previous step), else 0.
         pin_memory: ``DataLoader`` setting; None: whether CUDA is present.
         max_documents: use only the first N documents (tests, quick runs).
         context_parallel_size: to check ``seq_len`` splits over the CP group; ``None`` reads
@@ -116,7 +118,7 @@ class LongDocumentDataModule(L.LightningDataModule):
         val_fraction: float = 0.01,
         seed: int = 1234,
         cache_dir: Optional[PathLike] = None,
-        num_workers: int = 0,
+        num_workers: Optional[int] = None,
         max_documents: Optional[int] = None,
         context_parallel_size: Optional[int] = None,
         layout: Layout = "zigzag",
@@ -134,8 +136,10 @@ class LongDocumentDataModule(L.LightningDataModule):
         self.batch_size = _positive_int("batch_size", batch_size)
         if not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
             raise ArgumentValueError("val_fraction", f"must be in [0, 1), got {val_fraction!r}")
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ArgumentValueError("num_workers", f"must be an int >= 0, got {num_workers!r}")
+        if num_workers is not None and (
+            isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0
+        ):
+            raise ArgumentValueError("num_workers", f"must be an int >= 0 or null, got {num_workers!r}")
         if not isinstance(text_column, str) or not text_column:
             raise ArgumentValueError("text_column", f"must be a non-empty string, got {text_column!r}")
         if max_documents is not None:
@@ -162,7 +166,7 @@ class LongDocumentDataModule(L.LightningDataModule):
         self.val_fraction = float(val_fraction)
         self.seed = int(seed)
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        self.num_workers = num_workers
+        self.num_workers = (1 if torch.cuda.is_available() else 0) if num_workers is None else num_workers
         self.max_documents = max_documents
         self.context_parallel_size = context_parallel_size
         self.layout = layout

@@ -69,7 +69,9 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.distributed import constants as dist_constants
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 
+from ..data.prepare import PreparingCollate
 from ..layouts import Layout, check_layout
 from ..parallel import CPContext, ParallelDims, parallelize
 from ..ring_comm import new_ring_group
@@ -419,8 +421,15 @@ class ContextParallelStrategy(ModelParallelStrategy):
         self._dp_sampling.take_over(getattr(model, "_trainer", None))  # while fitting: our sampler, in order
 
     def process_dataloader(self, dataloader: object) -> object:
-        """Split a user's DataLoader over dp only, in the loader's own order (``DpSampling.split``)."""
-        return self._dp_sampling.split(dataloader, **self.distributed_sampler_kwargs)
+        """Split a user's DataLoader over dp only, in the loader's own order (``DpSampling.split``);
+        where the LightningModule describes a ``batch_preparation`` (longctx's does), the loader's
+        collate makes each batch ready for this rank on the host (``longctx.data.prepare``)."""
+        dataloader = self._dp_sampling.split(dataloader, **self.distributed_sampler_kwargs)
+        describe = getattr(self.lightning_module, "batch_preparation", None)
+        preparation = describe() if callable(describe) else None
+        if preparation is not None and isinstance(dataloader, DataLoader):
+            dataloader.collate_fn = PreparingCollate(dataloader.collate_fn, preparation)
+        return dataloader
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         # Shard after the LightningModule's transfer hooks, which may expect full sequences
