@@ -117,14 +117,14 @@ def _timed_first_call(key, fn):
     return result
 
 
-def _variant(kind, q, k, causal, varlen):
+def _variant(kind, q, k, causal, varlen, one_tile=False):
     return (
         kind,
         str(q.dtype).replace("torch.", ""),
         q.shape[-1],
         q.shape[2] // k.shape[2],
         "causal" if causal else "full",
-        "varlen" if varlen else "dense",
+        ("varlen-one-tile" if one_tile else "varlen") if varlen else "dense",
     )
 
 
@@ -369,9 +369,12 @@ def _forward_varlen(iface, q, k, v, softmax_scale, out_dtype, causal, kernel_arg
     # Rows outside every segment keep these pre-filled values: no key -> out 0, lse -inf.
     out = torch.zeros(B * Sq, Hq, v.shape[-1], dtype=q.dtype, device=q.device) if partial else None
     lse = torch.full((Hq, B * Sq), float("-inf"), dtype=torch.float32, device=q.device) if partial else None
+    # FA4 compiles a separate forward where every segment's queries fit one tile (its
+    # "static persistent" variant): named apart so that the log counts it.
+    one_tile = kernel_args["max_seqlen_q"] * (Hq // k.shape[2]) <= 128
     with torch.cuda.device(q.device):
         out, lse = _timed_first_call(
-            _variant("fwd", q, k, causal, True),
+            _variant("fwd", q, k, causal, True, one_tile),
             lambda: iface._flash_attn_fwd(
                 _flat(q),
                 _flat(k),
@@ -421,3 +424,34 @@ def _backward_varlen(iface, dout, q, k, v, out, lse, softmax_scale, causal, kern
             )[:3],
         )
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+
+
+def warm_up(device, dtype: torch.dtype, head_dim: int, n_head: int, n_kv_head: int, *, documents: bool) -> int:
+    """Call every kernel variant a training step uses once, on small blocks, so that their
+    compiles (or loads from the disk cache) happen before the first step instead of in the
+    middle of a run. Covers dense causal/full blocks and, with ``documents``, varlen calls
+    both where every segment fits one query tile and where one does not (FA4 compiles each
+    separately). Returns the number of variants first called here."""
+    before = len(compile_seconds)
+    scale = 1.0 / head_dim**0.5
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def tensor(heads):
+        return torch.randn(1, 512, heads, head_dim, device=device, dtype=dtype, generator=gen)
+
+    q, k, v, dout = tensor(n_head), tensor(n_kv_head), tensor(n_kv_head), tensor(n_head)
+    tiny = [16] * 32  # with GQA packing still within one 128-row tile
+    from .segments import Segments
+
+    for causal in (True, False):
+        out, lse = forward(q, k, v, causal, scale)
+        backward(dout, q, k, v, out, lse, causal, scale)
+        if not documents:
+            continue
+        for lengths in (tiny, [512]):
+            cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32, device=device)
+            segments = Segments(cu, cu, max(lengths), max(lengths))
+            out, lse = forward_segments(q, k, v, causal, scale, None, segments)
+            backward_segments(dout, q, k, v, out, lse, causal, scale, None, segments)
+    torch.cuda.synchronize(device)
+    return len(compile_seconds) - before
