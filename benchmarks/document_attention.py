@@ -29,7 +29,12 @@ the same with our Triton kernels, and flex_attention; then all GPUs: the documen
 plan on the packed and on the balanced sequence (balance_documents), with each plan's
 busiest-rank imbalance, the share of the plain ring's K/V rows it moves and its host time;
 the plain causal ring for reference. --check first compares the bf16 document ring with a
-float64 explicit-mask reference.
+float64 explicit-mask reference. --exchange ring|gather|both: how the plan moves K/V rows
+(``plan_documents(exchange=...)``: the ring's P - 1 steps, or one all-to-all and one
+kernel call per direction); "both" times the two on the same mixes in one call (keys
+``<arrangement>_ms`` for the ring, ``<arrangement>_gather_ms`` for the gather, each
+arrangement's busiest rank's kernel calls per forward under both; ``ms`` the faster
+balanced one, named by ``exchange``).
 
 One JSON per part under --out (default $OUT or benchmarks/results/):
 document_attention_<gpu>.json / document_attention_ring_ws<N>.json, rewritten after each
@@ -344,7 +349,7 @@ def part_kernels(args):
 # ----------------------------------------------------------------------------- part B
 
 
-def _reference_check(world, rank, S=4096, H=2, D=64, mix="longtail"):
+def _reference_check(world, rank, S=4096, H=2, D=64, mix="longtail", exchange="ring"):
     """bf16 document ring (balanced, plan) vs float64 explicit-mask attention on rank 0."""
     import torch.distributed as dist
 
@@ -359,7 +364,7 @@ def _reference_check(world, rank, S=4096, H=2, D=64, mix="longtail"):
     )
     ids = batch["document_ids"]
     pos = batch["position_ids"][0]
-    plan = plan_documents(ids, world_size=world, rank=rank)
+    plan = plan_documents(ids, world_size=world, rank=rank, exchange=exchange)
     shard = lambda t: shard_sequence(t, 1, rank=rank, world_size=world)  # noqa: E731
     ql, kl, vl = (shard(batch[n]).to(torch.bfloat16).requires_grad_() for n in "qkv")
     out = ring_attention(ql, kl, vl, group=dist.group.WORLD, document_ids=plan)
@@ -376,6 +381,11 @@ def _reference_check(world, rank, S=4096, H=2, D=64, mix="longtail"):
     names = ("out", "dq", "dk", "dv")
     errors = {name: float((a.double() - w).norm() / w.norm()) for name, a, w in zip(names, got, want)}
     return errors
+
+
+def _key(arrangement: str, exchange: str) -> str:
+    """Prefix of a ring row's keys: the ring's keep the names they always had."""
+    return arrangement if exchange == "ring" else f"{arrangement}_{exchange}"
 
 
 def part_ring(args):
@@ -397,8 +407,9 @@ def part_ring(args):
         gpu=torch.cuda.get_device_name(),
         torch=torch.__version__,
         date=time.strftime("%Y-%m-%d"),
-        config=dict(S_total=S, H=H, D=D, dtype="bfloat16", layout="zigzag", mixes=args.mixes),
+        config=dict(S_total=S, H=H, D=D, dtype="bfloat16", layout="zigzag", mixes=args.mixes, exchange=args.exchange),
     )
+    exchanges = ("ring", "gather") if args.exchange == "both" else (args.exchange,)
     path = os.path.join(args.out, f"document_attention_ring_ws{world}{args.tag}.json")
 
     def save():
@@ -407,12 +418,13 @@ def part_ring(args):
             with open(path, "w") as f:
                 json.dump(report, f, indent=1, default=str)
 
-    if args.check:
+    for exchange in exchanges if args.check else ():
+        key = "check_bf16_vs_float64" + ("" if exchange == "ring" else f"_{exchange}")
         try:
-            report["check_bf16_vs_float64"] = _reference_check(world, rank)
+            report[key] = _reference_check(world, rank, exchange=exchange)
         except Exception as e:  # noqa: BLE001
-            report["check_bf16_vs_float64"] = {"error": f"{type(e).__name__}: {e}"[:1000]}
-        log(f"[check] {report['check_bf16_vs_float64']}")
+            report[key] = {"error": f"{type(e).__name__}: {e}"[:1000]}
+        log(f"[check {exchange}] {report[key]}")
         save()
 
     def shard(x):
@@ -493,13 +505,18 @@ def part_ring(args):
                         start = time.perf_counter()
                         batch = balance_documents(batch, world_size=world)
                         row["balance_host_ms"] = (time.perf_counter() - start) * 1e3
-                    start = time.perf_counter()
-                    plan = plan_documents(batch["document_ids"], world_size=world, rank=rank)
-                    row[f"{arrangement}_plan_host_ms"] = (time.perf_counter() - start) * 1e3
-                    row[f"{arrangement}_imbalance"] = plan.imbalance
-                    row[f"{arrangement}_kv_rows_moved_share"] = plan.moved / (world * (world - 1) * S / world)
-                    row[f"{arrangement}_ms"] = timed(plan)
-                row["ms"] = row["balanced_ms"]
+                    for exchange in exchanges:
+                        key = _key(arrangement, exchange)
+                        start = time.perf_counter()
+                        plan = plan_documents(batch["document_ids"], world_size=world, rank=rank, exchange=exchange)
+                        row[f"{key}_plan_host_ms"] = (time.perf_counter() - start) * 1e3
+                        row[f"{arrangement}_imbalance"] = plan.imbalance
+                        row[f"{arrangement}_kv_rows_moved_share"] = plan.moved / (world * (world - 1) * S / world)
+                        row[f"{arrangement}_max_link_rows"] = int(plan.rows_between.max())
+                        row[f"{arrangement}_kernel_calls_max"] = {m: int(c.max()) for m, c in plan.launches.items()}
+                        row[f"{key}_ms"] = timed(plan)
+                row["exchange"] = min(exchanges, key=lambda e: row[f"{_key('balanced', e)}_ms"])
+                row["ms"] = row[f"{_key('balanced', row['exchange'])}_ms"]
                 best = [c["ms"] for c in one if c["mix"] == mix and c.get("ms") and c["provider"] != "flex"]
                 flex = [c["ms"] for c in one if c["mix"] == mix and c.get("ms") and c["provider"] == "flex"]
                 if rank == 0 and best:
@@ -535,6 +552,12 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results"))
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     ap.add_argument("--check", action="store_true", help="part B: a bf16 vs float64 check first")
+    ap.add_argument(
+        "--exchange",
+        choices=("ring", "gather", "both"),
+        default="ring",
+        help="part B: the document plan's K/V exchange (both: each timed on the same mixes)",
+    )
     ap.add_argument("--flex-max", type=int, default=256 * K, help="part B: flex_attention up to this length")
     ap.add_argument(
         "--providers",

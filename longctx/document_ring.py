@@ -17,6 +17,14 @@ write bf16, summed there in fp32). The forward's messages are kept for the backw
 where they add up to at most one shard (always at P = 2, like the plain ring's kept
 shard); otherwise the backward exchanges them again.
 
+The gather exchange (a plan built with ``exchange="gather"``, ``longctx.gather_plan``)
+moves the same rows without P - 1 steps: one all-to-all brings every rank all the rows its
+queries see of every other rank (posted before the local calls, which run while it
+travels) and one full varlen call attends to them, merged like a ring step. Backward: that
+call's dK/dV are summed per received row (a key row serves several segments) and one
+reverse all-to-all takes them home while the local calls' backward runs. Kernel calls and
+messages per layer do not grow with P.
+
 ``forward_calls`` / ``backward_calls`` run a list of the plan's calls on one device;
 Ulysses uses them over the whole sequence.
 """
@@ -26,12 +34,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from longctx.kernels import accumulator_dtype, attention_backward, attention_forward, partial_dtype, resolve_backend
 from longctx.kernels.merge import merge_partials_
-from longctx.kernels.rows import Rows, add_rows_, rows_of
+from longctx.kernels.rows import Rows, add_rows_, count_rows, rows_of
 
-from .documents import BlockCall, DocumentPlan
+from .documents import BlockCall, DocumentPlan, GatherExchange
 from .head_groups import by_head_groups, grads_by_head_groups
 from .ring_comm import RingExchange
 
@@ -208,32 +217,131 @@ def _ring_backward(dout, q, k, v, out, lse, kept: Optional[list], plan: Document
     return tuple(g.result().view(shape) for g, shape in zip(grads, shapes))
 
 
+def _post_gather(ex: GatherExchange, group, k, v):
+    """Start the gather exchange: returns (receive buffer ``(n_recv, 2, H, D)``: K and V of
+    every row, by source rank; pending; send buffer)."""
+    if ex.n_send:
+        send = torch.stack([rows_of(k, ex.send_rows)[0], rows_of(v, ex.send_rows)[0]], dim=1)
+    else:
+        send = k.new_empty((0, 2, *k.shape[2:]))
+    recv = k.new_empty((ex.n_recv, 2, *k.shape[2:]))
+    work = dist.all_to_all_single(recv, send, list(ex.recv_splits), list(ex.send_splits), group=group, async_op=True)
+    return recv, work, send
+
+
+def _gathered_keys(ex: GatherExchange, recv: torch.Tensor):
+    """K and V ``(1, n, H, D)`` of the gather call: the received rows it reads, in its order."""
+    k, v = recv[:, 0].unsqueeze(0), recv[:, 1].unsqueeze(0)
+    if ex.key_rows is None:
+        return k.contiguous(), v.contiguous()
+    return k.index_select(1, ex.key_rows), v.index_select(1, ex.key_rows)
+
+
+def _gather_forward(q, k, v, plan: DocumentPlan, group, scale, backend, keep: bool):
+    shape = q.shape
+    q, k, v = flatten_batch(q), flatten_batch(k), flatten_batch(v)
+    ex = plan.gather
+    pending = _post_gather(ex, group, k, v) if ex is not None else None
+    # The local calls run while the rows travel.
+    out, lse = forward_calls(q, k, v, plan.local_calls, scale, backend, only=plan.calls == 1)
+    kept = []
+    if pending is not None:
+        recv, work, _ = pending
+        work.wait()
+        if ex.call is not None:
+            k_g, v_g = _gathered_keys(ex, recv)
+            out, lse = _call_forward(ex.call, q, k_g, v_g, out, lse, scale, backend)
+        if keep:
+            kept.append(recv)
+    return out.to(q.dtype).view(*shape[:3], -1), lse, kept
+
+
+def _to_sources(ex: GatherExchange, dk, dv, grad_dtype) -> torch.Tensor:
+    """The gather call's dK/dV ``(1, n, H, D)`` as the message home ``(n_recv, 2, H, D)``: per
+    received row, summed in fp32 (fp64 for fp64) over the segments that read it."""
+    grads = torch.stack([dk[0], dv[0]], dim=1)
+    if ex.key_rows is None:
+        return grads.to(grad_dtype)
+    acc = accumulator_dtype(grad_dtype)
+    summed = torch.zeros((ex.n_recv, *grads.shape[1:]), dtype=acc, device=grads.device)
+    return summed.index_add_(0, ex.key_rows, grads.to(acc)).to(grad_dtype)
+
+
+def _gather_backward(dout, q, k, v, out, lse, kept: Optional[list], plan: DocumentPlan, group, scale, backend):
+    shapes = (q.shape, k.shape, v.shape)
+    dout, q, k, v, out = (flatten_batch(t) for t in (dout, q, k, v, out))
+    ex = plan.gather
+    grad_dtype = partial_dtype(backend, q.dtype) or q.dtype
+    if ex is None and plan.calls == 1:  # one call, nothing moves: its gradients as written
+        grads = _call_backward(plan.local_calls[0], dout, q, k, v, out, lse, scale, backend)
+        return tuple(g.to(t.dtype).view(shape) for g, t, shape in zip(grads, (q, k, v), shapes))
+    dq, dk, dv = grads = tuple(_Accumulator(t) for t in (q, k, v))
+    pending = later_dq = None
+    if ex is not None:
+        if kept:
+            recv = kept[0]
+        else:
+            recv, work, _ = _post_gather(ex, group, k, v)
+            work.wait()
+        message = k.new_empty((0, 2, *k.shape[2:]), dtype=grad_dtype)
+        if ex.call is not None:
+            k_g, v_g = _gathered_keys(ex, recv)
+            dq_b, dk_b, dv_b = _call_backward(ex.call, dout, q, k_g, v_g, out, lse, scale, backend)
+            later_dq = dq_b  # added after the local calls' (the first allocates dq as a copy)
+            message = _to_sources(ex, dk_b, dv_b, grad_dtype)
+        back = torch.empty((ex.n_send, 2, *k.shape[2:]), dtype=grad_dtype, device=k.device)
+        work = dist.all_to_all_single(
+            back, message, list(ex.send_splits), list(ex.recv_splits), group=group, async_op=True
+        )
+        pending = (back, work, message)
+    # The local calls run while the dK/dV partials travel home.
+    backward_calls(dout, q, k, v, out, lse, plan.local_calls, scale, backend, grads=grads)
+    if later_dq is not None:
+        dq.add(ex.call.q_rows, later_dq)
+    if pending is not None:
+        back, work, _ = pending
+        work.wait()
+        if ex.n_send:
+            if ex.home_slot is not None:  # a row sent to several ranks: its partials summed first
+                acc = accumulator_dtype(back.dtype)
+                summed = torch.zeros((count_rows(k, ex.home_rows), *back.shape[1:]), dtype=acc, device=back.device)
+                back = summed.index_add_(0, ex.home_slot, back.to(acc))
+            dk.add(ex.home_rows, back[:, 0].unsqueeze(0))
+            dv.add(ex.home_rows, back[:, 1].unsqueeze(0))
+    return tuple(g.result().view(shape) for g, shape in zip(grads, shapes))
+
+
 class _DocumentAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan, group, scale, backend, chunks):
-        comm = RingExchange(group) if plan.world_size > 1 else None
+        gather = plan.exchange == "gather"
+        comm = RingExchange(group) if plan.world_size > 1 and not gather else None
         name = resolve_backend(backend, q, k, plan.causal, documents=True)
         # One decision for the whole group (every rank's plan holds every rank's count): a
         # rank that exchanges again in the backward needs its peers to do so too.
         keep = int(plan.received.max(initial=0)) <= plan.batch * plan.local_len
 
         def run(q_h, k_h, v_h, g):
+            if gather:
+                return _gather_forward(q_h, k_h, v_h, plan, group, scale, name, keep)
             return _ring_forward(q_h, k_h, v_h, plan, comm, scale, name, keep)
 
         out, lse, kept = by_head_groups(q, k, v, chunks, run)
         messages = [m for group_kept in kept for m in group_kept[0]]
         ctx.save_for_backward(q, k, v, out, lse, *messages)
-        ctx.args = (plan, comm, scale, name, chunks, keep)
+        ctx.args = (plan, group, comm, scale, name, chunks, keep)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, *messages = ctx.saved_tensors
-        plan, comm, scale, name, chunks, keep = ctx.args
-        steps = plan.world_size - 1
+        plan, group, comm, scale, name, chunks, keep = ctx.args
+        steps = len(messages) // chunks  # messages kept per head group
 
         def run(dout_h, q_h, k_h, v_h, out_h, lse_h, g):
             kept = messages[g * steps : (g + 1) * steps] if keep else None
+            if plan.exchange == "gather":
+                return _gather_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, kept, plan, group, scale, name)
             return _ring_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, kept, plan, comm, scale, name)
 
         dq, dk, dv = grads_by_head_groups(dout.contiguous(), q, k, v, out, lse, chunks, run)

@@ -17,6 +17,12 @@ head group, ring step, recompute and backward of the step:
   sees every key of it that any query sees: proved per chunk, checked here). A step with
   nothing to see moves nothing and launches nothing.
 
+With ``exchange="gather"`` the same rows of every other rank arrive in one all-to-all and
+the local step is followed by ONE full varlen call over them instead of P - 1 steps
+(``GatherExchange``; its segments: ``longctx.gather_plan``). Either way the plan holds the
+counts a cost model needs: ``rows_between`` (K/V rows per (source, destination) rank) and
+``launches`` (every rank's kernel calls per forward under each exchange).
+
 Everything the kernels take - row indices, ``cu_seqlens`` (``longctx.kernels.Segments``)
 and per-row segment numbers for the kernels that mask with ids - is shipped to the device
 in two copies per plan, so a layer reads nothing back to the host.
@@ -40,7 +46,11 @@ import torch.distributed as dist
 from longctx.kernels import Segments
 from longctx.kernels.rows import Rows
 
+from .gather_plan import gather_segments, returned_rows
+from .gather_plan import ranges as _ranges
 from .layouts import check_layout, check_seq_len, chunks_per_rank, rank_chunks
+
+EXCHANGES = ("ring", "gather")
 
 
 @dataclass(frozen=True)
@@ -70,13 +80,40 @@ class Exchange:
     call: Optional[BlockCall]
 
 
+@dataclass(frozen=True)
+class GatherExchange:
+    """This rank's gather exchange (``longctx.gather_plan``): ``send_rows`` (``n_send``, by
+    destination rank, ``send_splits`` to each; a row seen by several ranks repeats) go out
+    in one all-to-all that brings ``n_recv`` rows (``recv_splits`` from each rank, by
+    source). ``call`` attends to the received rows ``key_rows`` (None: all, in order; rows
+    may repeat); None: this rank's queries see nothing received. Back home, the dK/dV
+    partials of the sent rows add into ``home_rows``, first summed by ``home_slot`` (each
+    sent row's place among ``home_rows``) where a row was sent more than once."""
+
+    send_rows: Rows
+    n_send: int
+    send_splits: tuple
+    n_recv: int
+    recv_splits: tuple
+    key_rows: Optional[torch.Tensor]
+    call: Optional[BlockCall]
+    home_rows: Rows
+    home_slot: Optional[torch.Tensor]
+
+
 class DocumentPlan:
     """Rank ``rank``'s document plan for one batch (see the module doc); build it with
     ``plan_documents``. ``one_document``: every batch row is a single document, so no mask
-    is needed at all (the plain ring runs). ``local_calls``: the local step;
-    ``exchanges[s - 1]``: step s; ``pairs``: visible (query, key) pairs of every rank's
-    queries (``pairs[r] / pairs.mean()`` is the load imbalance); ``received[r]``: K/V rows
-    rank r receives in a forward (``moved``: their sum)."""
+    is needed at all (the plain ring runs). ``exchange``: how the other ranks' K/V rows
+    come ("ring": P - 1 point-to-point steps, "gather": one all-to-all and one call).
+    ``local_calls``: the local step; ``exchanges[s - 1]``: ring step s (empty for
+    "gather"); ``gather``: the ``GatherExchange`` (None for "ring", or where no rank of the
+    group receives anything); ``pairs``: visible (query, key) pairs of every rank's queries
+    (``pairs[r] / pairs.mean()`` is the load imbalance); ``rows_between[i, j]``: K/V rows
+    rank i sends rank j in a forward (either exchange); ``received[r]``: K/V rows rank r
+    receives (``moved``: their sum); ``launches[mode][r]``: kernel calls of rank r's
+    forward under either exchange ("ring", "gather"), the chosen one's this rank's
+    ``calls``."""
 
     def __init__(
         self,
@@ -97,8 +134,16 @@ class DocumentPlan:
         full_doc=None,
         documents=0,
         shipped=None,
+        exchange="ring",
+        gather=None,
+        rows_between=None,
+        launches=None,
     ):
         self.world_size, self.rank, self.layout, self.causal = world_size, rank, layout, causal
+        self.exchange = exchange
+        self.gather: Optional[GatherExchange] = gather
+        self.rows_between: Optional[np.ndarray] = rows_between
+        self.launches: Optional[dict] = launches
         self.batch, self.seq_len, self.local_len = batch, seq_len, seq_len // world_size
         self.device = device
         self.one_document = one_document
@@ -116,7 +161,7 @@ class DocumentPlan:
     def __repr__(self) -> str:
         return (
             f"DocumentPlan(rank {self.rank} of {self.world_size}, {self.layout}, B={self.batch}, "
-            f"S={self.seq_len}, imbalance {self.imbalance:.3f}, K/V rows moved {self.moved})"
+            f"S={self.seq_len}, {self.exchange}, imbalance {self.imbalance:.3f}, K/V rows moved {self.moved})"
         )
 
     def to(self, device, non_blocking: bool = True) -> "DocumentPlan":
@@ -145,7 +190,7 @@ class DocumentPlan:
         device = next(iter(flats.values())).device if flats else self.device
         plan = copy.copy(self)
         plan.device = device
-        plan.local_calls, plan.exchanges = _resolve(pending, flats)
+        plan.local_calls, plan.exchanges, plan.gather = _resolve(pending, flats)
         plan._shipped = (pending, flats)
         plan._sequence_calls = None
         return plan
@@ -154,7 +199,7 @@ class DocumentPlan:
         # Pickled (DataLoader workers -> the training process) as the flat tensors and the
         # structure that refers to them; the per-call views are rebuilt on arrival.
         state = dict(self.__dict__)
-        state["local_calls"] = state["exchanges"] = None
+        state["local_calls"] = state["exchanges"] = state["gather"] = None
         state["_sequence_calls"] = None
         return state
 
@@ -162,11 +207,14 @@ class DocumentPlan:
         self.__dict__.update(state)
         if self._shipped is not None:
             pending, flats = self._shipped
-            self.local_calls, self.exchanges = _resolve(pending, flats)
+            self.local_calls, self.exchanges, self.gather = _resolve(pending, flats)
 
     @property
     def calls(self) -> int:
-        """Kernel calls of this rank's forward (the local step's and every step's)."""
+        """Kernel calls of this rank's forward under its exchange (the local step's, and
+        every ring step's or the one gather call)."""
+        if self.launches is not None:
+            return int(self.launches[self.exchange][self.rank])
         return len(self.local_calls) + sum(ex.call is not None for ex in self.exchanges)
 
     @property
@@ -225,11 +273,21 @@ class DocumentPlan:
 
 
 def plan_documents(
-    document_ids: torch.Tensor, *, world_size: int, rank: int, layout: str = "zigzag", causal: bool = True, device=None
+    document_ids: torch.Tensor,
+    *,
+    world_size: int,
+    rank: int,
+    layout: str = "zigzag",
+    causal: bool = True,
+    device=None,
+    exchange: str = "ring",
 ) -> DocumentPlan:
     """Rank ``rank``'s ``DocumentPlan`` for the FULL sequence ids ``document_ids`` ``(B, S)``
     (or ``(S,)``), sharded over ``world_size`` ranks by ``layout``. One copy of the ids to
-    the host; the plan's tensors go to ``device`` (default: the ids' device)."""
+    the host; the plan's tensors go to ``device`` (default: the ids' device). ``exchange``:
+    "ring" (P - 1 point-to-point steps, a kernel call each) or "gather" (one all-to-all and
+    one kernel call per direction, ``longctx.gather_plan``); every rank of a group must
+    choose the same."""
     if not isinstance(document_ids, torch.Tensor):
         raise TypeError(
             f"document_ids must be a torch.Tensor of the full sequence's ids, got {type(document_ids).__name__}"
@@ -244,6 +302,8 @@ def plan_documents(
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank!r} is outside [0, {world_size})")
     check_layout(layout)
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be 'ring' or 'gather', got {exchange!r}")
     batch, seq_len = ids.shape
     if world_size > 1:
         check_seq_len(seq_len, world_size, layout)
@@ -255,36 +315,46 @@ def plan_documents(
     host = ids.detach().cpu().numpy().astype(np.int64, copy=False)
     doc = _document_numbers(host)
     one_document = bool((doc == doc[:, :1]).all())
-    fingerprint = _fingerprint(host, world_size, layout, causal)
+    fingerprint = _fingerprint(host, world_size, layout, causal, exchange)
 
     owner, local = _layout_maps(seq_len, world_size, layout)
     s_local = seq_len // world_size
     tokens = [_Tokens.of(doc, owner, local, r, s_local) for r in range(world_size)]
     pairs = np.zeros(world_size, dtype=np.float64)
-    received = np.zeros(world_size, dtype=np.int64)
+    rows_between = np.zeros((world_size, world_size), dtype=np.int64)  # [source, receiver]
+    diagonal_calls = np.zeros(world_size, dtype=np.int64)
+    step_calls = np.zeros(world_size, dtype=np.int64)  # ring steps where a rank's queries see keys
     ship = _Shipper()
-    local_calls, exchanges = [], []
+    local_calls, exchanges, received_from, sent_to = [], [], {}, {}
     for r in range(world_size):
         diagonal = _diagonal_calls(tokens[r].doc, causal, ship if r == rank else None)
         pairs[r] += sum(call.pairs for call in diagonal)
+        diagonal_calls[r] = len(diagonal)
         if r == rank:
             local_calls = diagonal
     for step in range(1, world_size):
         # What every rank's queries see of rank (r - step)'s keys; this rank sends what rank
         # + step's queries see of its own.
         seen = [_visible(tokens[r], tokens[(r - step) % world_size], causal) for r in range(world_size)]
-        for r, (_, k_index, q_lens, k_lens) in enumerate(seen):
+        for r, (q_index, k_index, q_lens, k_lens) in enumerate(seen):
             pairs[r] += float(np.dot(q_lens, k_lens))
-            received[r] += len(k_index)
+            rows_between[(r - step) % world_size, r] = len(k_index)
+            step_calls[r] += bool(len(q_index))
         q_index, k_index, q_lens, k_lens = seen[rank]
-        call = None if not len(q_index) else ship.call(False, ship.rows(q_index, s_local * batch), None, q_lens, k_lens)
         send = seen[(rank + step) % world_size][1]
+        if exchange == "gather":
+            received_from[(rank - step) % world_size], sent_to[(rank + step) % world_size] = k_index, send
+            continue
+        call = None if not len(q_index) else ship.call(False, ship.rows(q_index, s_local * batch), None, q_lens, k_lens)
         exchanges.append(
             Exchange(ship.rows(send, s_local * batch) if len(send) else None, len(send), len(k_index), call)
         )
-    pending = (local_calls, exchanges)
+    gather = None
+    if exchange == "gather" and rows_between.any():  # else no rank of the group moves anything
+        gather = _gather_exchange(tokens, rank, received_from, sent_to, causal, layout, seq_len, ship)
+    pending = (local_calls, exchanges, gather)
     flats = ship.flats(device)
-    local_calls, exchanges = _resolve(pending, flats)
+    local_calls, exchanges, gather = _resolve(pending, flats)
     return DocumentPlan(
         world_size=world_size,
         rank=rank,
@@ -297,11 +367,15 @@ def plan_documents(
         local_calls=local_calls,
         exchanges=exchanges,
         pairs=pairs,
-        received=received,
+        received=rows_between.sum(axis=0),
         fingerprint=fingerprint,
         full_doc=doc,
         documents=int(doc.max(initial=-1)) + 1,
         shipped=(pending, flats),
+        exchange=exchange,
+        gather=gather,
+        rows_between=rows_between,
+        launches={"ring": diagonal_calls + step_calls, "gather": diagonal_calls + (step_calls > 0)},
     )
 
 
@@ -319,9 +393,11 @@ def _document_numbers(ids: np.ndarray) -> np.ndarray:
     return out
 
 
-def _fingerprint(ids: np.ndarray, world_size: int, layout: str, causal: bool) -> list:
+def _fingerprint(ids: np.ndarray, world_size: int, layout: str, causal: bool, exchange: str) -> list:
     digest = hashlib.blake2b(np.ascontiguousarray(ids).tobytes(), digest_size=8)
     digest.update(f"{ids.shape}|{world_size}|{layout}|{bool(causal)}".encode())
+    if exchange != "ring":  # ring plans keep the fingerprint they always had
+        digest.update(f"|{exchange}".encode())
     return [int.from_bytes(digest.digest()[:7], "little")]
 
 
@@ -385,6 +461,36 @@ def _visible(receiver: _Tokens, source: _Tokens, causal: bool):
     return q_sel, k_sel, q_lens, k_lens
 
 
+def _gather_exchange(tokens, rank, received_from, sent_to, causal, layout, seq_len, ship) -> GatherExchange:
+    """This rank's ``GatherExchange``: the received buffer is the rows of every other rank
+    its queries see (``received_from[source]``, by source rank), the message it sends the
+    rows each rank sees of its own (``sent_to[rank]``, by destination rank)."""
+    world, mine = len(tokens), tokens[rank]
+    n, none = len(mine.doc), np.zeros(0, dtype=np.int64)
+    parts = [(tokens[s], received_from.get(s, none)) for s in range(world)]
+    k_doc = np.concatenate([t.doc[rows] for t, rows in parts])
+    k_pos = np.concatenate([t.pos[rows] for t, rows in parts])
+    s_local = seq_len // world
+    q_chunk = np.arange(n) % s_local // (s_local // chunks_per_rank(layout))
+    q_rows, key_rows, q_lens, k_lens = gather_segments(mine.doc, mine.pos, q_chunk, k_doc, k_pos, causal, seq_len)
+    call = ship.call(False, ship.rows(q_rows, n), None, q_lens, k_lens) if len(q_rows) else None
+    sent = np.concatenate([sent_to.get(j, none) for j in range(world)])
+    send_rows = ship.rows(sent, n) if len(sent) else None
+    home, slot = returned_rows(sent)
+    in_order = len(key_rows) == len(k_doc) and np.array_equal(key_rows, np.arange(len(k_doc)))
+    return GatherExchange(
+        send_rows=send_rows,
+        n_send=len(sent),
+        send_splits=tuple(len(sent_to.get(j, none)) for j in range(world)),
+        n_recv=len(k_doc),
+        recv_splits=tuple(len(received_from.get(s, none)) for s in range(world)),
+        key_rows=None if in_order else ship.index(key_rows),
+        call=call,
+        home_rows=send_rows if slot is None else ship.rows(home, n),
+        home_slot=None if slot is None else ship.index(slot),
+    )
+
+
 def _diagonal_calls(doc: np.ndarray, causal: bool, ship: Optional["_Shipper"]) -> list:
     """Calls of attention among rows in sequence order (one rank's shard, or the whole
     sequence): call 0 over every run of equal documents (causal), then call d over the
@@ -426,13 +532,6 @@ class _Count:
     pairs: float
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenated ``arange(start, start + length)`` for every (start, length)."""
-    total = int(lengths.sum())
-    offsets = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
-    return np.arange(total) + offsets
-
-
 class _Shipper:
     """Collects a plan's host arrays and sends them to the device in two copies (int64 row
     indices, int32 segment tables), then fills in the tensors."""
@@ -440,14 +539,20 @@ class _Shipper:
     def __init__(self):
         self.int64: list[np.ndarray] = []
         self.int32: list[np.ndarray] = []
+        self.sizes = {True: 0, False: 0}  # elements collected so far (int64, int32)
 
     def _add(self, array: np.ndarray, dtype) -> "_Pending":
         wide = dtype == np.int64
         store = self.int64 if wide else self.int32
         array = np.ascontiguousarray(array, dtype=dtype)
-        offset = sum(a.size for a in store)
+        offset = self.sizes[wide]
+        self.sizes[wide] += array.size
         store.append(array)
         return _Pending(wide, offset, tuple(array.shape))
+
+    def index(self, index: np.ndarray) -> "_Pending":
+        """An int64 index tensor, whatever it holds."""
+        return self._add(index, np.int64)
 
     def rows(self, index: np.ndarray, n: int):
         """None (all n rows in order), a slice (a contiguous range) or a pending index."""
@@ -520,6 +625,6 @@ def _resolve(value, flats: dict):
             value.max_seqlen_q,
             value.max_seqlen_k,
         )
-    if isinstance(value, (BlockCall, Exchange)):
+    if isinstance(value, (BlockCall, Exchange, GatherExchange)):
         return type(value)(**{f: _resolve(getattr(value, f), flats) for f in value.__dataclass_fields__})
     return value
