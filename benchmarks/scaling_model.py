@@ -388,7 +388,8 @@ def fit(
     without: Sequence[str] = (),
 ) -> Rates:
     """Costs minimising the squared relative errors over ``measurements`` (non-negative),
-    re-finding each point's critical path until it stops changing."""
+    re-finding each point's critical path until it stops changing. ``without``: terms of
+    ``FREE`` held at the prior's value (or zero), e.g. to see what a term buys."""
     from scipy.optimize import nnls
 
     if not measurements:
