@@ -26,7 +26,7 @@ run() {  # run NAME GPUS ATTENTION [DIR]
 EXTRA=${EXTRA:-}
 for w in ${WORKLOADS:-docs dense}; do
   [ "$w" = docs ] && attention=document || attention=causal
-  for g in ${GPUS:-1 2 4}; do run "$w" "$g" "$attention"; done
+  for g in ${GPUS:-1 2 4}; do run "${NAME:-$w}" "$g" "$attention"; done
   if [ -n "${BEFORE:-}" ]; then
     g=$(echo ${GPUS:-1 2 4} | awk '{print $NF}')
     run "${w}_before" "$g" "$attention" "$BEFORE"

@@ -5,7 +5,8 @@ of the step's wall time.
 
     python benchmarks/scaleout_table.py --runs DIR --gpu h100 --out benchmarks/results/scaleout_h100x4.json
 
-``DIR`` holds ``<workload>_<n>gpu_metrics.csv`` files (benchmarks/device_scaleout.sh writes them).
+``DIR`` holds ``<workload>_<n>gpu_metrics.csv`` files (benchmarks/device_scaleout.sh writes them);
+a workload named ``<base>-<variant>`` without a one-GPU row is compared with ``<base>``'s.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def table(runs: Path, first: int, last: int) -> list[dict]:
         out.append({"workload": match[1], "gpus": int(match[2]), **run_row(path, first, last)})
     base = {r["workload"]: r["tokens_per_s"] for r in out if r["gpus"] == 1}
     for r in out:
-        one = base.get(r["workload"])
+        # "docs-gather" (a variant of "docs") is compared with the one-GPU "docs" row.
+        one = base.get(r["workload"]) or base.get(r["workload"].split("-")[0])
         r["speedup"] = r["tokens_per_s"] / one if one and r["tokens_per_s"] else None
         if r["tokens_per_s"] and r["outside_s"] is not None and r["step_s"] is not None:
             r["outside_share"] = r["outside_s"] / (r["outside_s"] + r["step_s"])

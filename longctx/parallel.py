@@ -37,7 +37,7 @@ from .head_groups import check_head_chunks
 from .layouts import check_layout
 from .ring import ring_attention
 from .ulysses import ulysses_attention
-from .validation import ArgumentValueError
+from .validation import ArgumentValueError, check_choice
 
 CP_ATTENTION = ("ring", "ulysses")
 DATA_PARALLEL = ("fsdp", "ddp", "none")
@@ -182,6 +182,10 @@ class ParallelPlan:
             messages that many times smaller (a full ring pass per chunk). Must divide
             ``n_kv_head``; 1 (default): all heads at once. For very long shards per rank,
             where ``longctx.memory.estimate`` shows the attention backward's buffers.
+        document_exchange: how packed documents' key/value rows reach the ranks that see them
+            (``longctx.documents.plan_documents``): ``"ring"``, P - 1 point-to-point steps
+            with one kernel call each; ``"gather"``, one all-to-all and one kernel call per
+            direction, whatever P.
     """
 
     activation_checkpointing: str = "none"
@@ -193,6 +197,7 @@ class ParallelPlan:
     offload_activations: Union[bool, int] = False
     mlp_tile_size: Optional[int] = None
     attention_head_chunks: int = 1
+    document_exchange: str = "ring"
 
     def __post_init__(self) -> None:
         ac = self.activation_checkpointing
@@ -218,6 +223,9 @@ class ParallelPlan:
 
         check_tile_size(self.mlp_tile_size)
         check_head_chunks(self.attention_head_chunks)
+        from .documents import EXCHANGES
+
+        check_choice("document_exchange", self.document_exchange, EXCHANGES)
 
     def check_device(self, device) -> None:
         """Raise ``ValueError`` (one line) where ``attention_backend`` cannot run on ``device``

@@ -71,6 +71,7 @@ class ParallelChoices:
     document_backend: str  # document-masked blocks
     fuse_pointwise: bool
     balance_documents: bool
+    document_exchange: str  # "ring" or "gather" (longctx.documents.plan_documents)
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class RunPlan:
             attention_backend=p.attention_backend,
             document_backend=p.document_backend,
             fuse_pointwise=p.fuse_pointwise,
+            document_exchange=p.document_exchange,
             **dataclasses.asdict(self.memory),
         )
 
@@ -307,6 +309,7 @@ def resolve_run(
         balance_documents=balances_documents(
             load_balance, documents=documents, cp=world.cp, layout=world.layout, cp_attention=plan.cp_attention
         ),
+        document_exchange=plan.document_exchange,
     )
     mem = MemoryChoices(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(MemoryChoices)})
     return RunPlan(parallel, mem, estimate=estimate, notes=notes)

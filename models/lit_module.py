@@ -241,6 +241,7 @@ class CausalLMModule(L.LightningModule):
             rope_positions=self.rope_positions,
             balance=bool(self.run_plan.parallel.balance_documents),
             plan=self.attention == "document",
+            exchange=self.run_plan.parallel.document_exchange,
         )
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
@@ -268,8 +269,17 @@ class CausalLMModule(L.LightningModule):
         cp = _cp_size(self._trainer) if self._trainer is not None else 1
         rank = int(getattr(strategy, "cp_rank", 0)) if cp > 1 else 0
         layout = getattr(strategy, "layout", "zigzag")
+        exchange = (
+            self.run_plan.parallel.document_exchange if self.run_plan is not None else self.plan.document_exchange
+        )
         plan = plan_documents(
-            document_ids, world_size=cp, rank=rank, layout=layout, causal=True, device=document_ids.device
+            document_ids,
+            world_size=cp,
+            rank=rank,
+            layout=layout,
+            causal=True,
+            device=document_ids.device,
+            exchange=exchange,
         )
         if not self._documents_reported:
             self._first_plan(plan)

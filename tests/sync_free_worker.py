@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from longctx import ContextParallelStrategy
-from longctx.models import CausalLMModule
+from longctx.models.lit_module import CausalLMModule
 
 SEQ, STEPS, WARM_UP = 4096, 6, 2
 
@@ -51,7 +51,8 @@ class SyncFree(L.Callback):
 def main(out: str) -> None:
     torch.manual_seed(0)
     module = CausalLMModule(
-        dict(preset="tiny", vocab_size=256, n_embd=256, n_head=4, n_kv_head=2, max_seq_len=SEQ),
+        # head_dim 64 and GQA 4, as the 1B shape: the same FlashAttention-4 variants
+        dict(preset="tiny", vocab_size=256, n_embd=512, n_head=8, n_kv_head=2, max_seq_len=SEQ),
         attention="document",
         seq_len=SEQ,
         warmup_steps=1,

@@ -30,7 +30,7 @@ class BatchPreparation:
 
     ``rope_positions="document"``: ``position_ids`` restart at every document; ``balance``:
     ``balance_documents`` over the CP ranks; ``plan``: the rank's ``DocumentPlan`` (document
-    masking) as ``batch["document_plan"]``, built on the host. A batch without
+    masking, its ``exchange``) as ``batch["document_plan"]``, built on the host. A batch without
     ``document_ids`` is only sharded.
     """
 
@@ -40,6 +40,7 @@ class BatchPreparation:
     rope_positions: str = "global"
     balance: bool = False
     plan: bool = False
+    exchange: str = "ring"
 
     def __post_init__(self) -> None:
         for name, low in (("cp_size", 1), ("cp_rank", 0)):
@@ -68,7 +69,13 @@ class BatchPreparation:
         plan = None
         if ids is not None and self.plan:
             plan = plan_documents(
-                ids, world_size=self.cp_size, rank=self.cp_rank, layout=self.layout, causal=True, device="cpu"
+                ids,
+                world_size=self.cp_size,
+                rank=self.cp_rank,
+                layout=self.layout,
+                causal=True,
+                device="cpu",
+                exchange=self.exchange,
             )
         out = PreparedBatch(shard_batch(full, rank=self.cp_rank, world_size=self.cp_size, layout=self.layout))
         if plan is not None:
