@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dist_harness import run_distributed
+from helpers.dist_harness import run_distributed
 
 from longctx.bench import long_context_ppl as cli
 from longctx.bench.long_context_ppl_eval import bucket_edges, evaluate, per_token_loss, window_indices

@@ -13,7 +13,7 @@ import pytest
 
 from longctx.bench import max_context_fit, peak_trace
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "max_context.py"
 K = 1024
 

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from helpers import pythonpath
+
 
 def _fix_interpreter_scalar_index() -> None:
     """Make the interpreter's ``tensor.__index__`` accept its own scalars under numpy >= 2.5.
@@ -69,7 +71,7 @@ def interpreted_results(test_file: str, tile_sets) -> dict:
     pytest.importorskip("triton")
     procs = []
     for tiles in tile_sets:
-        env = dict(os.environ, TRITON_INTERPRET="1", LONGCTX_TRITON_INTERP_TILES=tiles)
+        env = dict(os.environ, TRITON_INTERPRET="1", LONGCTX_TRITON_INTERP_TILES=tiles, PYTHONPATH=pythonpath())
         procs.append(
             (
                 tiles,

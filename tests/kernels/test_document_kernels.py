@@ -13,8 +13,8 @@ import zlib
 
 import pytest
 import torch
-from interpreter_harness import interpreted_results as run_interpreted
-from interpreter_harness import print_results
+from helpers.interpreter_harness import interpreted_results as run_interpreted
+from helpers.interpreter_harness import print_results
 
 from longctx.data.document_mixes import document_id_pattern
 

@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 import torch
+from helpers import pythonpath
 
 from longctx.kernels.merge import merge_partials_
 
@@ -71,8 +72,6 @@ def test_merge_triton_interpreted():
         print("ok")
         """
     )
-    # Keep the caller's path (a worktree run imports its own longctx, not the installed one).
-    path = os.pathsep.join(p for p in (os.path.dirname(__file__), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=pythonpath(os.path.dirname(__file__)))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr

@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 import torch
+from helpers import pythonpath
 
 from longctx.kernels.merge import merge_partials_
 from longctx.kernels.rows import add_rows_, count_rows, mark_nonfinite_rows_
@@ -121,8 +122,7 @@ def test_triton_kernels_interpreted():
             check("triton", {seed})
         print("ok")
         """)
-    path = os.pathsep.join(p for p in (os.path.dirname(__file__), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=pythonpath(os.path.dirname(__file__)))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "ok" in r.stdout, f"seed {seed}\n" + r.stdout + r.stderr
 

@@ -3,10 +3,11 @@
 triton.jit picks interpreter or compiler when a kernel is *decorated*, i.e. when
 longctx.kernels.triton_attention is first imported, so an in-process check would depend on
 which test module imported it first. Instead this file re-runs itself as a worker process
-with TRITON_INTERPRET=1 (`python tests/test_triton_kernels.py TILES`), which runs every
-case and prints one JSON line of errors; pytest starts two workers in parallel with
-different tile shapes (BLOCK_M > BLOCK_N and BLOCK_M < BLOCK_N in every kernel, so both
-band splits and ragged tails are covered) and asserts per case.
+with TRITON_INTERPRET=1 (`python tests/kernels/test_triton_kernels.py`, the tile set in
+LONGCTX_TRITON_INTERP_TILES), which runs every case and prints one JSON line of errors;
+pytest starts two workers in parallel with different tile shapes (BLOCK_M > BLOCK_N and
+BLOCK_M < BLOCK_N in every kernel, so both band splits and ragged tails are covered) and
+asserts per case.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import zlib
 
 import pytest
 import torch
-from attention_reference import reference
-from interpreter_harness import interpreted_results as run_interpreted
-from interpreter_harness import print_results
+from helpers.attention_reference import reference
+from helpers.interpreter_harness import interpreted_results as run_interpreted
+from helpers.interpreter_harness import print_results
 
 # name: (B, Sq, Sk, Hq, Hkv, D, causal, dtype, options)
 # options: out32 (out_dtype fp32), grad32 (grad_dtype fp32), delta (precomputed delta,

@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from attention_reference import reference
+from helpers.attention_reference import reference
 
 pytestmark = [
     pytest.mark.gpu,

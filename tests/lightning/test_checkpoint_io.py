@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_harness import run_distributed
+from helpers.dist_harness import run_distributed
 
 from longctx.lightning.checkpoint_io import (
     AtomicCheckpointIO,

@@ -8,7 +8,7 @@ import os
 import lightning as L
 import pytest
 import torch
-from dist_harness import run_distributed
+from helpers.dist_harness import run_distributed
 from torch.utils.data import DataLoader
 
 from longctx.lightning.strategy import ContextParallelStrategy

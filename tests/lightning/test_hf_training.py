@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 pytest.importorskip("transformers")
-from dist_harness import run_distributed  # noqa: E402
+from helpers.dist_harness import run_distributed  # noqa: E402
 
 from longctx.lightning.strategy import ContextParallelStrategy  # noqa: E402
 

@@ -16,7 +16,7 @@ from longctx.parallel import CHECKPOINTING
 
 K = 1024
 ONE_B = GPTConfig.from_preset("llama3.2-1b")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 
 
@@ -152,7 +152,7 @@ def test_readme_memory_snippet_runs():
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme.split("## Memory: how long a sequence fits", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     exec(compile(code, "README.md", "exec"), {})
@@ -482,7 +482,7 @@ def test_device_memory_full_commands_pass_train_checks_and_tabulate(tmp_path, mo
     from longctx.bench.memory_runs import table_main
 
     sys.path.insert(0, str(REPO / "tests"))
-    from train_script import load_train
+    from helpers.train_script import load_train
 
     train = load_train("train_memory_full")
     cases = _device_cases()

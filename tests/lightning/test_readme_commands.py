@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_script import load_train
+from helpers.train_script import load_train
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BLOCK = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 
 

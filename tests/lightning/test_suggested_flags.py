@@ -1,7 +1,8 @@
 """Every train.py flag that a message of the library suggests is one train.py takes.
 
-Error messages and hints (longctx/, models/, kernels/) name CLI flags for users to pass; a
-renamed option must not leave a hint behind that train.py would refuse. Each flag found in
+Error messages and hints (longctx/, models/, kernels/; not longctx/bench, whose strings are
+the benchmarks' own command lines) name CLI flags for users to pass; a renamed option must
+not leave a hint behind that train.py would refuse. Each flag found in
 their string constants runs through train.py's argument and config checks with a value of
 its kind; refusing a value for what it means (a ValueError) is fine, an unknown option is not.
 """
@@ -13,9 +14,9 @@ import re
 from pathlib import Path
 
 import pytest
-from train_script import load_train
+from helpers.train_script import load_train
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9_.<>-]*[a-z0-9_>])(?![\w.])")
 # Flags of other programs named in library strings.
 NOT_TRAIN_PY = {"--no-deps": "pip", "--sections": "benchmarks/ring.py", "--nproc-per-node": "torchrun"}
@@ -45,7 +46,8 @@ VALUES = {
 
 def suggested_flags() -> dict:
     found = {}
-    files = [*(REPO / "longctx").rglob("*.py"), *(REPO / "models").glob("*.py"), *(REPO / "kernels").glob("*.py")]
+    library = [p for p in (REPO / "longctx").rglob("*.py") if "bench" not in p.relative_to(REPO / "longctx").parts]
+    files = [*library, *(REPO / "models").glob("*.py"), *(REPO / "kernels").glob("*.py")]
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):

@@ -24,7 +24,7 @@ import pytest
 import torch
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "train.py"
 SMALL = [
     "--data",

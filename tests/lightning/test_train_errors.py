@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from train_script import load_train
+from helpers.train_script import load_train
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_harness import run_distributed
+from helpers.dist_harness import run_distributed
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 SEQ, N_SAMPLES, GLOBAL_BATCH, STEPS = 32, 8, 4, 2
 
 

@@ -63,7 +63,7 @@ def test_head_chunk_errors(plan, match):
 def test_head_chunks_on_gpu_kernels_bf16(backend, docs):
     """The GPU block kernels (FlashAttention-4 / cuDNN under "auto") per head group: bf16
     against float64, the same error as all heads at once."""
-    from attention_reference import reference
+    from helpers.attention_reference import reference
 
     from longctx import ring_attention
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
 
-from dist_harness import run_distributed  # noqa: E402
+from helpers.dist_harness import run_distributed  # noqa: E402
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config  # noqa: E402
 
 from longctx import (  # noqa: E402

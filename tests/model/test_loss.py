@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from dist_harness import run_distributed
+from helpers.dist_harness import run_distributed
 
 from longctx.loss import TokenWeightedAccumulator, all_reduce_sum_and_count, causal_lm_loss, global_token_loss
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from dist_harness import run_distributed
+from helpers.dist_harness import run_distributed
 
 from longctx import (
     CPContext,

@@ -43,7 +43,7 @@ def test_strategy_name_registered_whatever_the_import_order():
 
 # ---- no two files import each other ---------------------------------------------------------
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _package_dirs() -> dict[str, str]:

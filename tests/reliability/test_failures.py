@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from dist_harness import free_port
+from helpers.dist_harness import free_port
 
 from longctx.lightning import failures
 from longctx.lightning.failures import NCCL_DUMP_WAIT_ENV, RankFailures, nccl_env

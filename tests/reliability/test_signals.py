@@ -29,7 +29,7 @@ import torch
 
 from longctx.lightning.launcher import LAUNCHER_PID_ENV
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ARGS = [
     "--data",
     "stdlib:json,email",

@@ -18,7 +18,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import free_port
+from helpers.dist_harness import free_port
 
 from longctx.watchdog import RankWatchdog, _is_communication_error
 

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import run_distributed
+from helpers.dist_harness import run_distributed
 from test_ring_attention import run_case
 
 from longctx import balance_documents, ring_attention, ulysses_attention

@@ -8,8 +8,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from attention_reference import reference
-from dist_harness import run_distributed
+from helpers.attention_reference import reference
+from helpers.dist_harness import run_distributed
 
 from longctx import ring_attention, shard_sequence, unshard_sequence
 

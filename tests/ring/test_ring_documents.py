@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import run_distributed
+from helpers.dist_harness import run_distributed
 from test_ring_attention import run_case
 
 from longctx import ring_attention, ulysses_attention
@@ -263,7 +263,7 @@ def test_document_ids_validation():
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_document_work_per_rank_counts_visible_pairs(layout, causal):
-    from attention_reference import visibility_mask
+    from helpers.attention_reference import visibility_mask
 
     from longctx import shard_sequence
     from longctx.layouts import document_work_per_rank

@@ -9,8 +9,8 @@ import random
 
 import torch
 import torch.distributed as dist
-from attention_reference import reference
-from dist_harness import run_distributed
+from helpers.attention_reference import reference
+from helpers.dist_harness import run_distributed
 from test_ring_attention import rel_err
 
 from longctx import ring_attention, shard_sequence, unshard_sequence

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import run_distributed
+from helpers.dist_harness import run_distributed
 from test_ring_attention import attention_vs_reference, failures, rel_err
 
 from longctx import CPContext, ParallelDims, ParallelPlan, parallelize, shard_sequence, ulysses_attention
