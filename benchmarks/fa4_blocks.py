@@ -1,6 +1,6 @@
 """FlashAttention-4 ring blocks on one GPU: exactness first, then speed against cuDNN and Triton.
 
-    source benchmarks/device_env.sh && python benchmarks/fa4_blocks.py      # ~5 min on one H200
+    source benchmarks/device/device_env.sh && python benchmarks/fa4_blocks.py      # ~5 min on one H200
 
 Sections (one JSON, fa4_blocks_<gpu>.json under $OUT or benchmarks/results/, rewritten after
 each section so a time-out keeps what finished):

@@ -2,7 +2,7 @@
 
     python -m pytest -m gpu tests          # every test that needs CUDA (1 GPU or more)
     python -m pytest -m multigpu tests     # those that need 2+ GPUs / NCCL (a subset of gpu)
-    bash benchmarks/device_suite.sh tests  # the gpu selection in one device call (log in $OUT)
+    bash benchmarks/device/device_suite.sh tests  # the gpu selection in one device call (log in $OUT)
 
 A test needs CUDA when it carries the ``gpu`` marker, or a ``skipif`` whose reason names
 CUDA, a GPU or NCCL (how this suite skips device tests on CPU: ``reason="needs CUDA"``), or

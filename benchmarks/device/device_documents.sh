@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Packed documents under CP on a 2-GPU machine, one call (after fa4_carry.sh's first half):
-#   carry [".carry/fa4-2", ".carry/wheels"]:  bash benchmarks/device_documents.sh
+#   carry [".carry/fa4-2", ".carry/wheels"]:  bash benchmarks/device/device_documents.sh
 # GPU tests of the document path (the no-host-sync step, the row kernels, the NCCL exchange),
 # then benchmarks/document_attention.py part B at 131,072 tokens (five mixes, one-GPU
 # baselines and a bf16-vs-float64 check first), then the PyTorch-CP + flex_attention peer on
 # the same mixes (PEER_BALANCERS, default ptrr: torchtitan's choice for flex), and with
 # DOCS_512K=1 part B at 524,288 tokens (long-tailed, mean 16K). JSON and logs under $OUT.
 set -u
-source benchmarks/device_env.sh || exit 3  # REQUIRE_FA4=1 without FlashAttention-4, or longctx not importable
+source benchmarks/device/device_env.sh || exit 3  # REQUIRE_FA4=1 without FlashAttention-4, or longctx not importable
 nvidia-smi -L
 export PYTHONUNBUFFERED=1
 mixes=mean4k,mean16k,longtail,mean1k,docs256

@@ -1,5 +1,5 @@
 # Source this on a GPU machine without network access (the device tool's image):
-#   source benchmarks/device_env.sh && python benchmarks/attention.py
+#   source benchmarks/device/device_env.sh && python benchmarks/attention.py
 # Tries an editable install; where the offline build tooling cannot do one, stages a copy
 # of the checkout in which longctx/models and longctx/kernels are real subpackages, and
 # runs from there. Either way `import longctx.models, longctx.kernels` works afterwards.
@@ -12,7 +12,7 @@ if [ -d .carry/wheels ]; then
     || echo "[device_env] carried wheels did not install: $(tail -1 /tmp/longctx_wheels.log)"
 fi
 # FlashAttention-4 (optional "fa4" backend): its compiler wheel is over one call's carry, so
-# benchmarks/fa4_carry.sh stages it in two halves: call 1 carries .carry/fa4-1 and runs
+# benchmarks/device/fa4_carry.sh stages it in two halves: call 1 carries .carry/fa4-1 and runs
 # `bash .carry/fa4-1/fa4_device.sh stash`; call 2 carries .carry/fa4-2 and sources this file,
 # which installs it into /tmp/fa4site. Later calls on the same (warm) machine need neither half.
 if [ -d /tmp/fa4site/flash_attn ]; then

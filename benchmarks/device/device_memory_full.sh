@@ -3,9 +3,9 @@
 # user runs it, each case under its own time limit, then one JSON of predicted vs measured
 # (benchmarks/memory_full_table.py: $OUT/memory_full.json) and one tarball of every case's log,
 # config.yaml and metrics.csv ($OUT/memory_full_logs.tar.gz).
-#   CASES=8b_128k bash benchmarks/device_memory_full.sh              # one 8B case per call
-#   CASES=8b_512k bash benchmarks/device_memory_full.sh
-#   CASES="hf_1b_128k 1b_1m" bash benchmarks/device_memory_full.sh   # the 1B cases together
+#   CASES=8b_128k bash benchmarks/device/device_memory_full.sh              # one 8B case per call
+#   CASES=8b_512k bash benchmarks/device/device_memory_full.sh
+#   CASES="hf_1b_128k 1b_1m" bash benchmarks/device/device_memory_full.sh   # the 1B cases together
 # The first run on 2 x H200 (fresh machine) showed the 8B cases need a call each: 8B at 128K
 # was killed at 210 s just after its first step (model init and data took ~2 min), 8B at 512K
 # was still starting at 150 s. Cases, run in the order CASES gives:
@@ -39,7 +39,7 @@ CASE_hf_1b_128k="120 --config configs/llama3.2-1b-128k.yaml --hf-model benchmark
 CASE_1b_1m="200 --config configs/llama3.2-1b-128k.yaml --devices 2 --context-parallel 2 --seq-len 1048576 --data.stdlib_documents file --attention document --trainer.max_steps 1"
 CASE_8b_512k="510 --config configs/llama3-8b-128k.yaml --seq-len 524288 --data.stdlib_documents file --attention document --trainer.max_steps 1"
 
-source benchmarks/device_env.sh || exit 3  # REQUIRE_FA4=1 without FlashAttention-4, or longctx not importable
+source benchmarks/device/device_env.sh || exit 3  # REQUIRE_FA4=1 without FlashAttention-4, or longctx not importable
 if [ "${PREPARE_ONLY:-0}" = 1 ]; then
   for name in $CASES; do
     var=CASE_$name

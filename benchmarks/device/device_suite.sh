@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device-tool call's worth of GPU benchmarks; results land in $OUT (JSON + logs).
-#   bash benchmarks/device_suite.sh ring    # ring.py: correctness, scaling, peers, breakdown
-#   bash benchmarks/device_suite.sh train [--set k=v ...]  # train_throughput.py, profiled
-#   bash benchmarks/device_suite.sh tests [PYTEST ARGS]   # every test that needs CUDA, NCCL or 2 GPUs
+#   bash benchmarks/device/device_suite.sh ring    # ring.py: correctness, scaling, peers, breakdown
+#   bash benchmarks/device/device_suite.sh train [--set k=v ...]  # train_throughput.py, profiled
+#   bash benchmarks/device/device_suite.sh tests [PYTEST ARGS]   # every test that needs CUDA, NCCL or 2 GPUs
 #     (pytest -m gpu: tests/conftest.py marks them; MARK=multigpu for the 2-GPU ones only;
 #     MARK= (empty) for the whole suite, as `python -m pytest tests` runs it there);
 #     log and JUnit XML in $OUT (gpu_tests.log, gpu_tests.xml), the last line its rc and time.
@@ -13,7 +13,7 @@ set -u
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 N=$(nvidia-smi -L | wc -l)
-source benchmarks/device_env.sh || exit 3  # REQUIRE_FA4=1 without FlashAttention-4, or longctx not importable
+source benchmarks/device/device_env.sh || exit 3  # REQUIRE_FA4=1 without FlashAttention-4, or longctx not importable
 nvidia-smi topo -m > "$OUT/topology.txt" 2>&1
 case "${1:-ring}" in
   ring)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # train.py runs on a device machine, each under its own time limit; logs and metrics land in
-# $OUT. Usage: bash benchmarks/device_train_runs.sh NAME LIMIT_S [train.py args ...]
+# $OUT. Usage: bash benchmarks/device/device_train_runs.sh NAME LIMIT_S [train.py args ...]
 # Host memory (GiB used, every 5 s) is sampled beside each run: CPU offload lives there.
 set -u
 OUT=${OUT:-benchmarks/results}

@@ -1,4 +1,4 @@
-"""train.py runs as rows of predicted vs measured memory (benchmarks/device_memory_full.sh,
+"""train.py runs as rows of predicted vs measured memory (benchmarks/device/device_memory_full.sh,
 benchmarks/memory_full_table.py).
 
 A case folder holds ``train.log`` (the run's output), ``rc`` (its exit status), ``wall_s``

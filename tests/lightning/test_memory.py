@@ -464,13 +464,13 @@ def test_one_layers_saved_tensors_are_the_models_count():
 
 
 def _device_cases() -> dict:
-    """benchmarks/device_memory_full.sh's cases: name -> (time limit, train.py arguments)."""
-    script = (REPO / "benchmarks" / "device_memory_full.sh").read_text()
+    """benchmarks/device/device_memory_full.sh's cases: name -> (time limit, train.py arguments)."""
+    script = (REPO / "benchmarks" / "device" / "device_memory_full.sh").read_text()
     return {m[1]: (int(m[2]), m[3].split()) for m in re.finditer(r'^CASE_(\w+)="(\d+) (.*)"$', script, re.M)}
 
 
 def test_device_memory_full_commands_pass_train_checks_and_tabulate(tmp_path, monkeypatch):
-    """Each train.py command of benchmarks/device_memory_full.sh passes train.py's checks (as
+    """Each train.py command of benchmarks/device/device_memory_full.sh passes train.py's checks (as
     the GPU machine would run it); each limit fits the device tool's 540 s (the default cases together); each run's
     config.yaml (as train.py writes it, the kernels resolved to FlashAttention-4) and a
     metrics.csv become a row of memory_full_table.py's JSON whose prediction is the model's,
@@ -487,7 +487,7 @@ def test_device_memory_full_commands_pass_train_checks_and_tabulate(tmp_path, mo
     train = load_train("train_memory_full")
     cases = _device_cases()
     assert set(cases) == {"8b_128k", "8b_128k_auto", "hf_1b_128k", "1b_1m", "8b_512k"}
-    script = (REPO / "benchmarks" / "device_memory_full.sh").read_text()
+    script = (REPO / "benchmarks" / "device" / "device_memory_full.sh").read_text()
     budget = int(re.search(r"BUDGET=\$\{BUDGET:-(\d+)\}", script)[1])
     assert budget <= 540 and all(limit + 15 <= budget for limit, _ in cases.values())  # each case fits a call
     default = re.search(r"CASES=\$\{CASES:-([^}]*)\}", script)[1].split()
