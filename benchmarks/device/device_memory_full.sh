@@ -6,40 +6,26 @@
 #   CASES=8b_128k bash benchmarks/device/device_memory_full.sh              # one 8B case per call
 #   CASES=8b_512k bash benchmarks/device/device_memory_full.sh
 #   CASES="hf_1b_128k 1b_1m" bash benchmarks/device/device_memory_full.sh   # the 1B cases together
-# The first run on 2 x H200 (fresh machine) showed the 8B cases need a call each: 8B at 128K
-# was killed at 210 s just after its first step (model init and data took ~2 min), 8B at 512K
-# was still starting at 150 s. Cases, run in the order CASES gives:
-#   8b_128k     Llama-3-8B shape, 131,072 tokens, STEPS steps (tokens/s and MFU of the last)
-#   8b_128k_auto  the same with activation checkpointing "auto" (selective where it is
-#               predicted to fit: no attention recompute)
-#   hf_1b_128k  transformers' Llama-3.2-1B (--hf-model), 131,072 tokens, STEPS steps
-#   1b_1m       Llama-3.2-1B shape, 1,048,576 tokens, one step on packed files (document
-#               masking: plain causal attention at 1M would take ~5 minutes alone)
-#   8b_512k     Llama-3-8B shape, 524,288 tokens, one step on packed files, with the plan the
-#               memory model's fitting_plan chooses (train.py prints "memory: ... running with")
-# Each limit is cut to what is left of BUDGET seconds (default 535: the device tool's 540 s
-# less the table). FlashAttention-4 as for the other device scripts: after fa4_carry.sh's stash
-# call, carry .carry/fa4-2 and .carry/wheels (device_env.sh installs them; idempotent).
+# The cases (name, time limit, train.py arguments), those that run when CASES is unset, and
+# the budget are data in longctx/bench/memory_cases.py; cases run in the order CASES gives,
+# each limit cut to what is left of BUDGET seconds (default: BUDGET_S there).
+# FlashAttention-4 as for the other device scripts: after fa4_carry.sh's stash call, carry
+# .carry/fa4-2 and .carry/wheels (device_env.sh installs them; idempotent).
 # metrics.csv reaches the disk after every step, so a run killed at its limit keeps its steps.
 # Each case runs under torchrun (both ranks build their model at once; Lightning's own
 # launcher starts rank 1 only after rank 0 has built an 8B model on the host).
 # PREPARE_ONLY=1: only build every case's tokenizer and corpus caches (no GPU work), e.g. in
 # the FlashAttention-4 stash call, so that the timed calls start from a warm data cache.
 set -u
-STEPS=${STEPS:-3}
-CASES=${CASES:-hf_1b_128k 1b_1m}
-BUDGET=${BUDGET:-535}
 start=$(date +%s)
 OUT=${OUT:-out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: device_env.sh may move to a staged copy
-# NAME="LIMIT_S train.py arguments" (STEPS is replaced; tests/test_memory.py parses these lines)
-CASE_8b_128k="480 --config configs/llama3-8b-128k.yaml --trainer.max_steps STEPS"
-CASE_8b_128k_auto="480 --config configs/llama3-8b-128k.yaml --model.parallel.activation_checkpointing auto --trainer.max_steps STEPS"
-CASE_hf_1b_128k="120 --config configs/llama3.2-1b-128k.yaml --hf-model benchmarks/hf_configs/llama3.2-1b --devices 2 --context-parallel 2 --trainer.max_steps STEPS"
-CASE_1b_1m="200 --config configs/llama3.2-1b-128k.yaml --devices 2 --context-parallel 2 --seq-len 1048576 --data.stdlib_documents file --attention document --trainer.max_steps 1"
-CASE_8b_512k="510 --config configs/llama3-8b-128k.yaml --seq-len 524288 --data.stdlib_documents file --attention document --trainer.max_steps 1"
-
 source benchmarks/device/device_env.sh || exit 3  # REQUIRE_FA4=1 without FlashAttention-4, or longctx not importable
+settings=$(python -m longctx.bench.memory_cases) || exit 3  # CASE_<name>="LIMIT_S args", BUDGET_S, ...
+eval "$settings"
+STEPS=${STEPS:-3}
+CASES=${CASES:-$DEFAULT_CASES}
+BUDGET=${BUDGET:-$BUDGET_S}
 if [ "${PREPARE_ONLY:-0}" = 1 ]; then
   for name in $CASES; do
     var=CASE_$name
@@ -59,7 +45,7 @@ for name in $CASES; do
   var=CASE_$name
   if [ -z "${!var:-}" ]; then echo "unknown case $name"; continue; fi
   read -r limit args <<< "${!var}"
-  left=$(( BUDGET - 15 - ($(date +%s) - start) ))  # 15 s for the table and the tarball
+  left=$(( BUDGET - RESERVE_S - ($(date +%s) - start) ))  # kept for the table and the tarball
   (( left < limit )) && limit=$left
   mkdir -p "$RUNS/$name"
   if (( limit < 30 )); then

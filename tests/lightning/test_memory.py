@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 
 import pytest
@@ -463,35 +462,26 @@ def test_one_layers_saved_tensors_are_the_models_count():
     assert got == per_layer[True] - 2 * cfg.n_embd * T
 
 
-def _device_cases() -> dict:
-    """benchmarks/device/device_memory_full.sh's cases: name -> (time limit, train.py arguments)."""
-    script = (REPO / "benchmarks" / "device" / "device_memory_full.sh").read_text()
-    return {m[1]: (int(m[2]), m[3].split()) for m in re.finditer(r'^CASE_(\w+)="(\d+) (.*)"$', script, re.M)}
-
-
 def test_device_memory_full_commands_pass_train_checks_and_tabulate(tmp_path, monkeypatch):
-    """Each train.py command of benchmarks/device/device_memory_full.sh passes train.py's checks (as
-    the GPU machine would run it); each limit fits the device tool's 540 s (the default cases together); each run's
-    config.yaml (as train.py writes it, the kernels resolved to FlashAttention-4) and a
-    metrics.csv become a row of memory_full_table.py's JSON whose prediction is the model's,
-    and ``recheck`` (memory_validate.py --recheck) reads that JSON back to the same numbers."""
+    """Each train.py command of benchmarks/device/device_memory_full.sh (longctx.bench.memory_cases)
+    passes train.py's checks (as the GPU machine would run it); each limit fits one device call
+    (the default cases together); each run's config.yaml (as train.py writes it, the kernels
+    resolved to FlashAttention-4) and a metrics.csv become a row of memory_full_table.py's JSON
+    whose prediction is the model's, and ``recheck`` (memory_validate.py --recheck) reads that
+    JSON back to the same numbers."""
     import json
-    import sys
 
+    from helpers.train_script import load_train
+
+    from longctx.bench.memory_cases import BUDGET_S, CALL_S, CASES, DEFAULT_CASES, RESERVE_S
     from longctx.bench.memory_recheck import recheck
     from longctx.bench.memory_runs import table_main
 
-    sys.path.insert(0, str(REPO / "tests"))
-    from helpers.train_script import load_train
-
     train = load_train("train_memory_full")
-    cases = _device_cases()
+    cases = {name: (limit, args.split()) for name, (limit, args) in CASES.items()}
     assert set(cases) == {"8b_128k", "8b_128k_auto", "hf_1b_128k", "1b_1m", "8b_512k"}
-    script = (REPO / "benchmarks" / "device" / "device_memory_full.sh").read_text()
-    budget = int(re.search(r"BUDGET=\$\{BUDGET:-(\d+)\}", script)[1])
-    assert budget <= 540 and all(limit + 15 <= budget for limit, _ in cases.values())  # each case fits a call
-    default = re.search(r"CASES=\$\{CASES:-([^}]*)\}", script)[1].split()
-    assert sum(cases[name][0] for name in default) + 15 <= budget  # the default cases share one call
+    assert BUDGET_S <= CALL_S and all(limit + RESERVE_S <= BUDGET_S for limit, _ in cases.values())
+    assert sum(cases[name][0] for name in DEFAULT_CASES) + RESERVE_S <= BUDGET_S  # they share one call
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
     for name, (_, args) in cases.items():
