@@ -3,7 +3,7 @@
 #   bash benchmarks/device/device_suite.sh ring    # ring.py: correctness, scaling, peers, breakdown
 #   bash benchmarks/device/device_suite.sh train [--set k=v ...]  # train_throughput.py, profiled
 #   bash benchmarks/device/device_suite.sh tests [PYTEST ARGS]   # every test that needs CUDA, NCCL or 2 GPUs
-#     (pytest -m gpu: tests/conftest.py marks them; MARK=multigpu for the 2-GPU ones only;
+#     (pytest -m gpu: tests/helpers/run_if.py marks them; MARK=multigpu for the 2-GPU ones only;
 #     MARK= (empty) for the whole suite, as `python -m pytest tests` runs it there);
 #     log and JUnit XML in $OUT (gpu_tests.log, gpu_tests.xml), the last line its rc and time.
 #     Needs pytest (and hypothesis, pytest-timeout) there: carry their wheels in .carry/wheels.

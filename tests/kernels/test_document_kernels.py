@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers.interpreter_harness import interpreted_results as run_interpreted
 from helpers.interpreter_harness import print_results
+from helpers.run_if import requires_cuda
 
 from longctx.data.document_mixes import document_id_pattern
 
@@ -290,8 +291,7 @@ GPU_SHAPES = {
 }
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@requires_cuda()
 @pytest.mark.parametrize("bwd_mode", ["split", "atomic"])
 @pytest.mark.parametrize("shape", list(GPU_SHAPES), ids=list(GPU_SHAPES))
 def test_gpu_bf16_vs_float64(shape, bwd_mode, monkeypatch):

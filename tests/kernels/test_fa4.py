@@ -14,6 +14,7 @@ import zlib
 
 import pytest
 import torch
+from helpers.run_if import requires_cuda
 
 from longctx.data.document_mixes import document_id_pattern
 from longctx.kernels import attention_backward, attention_forward, fa4, resolve_backend
@@ -180,10 +181,6 @@ def test_parallel_plan_takes_fa4_and_checks_it_against_the_device():
 
 # ----------------------------------------------------------------------------- GPU
 
-needs_fa4 = pytest.mark.skipif(
-    not fa4.is_available("cuda"), reason="needs FlashAttention-4 (pip install 'longctx[fa4]') on an sm90/sm100 GPU"
-)
-
 
 def _rel(got, want):
     """Norm-relative error; absolute where the true value is zero up to float64 rounding
@@ -195,8 +192,7 @@ def _rel(got, want):
     return ((got - want).norm() / want.norm()).item()
 
 
-@pytest.mark.gpu
-@needs_fa4
+@requires_cuda(fa4=True)
 @pytest.mark.parametrize(
     "Sq,Sk,Hq,Hkv,D,causal", [(777, 777, 4, 4, 128, True), (300, 650, 8, 2, 64, False), (512, 512, 32, 8, 64, True)]
 )
@@ -215,8 +211,7 @@ def test_fa4_dense_vs_float64(Sq, Sk, Hq, Hkv, D, causal):
     assert got[3].shape == k.shape  # GQA: dK reduced to the KV heads
 
 
-@pytest.mark.gpu
-@needs_fa4
+@requires_cuda(fa4=True)
 @pytest.mark.parametrize("kind,causal,B,Sq,Sk", PATTERNS)
 def test_fa4_documents_vs_float64(kind, causal, B, Sq, Sk):
     """Through the seam: varlen where the ids allow it, the Triton fallback elsewhere."""
@@ -244,8 +239,7 @@ def test_fa4_documents_vs_float64(kind, causal, B, Sq, Sk):
     assert (lse[empty] == float("-inf")).all() and (out.transpose(1, 2)[empty] == 0).all()
 
 
-@pytest.mark.gpu
-@needs_fa4
+@requires_cuda(fa4=True)
 def test_fa4_nan_in_q_shows_in_its_row():
     """The kernel's max may drop a NaN score row as "no key"; the backend marks it NaN."""
     q, k, v = (torch.randn(1, 256, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))

@@ -12,6 +12,7 @@ import textwrap
 import pytest
 import torch
 from helpers import pythonpath
+from helpers.run_if import requires_cuda
 
 from longctx.kernels.merge import merge_partials_
 from longctx.kernels.rows import add_rows_, count_rows, mark_nonfinite_rows_
@@ -127,8 +128,7 @@ def test_triton_kernels_interpreted():
     assert r.returncode == 0 and "ok" in r.stdout, f"seed {seed}\n" + r.stdout + r.stderr
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@requires_cuda()
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
 def test_compiled_kernels_on_gpu(check):
     check("auto", random.randrange(1 << 30), device="cuda")

@@ -11,11 +11,9 @@ import os
 import pytest
 import torch
 from helpers.attention_reference import reference
+from helpers.run_if import requires_cuda
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+pytestmark = requires_cuda()
 
 # name: (B, Sq, Sk, Hq, Hkv, D, causal)
 SHAPES = {

@@ -4,10 +4,10 @@ and its loss and gradients equal those of the same step with plain ids."""
 
 from __future__ import annotations
 
-import pytest
 import torch
+from helpers.run_if import requires_cuda
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = requires_cuda()
 
 
 def _step(model, input_ids, labels, positions, documents):

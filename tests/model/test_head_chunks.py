@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from helpers.run_if import requires_cuda
 
 from longctx import ParallelPlan, parallelize
 from longctx.models import GPT, GPTConfig
@@ -57,7 +58,7 @@ def test_head_chunk_errors(plan, match):
         parallelize(GPT(_config()), plan=ParallelPlan(**plan))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA kernels")
+@requires_cuda()
 @pytest.mark.parametrize("backend", ["auto", "triton"])
 @pytest.mark.parametrize("docs", [False, True])
 def test_head_chunks_on_gpu_kernels_bf16(backend, docs):

@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.run_if import requires_cuda
 
 transformers = pytest.importorskip("transformers")
 
@@ -380,8 +381,7 @@ def test_import_longctx_does_not_import_hf():
     assert out.stdout.split() == ["False", "False"], out.stdout
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@requires_cuda()
 @pytest.mark.parametrize("backend", ["auto", *BACKENDS])
 def test_gpu_bf16_as_close_as_sdpa(backend):
     """bf16 on one GPU through each kernel backend: logits and gradients as close to the fp32

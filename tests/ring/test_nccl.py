@@ -7,20 +7,16 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 import torch.distributed as dist
 from helpers.dist_harness import run_distributed
+from helpers.run_if import requires_cuda
 from test_ring_attention import run_case
 
 from longctx import balance_documents, ring_attention, ulysses_attention
 from longctx.data.document_mixes import document_ids, document_lengths
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.multigpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)"),
-]
+pytestmark = requires_cuda(min_gpus=2)
 
 BF16_TOL = 2e-2
 
