@@ -2,7 +2,7 @@
 
 Run: python failure_worker.py RANK WORLD PORT MODE [FAILING_RANK]
 MODE: raise | kill (SIGKILL) | stop (SIGSTOP: the process freezes) | stall (sleeps 10 minutes
-in Python, alive: the watchdog's collective timeout is 3 s); FAILING_RANK default 1.
+in Python, alive: the watchdog's collective timeout is 6 s); FAILING_RANK default 1.
 Rank 0 hosts the rendezvous store (a plain launch, no torchrun agent), so a failing rank 0
 takes the store down with it.
 The process group timeout is 10 minutes on purpose: only the watchdog can end the job fast
@@ -27,8 +27,12 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 # Imports come first: a rank still importing when its watcher starts the clock would
 # look dead after the short timeout below on a busy machine.
 dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10))
+# Margins for a busy machine (the tests check who is named): a live rank or the store may go
+# unanswered for seconds there, and a rank that publishes the failure lingers 3 polls (3 s)
+# before it exits, which is all the others have to read it when it hosts the store (rank 0).
+TIMEOUT, INTERVAL, COLLECTIVE_TIMEOUT = 10.0, 1.0, 6.0
 watchdog = RankWatchdog(
-    rank, world, timeout=3.0, interval=0.25, collective_timeout=3.0 if mode == "stall" else None
+    rank, world, timeout=TIMEOUT, interval=INTERVAL, collective_timeout=COLLECTIVE_TIMEOUT if mode == "stall" else None
 ).start()
 real_forward = ring.attention_forward
 calls = [0]

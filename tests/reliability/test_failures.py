@@ -75,4 +75,4 @@ def test_a_second_fit_is_watched_afresh():
     assert procs[0].returncode == 75 and "finished" not in out0, err0[-3000:]
     assert re.search(r"\[longctx watchdog\] rank 0 stopping: rank 1 stopped responding", err0), err0[-3000:]
     elapsed = ended - float(re.search(r"failing at ([0-9.]+)", err1).group(1))
-    assert elapsed < 20, f"rank 0 took {elapsed:.0f}s to end after rank 1 died (failure timeout 3 s)"
+    assert elapsed < 60, f"rank 0 took {elapsed:.0f}s to end after rank 1 died (failure timeout 6 s)"

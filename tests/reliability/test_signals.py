@@ -16,6 +16,7 @@ Each run is a session of its own, killed as a group at the end: only our own pro
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -228,12 +229,14 @@ def test_grace_period_bounds_a_stop_that_does_not_finish():
         from longctx.lightning.preemption import SignalStop
         stop = SignalStop(0.5, forward=lambda signum: None, before_exit=lambda: print("children ended", flush=True))
         signal.signal(signal.SIGTERM, stop.handle)
+        print("signal at", time.time(), flush=True)
         signal.raise_signal(signal.SIGTERM)
         time.sleep(30)  # a stop stuck in a save or a collective
     """)
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    ended = time.time()
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-2000:]
-    assert time.monotonic() - start < 20
+    # From the signal, not the start: imports take long on a busy machine.
+    assert ended - float(re.search(r"signal at ([0-9.]+)", proc.stdout)[1]) < 20
     assert "children ended" in proc.stdout
     assert "stopped by SIGTERM: no checkpoint could be saved within the 0.5s grace period" in proc.stderr
