@@ -11,8 +11,8 @@ source benchmarks/device/device_env.sh || exit 3  # REQUIRE_FA4=1 without FlashA
 nvidia-smi -L
 export PYTHONUNBUFFERED=1
 mixes=mean4k,mean16k,longtail,mean1k,docs256
-timeout 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_document_gpu.py tests/test_rows.py \
-  tests/test_nccl.py 2>&1 | tail -5 | tee "$OUT/document_gpu_tests.log"
+timeout 200 python -m pytest -q -p no:cacheprovider -m gpu tests/model/test_document_gpu.py tests/kernels/test_rows.py \
+  tests/ring/test_nccl.py 2>&1 | tail -5 | tee "$OUT/document_gpu_tests.log"
 timeout 300 torchrun --nproc-per-node=2 benchmarks/document_attention.py --part ring --check \
   --mixes "$mixes" --out "$OUT" --tag _plan 2>&1 | grep "^\[ring\|^\[check\|^\[one" | cut -c1-300
 timeout 200 torchrun --nproc-per-node=2 benchmarks/document_peer_torch_cp.py --check --mixes "$mixes" \
