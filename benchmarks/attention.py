@@ -91,7 +91,7 @@ def poison_allocator(nbytes=1 << 30):
 
 def reference(q, k, v, dout, causal, scale):
     """out, lse, dq, dk, dv in float64 through the library's reference backend (itself
-    tested against float64 autograd in tests/test_triton_kernels.py)."""
+    tested against float64 autograd in tests/kernels/test_triton_kernels.py)."""
     q, k, v, dout = (t.detach().double() for t in (q, k, v, dout))
     out, lse = attention_forward(q, k, v, causal=causal, softmax_scale=scale, backend="torch")
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, backend="torch")

@@ -22,7 +22,7 @@ check comes first: bf16 out and grads of ours and flex vs float64 (the library's
 backend) at 6K tokens with ~6 documents (one id reused by two runs): max abs and
 norm-relative errors (ok: relative < 2e-2, as in benchmarks/attention.py).
 
-Part B (torchrun, N GPUs; benchmarks/device_documents.sh): per mix (the three above, and
+Part B (torchrun, N GPUs; benchmarks/device/device_documents.sh): per mix (the three above, and
 --mixes mean1k,docs256 for 1K and 256-token documents), first ONE GPU (rank 0 alone, in the
 same job): our plan path (ring_attention with a DocumentPlan, "auto" = FA4 where installed),
 the same with our Triton kernels, and flex_attention; then all GPUs: the document ring by

@@ -1,6 +1,6 @@
 """FlashAttention-4 ring blocks on one GPU: exactness first, then speed against cuDNN and Triton.
 
-    source benchmarks/device_env.sh && python benchmarks/fa4_blocks.py      # ~5 min on one H200
+    source benchmarks/device/device_env.sh && python benchmarks/fa4_blocks.py      # ~5 min on one H200
 
 Sections (one JSON, fa4_blocks_<gpu>.json under $OUT or benchmarks/results/, rewritten after
 each section so a time-out keeps what finished):
@@ -8,7 +8,7 @@ each section so a time-out keeps what finished):
             vs float64 (the "torch" backend): causal/full, MHA D=128, GQA 32/8 D=64 and 8/2
             D=128, Sq != Sk, ragged lengths, fp32 partials as the ring asks; a NaN in q must
             show in the output. Then document-masked blocks with the id patterns of
-            tests/test_document_kernels.py (longctx.data.document_mixes.document_id_pattern;
+            tests/kernels/test_document_kernels.py (longctx.data.document_mixes.document_id_pattern;
             diagonal causal blocks and off-diagonal full blocks, rows without keys), noting
             which went through FA4 varlen and which fell back to Triton (ids FA4's runs cannot
             express).

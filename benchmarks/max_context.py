@@ -54,7 +54,7 @@ in ``$OUT/max_context_ws{N}_records/``; the driver rewrites ``$OUT/max_context_w
 
 Files: this one is the command line; max_context_driver.py the driver, max_context_job.py one
 job, max_context_plot.py the figure; the fits, decisions and summary table are in
-bench/max_context_fit.py, the peak attribution in bench/peak_trace.py (longctx.bench).
+longctx/bench/max_context_fit.py, the peak attribution in longctx/bench/peak_trace.py.
 """
 
 from __future__ import annotations

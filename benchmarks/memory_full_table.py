@@ -1,4 +1,4 @@
-"""The full-depth memory runs of benchmarks/device_memory_full.sh as one table: per case the
+"""The full-depth memory runs of benchmarks/device/device_memory_full.sh as one table: per case the
 memory model's prediction (recomputed from the run's own config.yaml) against the measured
 ``torch.cuda.max_memory_allocated`` (the fullest rank's), the ratio and whether it passes
 (measured <= predicted <= 1.10 x measured), with tokens/s and MFU of the last step.

@@ -6,7 +6,7 @@
 The ops take (B, H, S, D); our (B, S, H, D) tensors are passed as transposed *views*
 (no copies: both kernels read arbitrary batch/seq/head strides with a unit last stride).
 Both return the log-sum-exp in natural log, fp32: flash as (B, H, Sq), cuDNN as
-(B, H, Sq, 1). GPU-only; tests/test_vendor_kernels.py checks them against float64.
+(B, H, Sq, 1). GPU-only; tests/kernels/test_vendor_kernels.py checks them against float64.
 
 Limits (why the ring prefers "triton" where it measures as fast):
   * outputs come in the input dtype only; out_dtype / grad_dtype = fp32 are casts of a

@@ -10,6 +10,7 @@ import importlib.abc
 import importlib.util
 import sys
 
+from . import checkout  # noqa: F401 - first: finds models/ and kernels/ in a source checkout
 from .balance import balance_documents, balance_permutation
 from .layouts import position_ids, shard_sequence, unshard_sequence
 from .loss import TokenWeightedAccumulator, causal_lm_loss, global_token_loss

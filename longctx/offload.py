@@ -14,7 +14,7 @@ n: the first n blocks (their inputs live longest: the backward reaches them last
 that only what does not fit leaves the GPU.
 
 On CPU tensors pack/unpack return the tensor itself (nothing to offload to) while the
-bookkeeping runs the same way; ``tests/test_offload.py`` checks exact gradients.
+bookkeeping runs the same way; ``tests/model/test_offload.py`` checks exact gradients.
 Tensors named in ``keep`` (e.g. the RoPE tables every block shares) are never copied.
 """
 

@@ -1,0 +1,211 @@
+"""Every bad input train.py can see is one line ``train.py: error: ...`` with rc 2, before
+any data or tokenizer work (the corpus cache directory stays empty), in seconds.
+
+Cases run in-process through ``train.main`` (imports paid once); one runs as a real
+command to check the whole path, stderr included. jsonargparse's own errors (a value
+of the wrong type, an unknown option or config key) are such lines too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers.train_script import load_train
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def train():
+    module = load_train("train_cli_errors")
+    module.resolve_config([])  # the one-time imports (torch, Lightning): timed in test_error_as_a_command
+    return module
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    path = tmp_path / "cache"
+    path.mkdir()
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(path))
+    for name in ("RANK", "LOCAL_RANK", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    return path
+
+
+def _error(train, argv: list[str], capsys, cache: Path) -> str:
+    start = time.monotonic()
+    rc = train.main(argv)
+    elapsed = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert rc == 2, (rc, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train.py: error: "), err
+    assert elapsed < 10, f"{argv}: {elapsed:.1f} s before the error"
+    assert not any(cache.iterdir()), "data or tokenizer work started before the error"
+    return lines[0]
+
+
+CASES = [
+    (["--layout", "diagonal"], "strategy.layout must be one of zigzag, contiguous, got 'diagonal'"),
+    (
+        ["--seq-len", "502"],
+        "data: sequence length 502 cannot be split by layout 'zigzag' over P=2 ranks: it must be "
+        "a positive multiple of 4 (2 x P); nearest valid: 500 or 504",
+    ),
+    (["--context-parallel", "3", "--devices", "2"], "strategy.context_parallel_size 3 does not divide the world of 2"),
+    # Lightning's own check, said of the section whose object refused it.
+    (["--trainer.devices", "0"], "trainer: `Trainer(devices=0)` value is not a valid input using cpu accelerator"),
+    # On CPU devices follow --context-parallel: CP 3 is fine, the default 512 tokens are not.
+    (["--context-parallel", "3"], "by layout 'zigzag' over P=3 ranks: it must be a positive multiple of 6"),
+    (["--accumulate-grad-batches", "0"], 'Parser key "trainer.accumulate_grad_batches": Not of type PositiveInt: 0'),
+    (["--strategy.timeout", "0:00:00"], "strategy.timeout must be > 0 (h:mm:ss), got 0:00:00"),
+    (["--val-every", "-1"], "run.val_every must be an integer >= 0 (0: never"),
+    (
+        ["--failure-timeout", ".nan"],
+        "strategy.failure_timeout must be a number > 0 seconds (null: no watchdog), got nan",
+    ),
+    (["--lr", ".inf"], "model.lr must be a number > 0, got inf"),
+    (["--lr", "-1"], "model.lr must be a number > 0, got -1.0"),
+    (["--max-steps", "0"], 'Parser key "trainer.max_steps": Not of type PositiveInt: 0'),
+    (["--model.min_lr_ratio", "2"], "model.min_lr_ratio must be a number in [0, 1], got 2.0"),
+    (["--init-from", "nowhere/model"], "model.init_from nowhere/model: no such file or directory"),
+    (["--run.keep_checkpoints", "2"], "run.keep_checkpoints must be one of -1, 0, 1, got 2"),
+    (["--data-parallel", "zero3"], "strategy.data_parallel must be one of auto, fsdp, ddp, got 'zero3'"),
+    (["--nonfinite.policy", "never"], "nonfinite.policy must be one of skip, stop, got 'never'"),
+    (["--model.model.n_layers", "3"], "unknown GPTConfig key(s) ['n_layers']"),
+    (["--model.parallel.cp_attention", "ulises"], "model.parallel.cp_attention must be one of"),
+    # jsonargparse's own: the option, what it takes, the value given.
+    (["--precision", "bf15"], 'Parser key "trainer.precision": expected ['),
+    (["--failure-timeout", "soon"], "Parser key \"strategy.failure_timeout\": expected [<class 'float'>"),
+    (["--lr", "fast"], "Parser key \"model.lr\": Expected a <class 'float'>. Got value: fast"),
+    (["--sequence-length", "64"], "unrecognized arguments: --sequence-length 64"),
+    (["--config", "configs/no-such.yaml"], "no-such.yaml"),
+]
+
+
+@pytest.mark.parametrize("argv,message", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_bad_input_is_one_line(train, capsys, cache, argv, message):
+    assert message in _error(train, argv, capsys, cache)
+
+
+def test_missing_accelerator(train, capsys, cache):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert "needs a CUDA GPU and none is visible" in _error(train, ["--accelerator", "gpu"], capsys, cache)
+    gpu_config = str(REPO / "configs" / "gpt-125m.yaml")
+    line = _error(train, ["--config", gpu_config, "--accelerator", "gpu"], capsys, cache)
+    assert "needs a CUDA GPU" in line
+
+
+def test_gguf_without_the_optional_package(train, capsys, cache, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    line = _error(train, ["--init-from", "x.gguf"], capsys, cache)
+    assert "needs the optional 'gguf' package: pip install 'longctx[gguf]'" in line
+
+
+def test_unknown_key_in_a_config_file(train, capsys, cache, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  seq_len: 64\n  sequence_length: 128\n")
+    line = _error(train, ["--config", str(bad)], capsys, cache)
+    assert "'data' does not accept option 'sequence_length'" in line
+    bad.write_text("seq_len: 64\nmax_steps: 3\n")  # the flat shape of configs before the CLI
+    line = _error(train, ["--config", str(bad)], capsys, cache)
+    assert f"config {bad}: unknown top-level key(s) ['max_steps', 'seq_len']; a config has the sections" in line
+
+
+def _finished_run(train, tmp_path: Path, step: int, max_steps: int) -> Path:
+    """A run directory as train.py leaves it: config.yaml and a checkpoint at ``step``."""
+    run = tmp_path / "run"
+    resolved = train.resolve_config(
+        ["--max-steps", str(max_steps), "--decay-steps", str(max_steps), "--devices", "2", "--output-dir", str(run)]
+    )
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(resolved.dump())
+    torch.save({"global_step": step, "state_dict": {}}, run / "checkpoints" / "last.ckpt")
+    return run
+
+
+def test_resume_of_a_finished_run(train, capsys, cache, tmp_path):
+    run = _finished_run(train, tmp_path, step=6, max_steps=6)
+    before = (run / "config.yaml").read_text()
+    line = _error(train, ["--resume", str(run)], capsys, cache)
+    assert "that run already finished (step 6 of --max-steps 6)" in line
+    assert "pass --max-steps N with N > 6" in line and "--decay-steps" in line
+    # A shape change on resume is refused before anything starts; config.yaml stays as it was.
+    line = _error(train, ["--resume", str(run), "--max-steps", "8", "--model.model.n_layer", "3"], capsys, cache)
+    assert "another model shape" in line and "n_layer None -> 3" in line
+    assert (run / "config.yaml").read_text() == before
+
+
+def test_resume_reads_the_runs_config(train, tmp_path, cache, capsys):
+    run = _finished_run(train, tmp_path, step=3, max_steps=6)
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    saved["model"].update(lr=1e-3, warmup_steps=4)
+    (run / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    resolved = train.resolve_config(["--resume", str(run), "--max-steps", "9"])
+    cfg = resolved.config
+    # Flags not repeated keep the run's values (not the CPU defaults); the one given is an override.
+    assert cfg.model.lr == 1e-3 and cfg.model.warmup_steps == 4 and cfg.run.output_dir == str(run)
+    assert resolved.overrides == {"trainer.max_steps": (6, 9)}
+    assert cfg.model.decay_steps == 6  # the schedule is the run's unless --decay-steps says otherwise
+    resolved.check_resume()
+    out = capsys.readouterr().out
+    assert "overridden here: trainer.max_steps 6 -> 9" in out and "keeps ending at step 6" in out
+    stretched = train.resolve_config(["--resume", str(run), "--max-steps", "9", "--decay-steps", "9"])
+    assert stretched.config.model.decay_steps == 9
+
+
+def test_second_run_on_the_same_output_dir(train, capsys, cache, tmp_path):
+    from longctx.lightning.run_dir import lock_run_dir
+
+    out = tmp_path / "shared"
+    held = lock_run_dir(out)  # a first run holding the folder
+    try:
+        line = _error(train, ["--output-dir", str(out)], capsys, cache)
+        assert f"output dir {out} is in use by another run (pid {os.getpid()})" in line
+    finally:
+        held.close()
+    lock_run_dir(out).close()  # released with its process: the folder is free again
+
+
+def test_error_as_a_command(tmp_path):
+    """The whole path as a user runs it: rc 2 and a single stderr line, imports included
+    (~7 s on an idle 2-core machine; the bound leaves room for a CI that shares its cores)."""
+    env = {**os.environ, "LONGCTX_CACHE_DIR": str(tmp_path)}
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)  # an earlier in-process test's rendezvous: not this run's
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--context-parallel", "3", "--devices", "2"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert time.monotonic() - start < 30
+    assert proc.returncode == 2 and proc.stdout == "" and not any(tmp_path.iterdir())
+    assert proc.stderr.strip().splitlines() == [
+        "train.py: error: strategy.context_parallel_size 3 does not divide the world of 2 processes "
+        "(2 devices x 1 nodes); use a CP size that divides it, or a number of processes that is a multiple of 3 "
+        "(data-parallel size = world size / CP size)"
+    ]
+
+
+def test_corpus_of_one_huge_line(train, capsys, cache, tmp_path):
+    """Found only by training the tokenizer, but still one line with rc 2 that says why."""
+    corpus = tmp_path / "one-line.txt"
+    corpus.write_text(" ".join(f"w{i % 997}" for i in range(8000)))  # ~45 KB, no newline
+    rc = train.main(["--data", str(corpus), "--model.model.vocab_size", "300", "--output-dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("train.py: error: data: SentencePiece training failed") and "one huge line" in err[0]

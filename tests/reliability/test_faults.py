@@ -1,0 +1,52 @@
+"""The fault suite (benchmarks/faults.py) runs on CPU over gloo: a quick subset here (a rank
+SIGKILLed mid-training, a NaN in one rank's FSDP2 gradient shard); the whole table, GPU and
+CPU, is in the README's reliability section."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_fault_suite_subset_over_gloo(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["LONGCTX_CACHE_DIR"] = str(tmp_path / "cache")
+    out = tmp_path / "faults.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "faults.py"),
+            "--backend",
+            "gloo",
+            "--cases",
+            "sigkill_rank1,nan_rank1",
+            "--workdir",
+            str(tmp_path / "runs"),
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["case"]: r for r in json.loads(out.read_text())["cases"]}
+    assert set(rows) == {"sigkill_rank1", "nan_rank1"}, rows  # no reference runs: neither case needs one
+    assert all(r["outcome"] == "pass" for r in rows.values()), proc.stdout[-3000:]
+    killed = rows["sigkill_rank1"]
+    assert killed["exit_codes"]["launcher"] not in (0, None) and killed["seconds"] <= 25, killed
+    assert "rank 1" in killed["message"] and killed["work_lost"] < 4, killed
+    nan = rows["nan_rank1"]
+    assert nan["skips_per_rank"] == ["1", "1"] and nan["full_checksums_equal"], nan
+    assert proc.returncode == 0
