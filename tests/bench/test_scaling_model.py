@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "benchmarks")]
 
 import scaling_model as sm  # noqa: E402

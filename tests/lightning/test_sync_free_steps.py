@@ -11,14 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+from helpers.run_if import requires_cuda
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.multigpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
-]
+pytestmark = requires_cuda(min_gpus=2)
 
 
 def test_document_training_steps_never_sync_the_host(tmp_path: Path):

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from attention_reference import reference
-from dist_harness import run_distributed
+from helpers.attention_reference import reference
+from helpers.dist_harness import run_distributed
 from test_ring_attention import rel_err
 from test_ring_documents import CHUNK, _visible_keys, document_ids
 

@@ -21,8 +21,8 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-from attention_reference import reference
-from dist_harness import run_distributed
+from helpers.attention_reference import reference
+from helpers.dist_harness import run_distributed
 from test_balance import random_ids
 from test_ring_attention import rel_err, run_case
 from test_ring_documents import CHUNK, HEADS, PATTERNS, document_ids
