@@ -5,50 +5,15 @@ tokenized and packed as LongDocumentDataModule packs it."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
+from longctx.models.run_checkpoint import extract_gpt_state
+from longctx.models.run_checkpoint import torch_load_data as _torch_load
+
 # ---- model -------------------------------------------------------------------------------
-
-# Prefixes a wrapped GPT's keys may carry: the LightningModule attribute, DDP, torch.compile,
-# Fabric. The GPT's own keys (embed., blocks., norm., lm_head.) never start with these.
-_WRAPPER_PREFIXES = ("model.", "module.", "_orig_mod.", "_forward_module.")
-
-
-def extract_gpt_state(state: dict, wanted: set[str]) -> tuple[dict, list[str]]:
-    """The GPT tensors of a (wrapped) state dict and the keys that were not the GPT's."""
-    out: dict = {}
-    other: list[str] = []
-    for key, value in state.items():
-        k = key
-        while k not in wanted and k.startswith(_WRAPPER_PREFIXES):
-            k = k.split(".", 1)[1]
-        if k in wanted and isinstance(value, torch.Tensor):
-            if k in out:
-                raise ValueError(f"checkpoint holds {k!r} twice (as {key!r} and another key)")
-            out[k] = value
-        else:
-            other.append(key)
-    return out, other
-
-
-def _torch_load(path: Path, *, trust_code: bool = False) -> Any:
-    """``torch.load`` of data only; unpickling arbitrary objects (which can run code) only
-    with the explicit ``trust_code`` opt-in (``--trust-checkpoint-code``)."""
-    if trust_code:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    import pickle
-
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as exc:
-        raise pickle.UnpicklingError(
-            f"{path} holds objects other than tensors and plain data, and unpickling them can run "
-            f"code. Refused; if you trust whoever wrote the file, pass --trust-checkpoint-code. ({exc})"
-        ) from None
 
 
 def load_checkpoint_model(
