@@ -42,15 +42,24 @@ def _encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text))
 
 
+def _parts(tokenizer, key: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    bos = [] if getattr(tokenizer, "bos_id", None) is None else [tokenizer.bos_id]
+    needle = _encode(tokenizer, " " + NEEDLE.format(key=key))
+    return bos, needle, _encode(tokenizer, " " + QUESTION), _encode(tokenizer, ANSWER.format(key=key))
+
+
+def passkey_overhead(tokenizer, digits: int = 5) -> int:
+    """Tokens of a prompt that are not filler (bos, needle, question, answer) for a key of
+    ``digits`` digits: a length must exceed it (by the filler the depths move through)."""
+    return max(sum(map(len, _parts(tokenizer, int(c * digits)))) for c in "123456789")
+
+
 def passkey_sample(tokenizer, length: int, depth: float, key: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(input_ids, labels, needle position)`` of one sample, each ``(length,)`` tensor; the
     labels are the answer tokens (shifted), -100 elsewhere."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"passkey depth must be in [0, 1], got {depth}")
-    bos = [] if getattr(tokenizer, "bos_id", None) is None else [tokenizer.bos_id]
-    needle = _encode(tokenizer, " " + NEEDLE.format(key=key))
-    question = _encode(tokenizer, " " + QUESTION)
-    answer = _encode(tokenizer, ANSWER.format(key=key))
+    bos, needle, question, answer = _parts(tokenizer, key)
     filler_unit = _encode(tokenizer, " " + FILLER)
     fixed = len(bos) + len(needle) + len(question) + len(answer)
     n_filler = length - fixed

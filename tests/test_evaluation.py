@@ -237,3 +237,69 @@ def test_init_from_a_run_folder_with_a_new_length_and_rope_scaling(tiny_run, env
     assert "preset 'tiny' with vocab_size=512" in message
     with pytest.raises(ValueError, match="does not match preset 'gpt-125m'.*its sizes are preset 'tiny'"):
         train_py.prepare([*args, "--preset", "gpt-125m"], device_checks=False)
+
+
+# ---- the training callback ---------------------------------------------------------------
+
+
+def test_callback_logs_passkey_and_loss_by_position_beside_the_loss(tmp_path):
+    import csv
+
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.data import DataLoader
+
+    from longctx.data.packing import PackedSequenceDataset
+    from longctx.models.eval_callback import LongContextEvaluation
+
+    class Data(L.LightningDataModule):
+        seq_len = 256
+
+        def __init__(self):
+            super().__init__()
+            self.val_dataset = PackedSequenceDataset(*_stream(), self.seq_len)
+
+        def get_tokenizer(self):
+            return CharTokenizer()
+
+        def train_dataloader(self):
+            return DataLoader(self.val_dataset, batch_size=1)
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = _model(dtype=torch.float32).train()
+
+        def training_step(self, batch, _):
+            loss_sum, n = self.model.loss(batch["input_ids"], batch["labels"], batch["position_ids"])
+            self.log("train_loss", loss_sum / n, on_step=True)
+            return loss_sum / n
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def fit(callback, name):
+        trainer = L.Trainer(
+            max_steps=4,
+            accelerator="cpu",
+            devices=1,
+            callbacks=[callback],
+            logger=CSVLogger(tmp_path, name=name),
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            log_every_n_steps=1,
+        )
+        trainer.fit(Module(), datamodule=Data())
+        return trainer
+
+    trainer = fit(LongContextEvaluation(every_n_steps=2, trials=1), "default")
+    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("passkey_acc")]
+    assert [int(r["step"]) for r in rows] == [1, 3]  # logged at the step that ended steps 2 and 4
+    for r in rows:  # only 256 of (64, 128, 256) fits the ~110-token needle twice over
+        assert 0 <= float(r["passkey_acc"]) == float(r["passkey_acc_256"]) <= 1
+        assert float(r["passkey_logprob"]) < 0
+        assert all(float(r[f"pos_loss_q{q}"]) > 0 for q in (1, 2, 3, 4))
+    with pytest.raises(ValueError, match="passkey length 64 is shorter than the needle"):
+        fit(LongContextEvaluation(every_n_steps=2, lengths=[64, 256]), "refused")  # at the start, no step run
