@@ -303,3 +303,41 @@ def test_callback_logs_passkey_and_loss_by_position_beside_the_loss(tmp_path):
         assert all(float(r[f"pos_loss_q{q}"]) > 0 for q in (1, 2, 3, 4))
     with pytest.raises(ValueError, match="passkey length 64 is shorter than the needle"):
         fit(LongContextEvaluation(every_n_steps=2, lengths=[64, 256]), "refused")  # at the start, no step run
+
+
+# ---- the README's section ------------------------------------------------------------------
+
+SECTION = "## Long-context evaluation and generation"
+
+
+def _readme_section() -> str:
+    return (REPO / "README.md").read_text().split(SECTION, 1)[1].split("\n## ", 1)[0]
+
+
+def test_readme_generation_snippet_runs(monkeypatch, capsys):
+    import re
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    code = re.search(r"```python\n(.*?)```", _readme_section(), re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+    assert "torch.Size([1, 16]) torch.Size([1, 16])" in capsys.readouterr().out
+
+
+def test_readme_evaluate_commands_pass_the_argument_checks():
+    import re
+    import shlex
+
+    evaluate_py = _script("evaluate")
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", _readme_section(), re.S):
+        for line in block.splitlines():
+            words = shlex.split(line)
+            if "evaluate.py" in words:
+                at = words.index("evaluate.py")
+                world = int(words[words.index("--nproc-per-node") + 1]) if words[0] == "torchrun" else 1
+                commands.append((world, words[at + 1 :]))
+    assert len(commands) == 2 and {w for w, _ in commands} == {1, 2}
+    for world, argv in commands:
+        args = evaluate_py.parse_args(argv)
+        evaluate_py.check_arguments(args, world)
