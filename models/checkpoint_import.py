@@ -31,6 +31,7 @@ from longctx.validation import ArgumentValueError
 
 from .config import GPTConfig
 from .gpt import GPT
+from .run_checkpoint import is_run_checkpoint, load_run_checkpoint, resolve_run_checkpoint, torch_load_data
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -82,14 +83,26 @@ def check_checkpoint_spec(name: str, spec: PathLike) -> None:
         )
 
 
+def check_init_from(spec: Any, overrides: Any) -> None:
+    """Before any data work: a run checkpoint's sizes against the config's ``model`` overrides
+    (the check ``load_pretrained`` makes when it builds the model), reading only the file's
+    config. Other checkpoints are checked when they load."""
+    if not is_run_checkpoint(spec):
+        return
+    path = resolve_run_checkpoint(spec)
+    hparams = (torch_load_data(path) or {}).get("hyper_parameters") or {}
+    saved = hparams.get("model")
+    if isinstance(saved, dict) and not hparams.get("hf_model"):
+        overrides = overrides.to_dict() if isinstance(overrides, GPTConfig) else dict(overrides or {})
+        with_overrides(GPTConfig.from_dict(dict(saved)), overrides, source=str(spec))
+
+
 # ---- the entry points -----------------------------------------------------------------
 
 
 def load_checkpoint(path: PathLike) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     """``(config, state_dict)`` from a HF directory, a ``.gguf`` file, or this project's own
     run folder or ``.ckpt`` (``run_checkpoint``), with the names of ``GPT``."""
-    from .run_checkpoint import is_run_checkpoint, load_run_checkpoint
-
     path = resolve_checkpoint_path(path)
     if is_run_checkpoint(path):
         return load_run_checkpoint(path)

@@ -45,10 +45,9 @@ from longctx.run_plan import balances_documents
 from longctx.sharding import document_position_ids, is_sharded
 from longctx.validation import ArgumentValueError, check_choice, check_number
 
-from .checkpoint_import import check_checkpoint_spec, load_pretrained
+from .checkpoint_import import check_checkpoint_spec, check_init_from, load_pretrained
 from .config import GPTConfig
 from .gpt import GPT
-from .run_checkpoint import check_init_from
 
 Attention = Literal["document", "causal"]
 RopePositions = Literal["document", "global"]

@@ -127,22 +127,6 @@ def load_run_checkpoint(spec: PathLike, *, trust_code: bool = False) -> tuple[GP
     return config, state
 
 
-def check_init_from(spec: Any, overrides: Any) -> None:
-    """Before any data work: a run checkpoint's sizes against the config's ``model`` overrides
-    (the check ``load_pretrained`` makes when it builds the model), reading only the file's
-    config. Other checkpoints are checked when they load."""
-    from .checkpoint_import import with_overrides
-
-    if not is_run_checkpoint(spec):
-        return
-    path = resolve_run_checkpoint(spec)
-    hparams = (torch_load_data(path) or {}).get("hyper_parameters") or {}
-    saved = hparams.get("model")
-    if isinstance(saved, dict) and not hparams.get("hf_model"):
-        overrides = overrides.to_dict() if isinstance(overrides, GPTConfig) else dict(overrides or {})
-        with_overrides(GPTConfig.from_dict(dict(saved)), overrides, source=str(spec))
-
-
 def _read_run_config(run: Path) -> dict:
     import yaml
 
