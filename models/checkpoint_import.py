@@ -31,6 +31,7 @@ from longctx.validation import ArgumentValueError
 
 from .config import GPTConfig
 from .gpt import GPT
+from .run_checkpoint import is_run_checkpoint, load_run_checkpoint, resolve_run_checkpoint, torch_load_data
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -82,12 +83,29 @@ def check_checkpoint_spec(name: str, spec: PathLike) -> None:
         )
 
 
+def check_init_from(spec: Any, overrides: Any) -> None:
+    """Before any data work: a run checkpoint's sizes against the config's ``model`` overrides
+    (the check ``load_pretrained`` makes when it builds the model), reading only the file's
+    config. Other checkpoints are checked when they load."""
+    if not is_run_checkpoint(spec):
+        return
+    path = resolve_run_checkpoint(spec)
+    hparams = (torch_load_data(path) or {}).get("hyper_parameters") or {}
+    saved = hparams.get("model")
+    if isinstance(saved, dict) and not hparams.get("hf_model"):
+        overrides = overrides.to_dict() if isinstance(overrides, GPTConfig) else dict(overrides or {})
+        with_overrides(GPTConfig.from_dict(dict(saved)), overrides, source=str(spec))
+
+
 # ---- the entry points -----------------------------------------------------------------
 
 
 def load_checkpoint(path: PathLike) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """``(config, state_dict)`` from a HF directory or a ``.gguf`` file (names of ``GPT``)."""
+    """``(config, state_dict)`` from a HF directory, a ``.gguf`` file, or this project's own
+    run folder or ``.ckpt`` (``run_checkpoint``), with the names of ``GPT``."""
     path = resolve_checkpoint_path(path)
+    if is_run_checkpoint(path):
+        return load_run_checkpoint(path)
     if path.is_dir():
         return load_hf_directory(path)
     if path.suffix.lower() == ".gguf":
@@ -118,6 +136,16 @@ def load_pretrained(path: PathLike, **overrides: Any) -> GPT:
     silently load some other model).
     """
     config, state = load_checkpoint(path)
+    config = with_overrides(config, overrides, source=str(path))
+    model = GPT(config)
+    load_into(model, state, source=str(path))
+    return model
+
+
+def with_overrides(config: GPTConfig, overrides: dict, *, source: str) -> GPTConfig:
+    """``config`` of a checkpoint with ``overrides`` applied: non-size fields only (a ``preset``
+    among them is a check of the sizes). A size that differs is one line naming the sizes to use."""
+    overrides = dict(overrides)
     preset = overrides.pop("preset", None)
     if preset is not None:
         expected = GPTConfig.from_preset(preset)
@@ -128,14 +156,39 @@ def load_pretrained(path: PathLike, **overrides: Any) -> GPT:
         }
         if diff:
             raise ValueError(
-                f"checkpoint {str(path)!r} does not match preset {preset!r}: "
+                f"checkpoint {source!r} does not match preset {preset!r}: "
                 + ", ".join(f"{k}={a} (preset {b})" for k, (a, b) in diff.items())
+                + f"; its sizes are {sizes_hint(config)}"
             )
-    if overrides:
-        config = config.replace(**overrides)
-    model = GPT(config)
-    load_into(model, state, source=str(path))
-    return model
+    resized = {f: (getattr(config, f), overrides[f]) for f in SIZE_FIELDS if f in overrides}
+    resized = {f: (a, b) for f, (a, b) in resized.items() if a != b}
+    if resized:
+        raise ValueError(
+            f"checkpoint {source!r} has "
+            + ", ".join(f"{k}={a}" for k, (a, _) in resized.items())
+            + " but the config asks for "
+            + ", ".join(f"{k}={b}" for k, (_, b) in resized.items())
+            + f": a checkpoint fixes the sizes; use its own, {sizes_hint(config)}, and override only "
+            "non-size fields (rope_theta, rope_scaling, max_seq_len)"
+        )
+    return config.replace(**overrides) if overrides else config
+
+
+def sizes_hint(config: GPTConfig) -> str:
+    """The sizes of ``config`` as a user would give them: the preset they match (and the fields
+    that differ from it), e.g. "preset 'tiny' with vocab_size=512"."""
+    from .config import PRESETS
+
+    best = None
+    for name in PRESETS:
+        preset = GPTConfig.from_preset(name)
+        diff = [f for f in SIZE_FIELDS if getattr(preset, f) != getattr(config, f)]
+        if best is None or len(diff) < len(best[1]):
+            best = (name, diff)
+    name, diff = best
+    if len(diff) > 2:
+        return "model " + ", ".join(f"{f}={getattr(config, f)}" for f in SIZE_FIELDS)
+    return f"preset {name!r}" + (" with " + ", ".join(f"{f}={getattr(config, f)}" for f in diff) if diff else "")
 
 
 def load_into(model: GPT, state: dict[str, torch.Tensor], *, source: str = "checkpoint") -> None:

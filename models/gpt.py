@@ -461,9 +461,13 @@ class GPT(nn.Module):
         eos_id: Optional[int] = None,
         generator: Optional[torch.Generator] = None,
     ) -> torch.Tensor:
-        """Greedy (temperature 0) or sampled continuation; no KV cache (a check, not a server)."""
+        """Greedy (temperature 0) or sampled continuation; no KV cache (a check, not a server).
+        ``longctx.models.generate``: KV-cached, over a CP group too."""
         if self.cp.size > 1:
-            raise RuntimeError("generate() runs on one device; parallelize a model without a CP group for it")
+            raise RuntimeError(
+                "GPT.generate() runs on one device; with a CP group use longctx.models.generate.generate "
+                "(K/V cached and left sharded over the group)"
+            )
         ids = input_ids
         for _ in range(max_new_tokens):
             logits = self(ids)[:, -1, :].float()

@@ -47,7 +47,7 @@ from longctx.run_plan import balances_documents
 from longctx.sharding import document_position_ids, is_sharded
 from longctx.validation import ArgumentValueError, check_choice, check_number
 
-from .checkpoint_import import check_checkpoint_spec, load_pretrained
+from .checkpoint_import import check_checkpoint_spec, check_init_from, load_pretrained
 from .config import GPTConfig
 from .gpt import GPT
 
@@ -98,9 +98,9 @@ class CausalLMModule(L.LightningModule):
             order (positions, labels and ids travel with their tokens). With document
             attention every full batch also gets its ``longctx.documents.DocumentPlan``
             here, once per step, which every layer reuses; the first one is reported.
-        init_from: a Hugging Face directory or ``.gguf`` file to start from
-            (``load_pretrained``); ``model`` then holds overrides (e.g. ``rope_theta``),
-            not sizes.
+        init_from: a Hugging Face directory, a ``.gguf`` file, or a train.py run folder or
+            ``.ckpt`` (its tokenizer too) to start from (``load_pretrained``); ``model`` then
+            holds overrides (e.g. ``rope_theta``, ``rope_scaling``), not sizes.
         hf_model: a local Hugging Face causal-LM directory (Llama, Qwen2, Mistral, ...) to
             train instead of a ``GPT``, through ``longctx.hf``'s ring attention; a directory
             with only ``config.json`` gives a random init of that shape.
@@ -616,6 +616,7 @@ def _check_arguments(args: Mapping[str, Any]) -> None:
             )
     elif init_from is not None:
         check_checkpoint_spec("init_from", init_from)
+        check_init_from(init_from, model)  # a train.py checkpoint's sizes, before any data work
     elif not isinstance(model, GPTConfig):
         GPTConfig.from_dict(dict(model or {}))  # unknown keys and bad sizes
 

@@ -307,6 +307,10 @@ class PackedSequenceDataset(torch.utils.data.Dataset):
             )
         return self._arrays  # type: ignore[return-value]
 
+    def streams(self) -> tuple[np.ndarray, np.ndarray]:
+        """The packed token and document-id streams the windows are cut from."""
+        return self._open()
+
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         if not all(isinstance(s, np.ndarray) for s in self._sources):

@@ -108,11 +108,15 @@ def build_trainer(
 
 def data_tokenizer(tokenizer: Any, init_from: Optional[str], hf_model: Optional[str]) -> Any:
     """What the data module tokenizes with: the one given, else the model's own (a checkpoint's,
-    a Hugging Face directory's), a GGUF spec read into a ``GGUFTokenizer``; None: train one."""
+    a Hugging Face directory's, a train.py run's), a GGUF spec read into a ``GGUFTokenizer``;
+    None: train one."""
     from longctx.models import GGUFTokenizer
+    from longctx.models.run_checkpoint import is_run_checkpoint, run_tokenizer
 
     if tokenizer is None:
         tokenizer = init_from
+    if is_run_checkpoint(tokenizer):  # a train.py run folder or .ckpt: the tokenizer that run used
+        return run_tokenizer(tokenizer)
     hf_dir = Path(hf_model) if hf_model else None
     has_tokenizer = hf_dir is not None and any((hf_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model"))
     if tokenizer is None and has_tokenizer:

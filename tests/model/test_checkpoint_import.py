@@ -89,7 +89,7 @@ def test_hf_linear_rope_scaling_and_overrides(tmp_path):
 def test_hf_import_errors(tmp_path):
     hf = random_llama()
     hf.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="missing"):
+    with pytest.raises(ValueError, match="has n_layer=2 but the config asks for n_layer=3: a checkpoint fixes"):
         load_pretrained(tmp_path, n_layer=3)
     with pytest.raises(ValueError, match="unknown GPTConfig key"):
         load_pretrained(tmp_path, n_layers=3)
