@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import run_distributed
+from helpers.dist_harness import run_distributed
 
 from longctx import CPContext, ParallelDims, parallelize
 from longctx.models import GPT, GPTConfig
 from longctx.models.evaluation import evaluate
 from longctx.models.passkey import passkey_sample, passkey_table
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VOCAB = 97
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import run_distributed
+from helpers.dist_harness import run_distributed
 
 from longctx import CPContext, ParallelDims, parallelize
 from longctx.layouts import shard_sequence, unshard_sequence
