@@ -39,19 +39,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from longctx.validation import parse_size, parse_sizes
+
 TASKS = ("passkey", "loss")
-
-
-def parse_size(text: str) -> int:
-    """'8192', '8K', '1M' -> tokens (K = 1024)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
-    if not m:
-        raise ValueError(f"not a token count: {text!r} (use e.g. 8192 or 8K)")
-    return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
-
-
-def parse_sizes(text: str) -> list[int]:
-    return [parse_size(t) for t in str(text).split(",") if t.strip()]
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

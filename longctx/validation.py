@@ -7,6 +7,7 @@ name, what would be valid, and the value given. A refusal of one argument is an
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Optional
 
 
@@ -68,3 +69,16 @@ def check_choice(name: str, value: Any, choices: tuple) -> None:
     """Refuse ``value`` unless it is one of ``choices`` (the values of the argument's ``Literal``)."""
     if value not in choices:
         raise ArgumentValueError(name, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
+
+
+def parse_size(text: str) -> int:
+    """'8192', '8K', '64k', '1M' -> tokens (K = 1024): command-line token counts."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
+    if not m:
+        raise ValueError(f"not a token count: {text!r} (use e.g. 8192 or 8K)")
+    return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'8K,512,1M' -> [8192, 512, 1048576]."""
+    return [parse_size(t) for t in str(text).split(",") if t.strip()]

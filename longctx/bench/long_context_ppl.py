@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 from longctx.layouts import check_seq_len
+from longctx.validation import parse_size, parse_sizes
 
 from .long_context_ppl_compare import compare
 from .long_context_ppl_eval import evaluate, format_length, is_rank0, log
@@ -73,18 +74,6 @@ DEFAULT_EDGES = "1K,2K,4K,8K,16K,32K,64K,128K,256K"
 
 
 # ---- small helpers -----------------------------------------------------------------------
-
-
-def parse_size(text: str) -> int:
-    """'8192', '8K', '64k', '1M' -> tokens (K = 1024)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
-    if not m:
-        raise ValueError(f"not a token count: {text!r} (use e.g. 8192 or 8K)")
-    return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
-
-
-def parse_sizes(text: str) -> list[int]:
-    return [parse_size(t) for t in str(text).split(",") if t.strip()]
 
 
 def fmt_theta(theta: float) -> str:
