@@ -82,7 +82,18 @@ def prepare(argv: list[str], *, instantiate: bool = True, device_checks: bool = 
     return cli(argv, instantiate=instantiate, device_checks=device_checks)
 
 
+INTERRUPTED = 128 + 2  # exit code of a run stopped by Ctrl-C (SIGINT), as a shell reports it
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        return train(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the run's handler took over (parsing, data work)
+        print("train.py: stopped by Ctrl-C before training started (nothing to resume)", file=sys.stderr)
+        return INTERRUPTED
+
+
+def train(argv: Optional[list[str]] = None) -> int:
     from argparse import ArgumentError
 
     try:  # every mistake the command line can show: one line, rc 2, before any data work
