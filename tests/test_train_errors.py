@@ -177,6 +177,43 @@ def test_second_run_on_the_same_output_dir(train, capsys, cache, tmp_path):
     lock_run_dir(out).close()  # released with its process: the folder is free again
 
 
+def test_a_new_run_never_writes_into_another_runs_folder(train, capsys, cache, tmp_path):
+    """A fresh run (no --resume) pointed at a folder that holds a run is refused, before any
+    data work, naming the folder and both ways out; the run there is left as it was."""
+    run = _finished_run(train, tmp_path, step=3, max_steps=6)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    line = _error(train, ["--output-dir", str(run), "--max-steps", "3"], capsys, cache)
+    assert line == (
+        f"train.py: error: run.output_dir {run} already holds a run (config.yaml, checkpoints/); a new run "
+        f"there would overwrite it: continue it with --resume {run}, or pass another --output-dir"
+    )
+    # Resuming another run into it is the same mix.
+    other = _finished_run(train, tmp_path / "other", step=3, max_steps=6)
+    line = _error(train, ["--resume", str(other), "--output-dir", str(run)], capsys, cache)
+    assert f"run.output_dir {run} already holds a run" in line
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    # An empty folder, or one a refused run only locked, holds no run.
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / ".run.lock").write_text("1")
+    assert train.prepare(["--output-dir", str(tmp_path / "empty")], device_checks=False).out == tmp_path / "empty"
+
+
+def test_the_default_output_folder_moves_on_to_a_fresh_one(train, capsys, cache, tmp_path, monkeypatch):
+    """A second plain `python train.py` (default folder runs/tiny-cpu) writes to runs/tiny-cpu-2,
+    said once, instead of overwriting the first run; --resume runs/tiny-cpu continues the first."""
+    monkeypatch.chdir(tmp_path)
+    assert train.prepare([], device_checks=False).out == Path("runs/tiny-cpu")
+    assert capsys.readouterr().out == ""
+    for name in ("tiny-cpu", "tiny-cpu-2"):
+        (tmp_path / "runs" / name / "logs" / "version_0").mkdir(parents=True)
+        second = train.prepare([], device_checks=False)
+        assert second.out == Path(f"runs/{name}-2" if name == "tiny-cpu" else "runs/tiny-cpu-3")
+        assert capsys.readouterr().out == (
+            f"output: runs/tiny-cpu holds an earlier run, so this one writes to {second.out} "
+            "(--resume runs/tiny-cpu continues that one; --output-dir DIR picks the folder)\n"
+        )
+
+
 def test_error_as_a_command(tmp_path):
     """The whole path as a user runs it: rc 2 and a single stderr line, imports included
     (~7 s on an idle 2-core machine; the bound leaves room for a CI that shares its cores)."""

@@ -258,9 +258,42 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
             default_vocab = self.parser.get_defaults().data.vocab_size
             if cfg.data.tokenizer is None and cfg.model.init_from is None and cfg.data.vocab_size == default_vocab:
                 cfg.data.vocab_size = model_vocab(cfg.model)
-            if cfg.run.output_dir is None:  # a resumed run continues in its own directory
-                ckpt = self.resume_checkpoint
-                cfg.run.output_dir = str(run_dir_of(ckpt) if ckpt else Path("runs") / self.name)
+            self._choose_output_dir()
+
+        def _choose_output_dir(self) -> None:
+            """A resumed run continues in its own folder; a new one never writes into a folder
+            that holds another run: the default one (``runs/<config name>``) moves on to
+            ``runs/<config name>-2``, ... (said once), a given one is refused."""
+            from .launcher import LAUNCHER_PID_ENV
+            from .run_dir import fresh_run_dir, run_outputs
+            from .training import say
+
+            run, ckpt = self.config.run, self.resume_checkpoint
+            own = run_dir_of(ckpt) if ckpt is not None else None
+            if run.output_dir is None:
+                if own is not None:
+                    run.output_dir = str(own)
+                    return
+                default = Path("runs") / self.name
+                out = fresh_run_dir(default)
+                if out != default:
+                    say(
+                        f"output: {default} holds an earlier run, so this one writes to {out} "
+                        f"(--resume {default} continues that one; --output-dir DIR picks the folder)"
+                    )
+                run.output_dir = str(out)
+                return
+            out = Path(run.output_dir)
+            if own is not None and out.resolve() == own.resolve():
+                return
+            if LAUNCHER_PID_ENV in os.environ:
+                return  # a rank that rank 0 launched: rank 0 checked the folder before it
+            found = run_outputs(out)
+            if found:
+                raise ValueError(
+                    f"run.output_dir {out} already holds a run ({', '.join(found)}); a new run there would "
+                    f"overwrite it: continue it with --resume {out}, or pass another --output-dir"
+                )
 
         def _check_world(self) -> None:
             """``world``: the one the command asks for (the launcher's, else devices x nodes; None

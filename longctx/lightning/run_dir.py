@@ -14,7 +14,46 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-__all__ = ["FinalCheckpoint", "file_lock", "flatten_metrics", "lock_run_dir", "plot_loss", "write_atomic"]
+__all__ = [
+    "FinalCheckpoint",
+    "file_lock",
+    "flatten_metrics",
+    "fresh_run_dir",
+    "lock_run_dir",
+    "plot_loss",
+    "run_outputs",
+    "write_atomic",
+]
+
+# What a run leaves in its folder (a folder with none of them holds no run: an empty one, or
+# one whose run was refused before it wrote anything).
+RUN_OUTPUTS = ("config.yaml", "metrics.csv", "checkpoints", "logs")
+
+
+def run_outputs(out: Path) -> list[str]:
+    """The outputs of a run that ``out`` already holds (none: no run there)."""
+    found = []
+    for name in RUN_OUTPUTS:
+        path = out / name
+        if path.is_dir():
+            if any(not p.name.startswith(".") for p in path.iterdir()):
+                found.append(f"{name}/")
+        elif path.exists():
+            found.append(name)
+    return found
+
+
+def fresh_run_dir(default: Path) -> Path:
+    """``default``, or where it holds a run already the first of ``default-2``, ``default-3``,
+    ... that holds none: a second run of the same command never overwrites the first.
+
+    Every process of a job picks the same folder: the launching rank writes nothing there
+    but its lock before the others have joined it (the outputs come after the rendezvous)."""
+    candidate, n = default, 1
+    while run_outputs(candidate):
+        n += 1
+        candidate = default.with_name(f"{default.name}-{n}")
+    return candidate
 
 
 def lock_run_dir(out: Path):
