@@ -146,6 +146,28 @@ def test_resume_of_a_finished_run(train, capsys, cache, tmp_path):
     assert (run / "config.yaml").read_text() == before
 
 
+def test_resume_with_other_data_tokenizer_or_model_settings_is_refused(train, capsys, cache, tmp_path):
+    """--resume with a flag that changes what the run trains on (the corpus, the tokenizer, the
+    split) or what its model computes: one line naming each difference, before any data work;
+    steps, cadence, lr and the parallel layout are applied (said once, on rank 0)."""
+    run = _finished_run(train, tmp_path, step=3, max_steps=6)
+    argv = ["--resume", str(run), "--data.vocab_size", "2048", "--data", "stdlib:json"]
+    argv += ["--model.model.rope_theta", "5e5"]
+    line = _error(train, argv, capsys, cache)
+    assert "the run was trained with other data, tokenizer or model settings than asked for here (" in line
+    assert "data.vocab_size 8192 -> 2048" in line and "data.data_path None -> 'stdlib:json'" in line
+    assert "model.model.rope_theta None -> 500000.0" in line and "drop those flags" in line
+    assert "another --output-dir" in line
+    for flags in (["--attention", "causal"], ["--tokenizer", str(run / "config.yaml")], ["--seed", "7"]):
+        assert "other data, tokenizer or model settings" in _error(train, ["--resume", str(run), *flags], capsys, cache)
+    safe = ["--max-steps", "9", "--val-every", "2", "--lr", "1e-3", "--model.parallel.activation_checkpointing", "full"]
+    resolved = train.prepare(["--resume", str(run), *safe, "--seq-len", "128"], device_checks=False)
+    out = capsys.readouterr().out
+    assert resolved.config.trainer.max_steps == 9 and resolved.config.data.seq_len == 128
+    assert out.count("overridden here: ") == 1 and "run.val_every 50 -> 2" in out
+    assert "data.seq_len changed" in out
+
+
 def test_resume_reads_the_runs_config(train, tmp_path, cache, capsys):
     run = _finished_run(train, tmp_path, step=3, max_steps=6)
     saved = yaml.safe_load((run / "config.yaml").read_text())

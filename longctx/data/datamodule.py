@@ -399,7 +399,7 @@ class LongDocumentDataModule(L.LightningDataModule):
             return
         saved, now = state_dict.get("identity", {}), self._identity()
         changed = [k for k in ("packed", "seq_len", "seed") if saved.get(k) != now.get(k) and now.get(k) is not None]
-        if changed:
+        if changed and self._is_global_zero():
             logger.warning(
                 "data: resuming with changed %s (checkpoint %s, now %s); the sampler checks "
                 "whether the saved position still applies",

@@ -444,6 +444,14 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
                     f"--resume {ckpt}: the checkpoint holds another model shape than asked for "
                     f"({', '.join(changed)}); resume with the run's model (drop those flags)"
                 )
+            changed = [f"{k} {a!r} -> {b!r}" for k, (a, b) in self.overrides.items() if changes_what_is_trained(k)]
+            if changed:
+                raise ValueError(
+                    f"--resume {ckpt}: the run was trained with other data, tokenizer or model settings than "
+                    f"asked for here ({', '.join(changed)}); continuing it with them would train something else "
+                    "on the run's weights: drop those flags to continue the run, or start a new run "
+                    "(another --output-dir)"
+                )
             step = checkpoint_step(ckpt)  # the checkpoint was verified when parsing picked it
             max_steps = cfg.trainer.max_steps
             if step >= 0 and step >= max_steps:
@@ -459,6 +467,11 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
                 return
             changes = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in self.overrides.items())
             say(f"resume: the run's own config {where}" + (f"; overridden here: {changes}" if changes else ""))
+            if "data.seq_len" in self.overrides:
+                say(
+                    "resume: data.seq_len changed, so the corpus is cut into other sequences: the data order "
+                    "restarts its epoch from the beginning (the weights and optimizer state continue)"
+                )
             if "trainer.max_steps" in self.overrides and "model.decay_steps" not in self.overrides:
                 say(
                     f"resume: the lr schedule keeps ending at step {cfg.model.decay_steps} (--decay-steps N changes it)"
@@ -546,6 +559,38 @@ def resolve_devices(devices: Any, accelerator: str, context_parallel_size: Optio
     if devices == "auto" and accelerator == "cpu":
         return context_parallel_size or 1
     return devices
+
+
+# Settings a resume cannot change without training something else on the run's weights:
+# what the token stream is (corpus, tokenizer, split, order) and what the model computes.
+# Everything else (steps, schedule, cadence, precision, parallel layout, world size) is applied
+# and said once.
+DATA_KEYS = (
+    "data_path",
+    "text_column",
+    "tokenizer",
+    "vocab_size",
+    "tokenizer_model_type",
+    "tokenizer_train_chars",
+    "val_fraction",
+    "seed",
+    "max_documents",
+    "include_tests",
+    "stdlib_documents",
+    "mask_cross_document_labels",
+)
+MODEL_KEYS = ("attention", "rope_positions", "init_from", "hf_model")
+MODEL_INFORMATIONAL = ("max_seq_len", "init_std")  # GPTConfig fields that change nothing once trained
+
+
+def changes_what_is_trained(key: str) -> bool:
+    """Whether a resume that changes option ``key`` (dotted) trains something else."""
+    section, _, name = key.partition(".")
+    if section == "data":
+        return name in DATA_KEYS
+    if section == "model" and name.startswith("model."):
+        return name.removeprefix("model.") not in MODEL_INFORMATIONAL
+    return section == "model" and name in MODEL_KEYS
 
 
 MODEL_SHAPE_KEYS = (
