@@ -127,7 +127,11 @@ def train(argv: Optional[list[str]] = None) -> int:
             )
         print(f"train.py: error: data: {message}", file=sys.stderr)
         return 2
-    module = cli.instantiate_model()
+    try:  # a checkpoint to start from whose tensors show damage (longctx.models.checkpoint_import)
+        module = cli.instantiate_model()
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        print(f"train.py: error: model: {one_line(e)}", file=sys.stderr)
+        return 2
 
     say(describe_run(trainer, module, seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size, out=out, resume=resume))
     stopped, code = fit(trainer, module, dm, resume)

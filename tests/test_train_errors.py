@@ -112,6 +112,70 @@ def test_gguf_without_the_optional_package(train, capsys, cache, monkeypatch):
     assert "needs the optional 'gguf' package: pip install 'longctx[gguf]'" in line
 
 
+def _tiny_gguf(path: Path) -> Path:
+    pytest.importorskip("gguf")
+    from test_checkpoint_import import QTYPES, random_llama, tiny_vocab, write_llama_gguf
+
+    write_llama_gguf(path, random_llama(vocab_size=len(tiny_vocab()[0])), QTYPES)
+    return path
+
+
+def test_init_from_a_checkpoint_of_another_shape_or_a_damaged_one(train, capsys, cache, tmp_path):
+    """--init-from is checked before the tokenizer and the data: a checkpoint whose sizes are not
+    the config's (the default config's tiny preset) names each differing field and what to pass;
+    a truncated one names the file."""
+    gguf = _tiny_gguf(tmp_path / "tiny.gguf")
+    line = _error(train, ["--init-from", str(gguf)], capsys, cache)
+    assert line.startswith(f"train.py: error: model.init_from {gguf}: the checkpoint's shape differs from the config")
+    assert "vocab_size 264 (config: 4096, preset tiny)" in line and "n_embd 64 (config: 128, preset tiny)" in line
+    assert line.endswith("; pass --preset null to take the checkpoint's own sizes")
+    line = _error(train, ["--init-from", str(gguf), "--preset", "null", "--model.model.n_layer", "3"], capsys, cache)
+    assert "n_layer 2 (config: 3, given)" in line and "and drop --model.model.n_layer" in line
+    gguf.write_bytes(gguf.read_bytes()[:5000])
+    line = _error(train, ["--init-from", str(gguf), "--preset", "null"], capsys, cache)
+    assert line.startswith(f"train.py: error: {gguf} is damaged or not a GGUF file (")
+
+
+def test_init_from_a_checkpoint_with_flipped_bytes(train, capsys, cache, tmp_path):
+    """Flipped bytes in a GGUF's tensor data show only in the values, read with the model (after
+    the data work): still one line naming the file and the tensor, exit code 2, no training."""
+    pytest.importorskip("tokenizers")
+    gguf = _tiny_gguf(tmp_path / "tiny.gguf")
+    data = bytearray(gguf.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 64):
+        data[i] ^= 0xFF
+    gguf.write_bytes(bytes(data))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"doc{i}.txt").write_text(" ".join(f"the {j} then" for j in range(400 * i, 400 * i + 400)))
+    argv = ["--init-from", str(gguf), "--preset", "null", "--data", str(corpus), "--seq-len", "64"]
+    rc = train.main([*argv, "--batch-size", "1", "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("train.py: ")]  # not the progress bars
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"train.py: error: model: {gguf} is damaged: tensor ") and "holds a value of" in lines[0]
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_resume_of_a_file_that_is_not_a_safe_checkpoint(train, capsys, cache, tmp_path):
+    """--resume FILE on a pickle that a weights_only load refuses: one line, and its code never runs."""
+
+    class Payload:
+        def __reduce__(self):
+            return os.makedirs, (str(tmp_path / "payload-ran"),)
+
+    evil = tmp_path / "evil.ckpt"
+    torch.save({"global_step": 1, "state_dict": {}, "x": Payload()}, evil)
+    line = _error(train, ["--resume", str(evil)], capsys, cache)
+    assert line == (
+        f"train.py: error: --resume path {evil} is not a checkpoint that loads as data only (unsupported GLOBAL "
+        "os.makedirs whose module os is blocked); a pickle that needs more can run code, so it is not loaded: "
+        "resume from a checkpoint train.py wrote"
+    )
+    assert not (tmp_path / "payload-ran").exists()
+
+
 def test_unknown_key_in_a_config_file(train, capsys, cache, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("data:\n  seq_len: 64\n  sequence_length: 128\n")

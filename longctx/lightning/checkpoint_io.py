@@ -450,6 +450,22 @@ def checkpoint_step(path: PathLike) -> int:
     return step if isinstance(step, int) and not isinstance(step, bool) else -1
 
 
+def _check_loads_as_data(path: Path) -> None:
+    """A checkpoint named on purpose that a ``weights_only`` load refuses: one line, not
+    torch's advice to load it with ``weights_only=False`` (which could run its code)."""
+    if path.is_dir():
+        return  # a sharded folder's pickles are read through allowlists when it loads
+    try:
+        checkpoint_step(path)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"(?:Trying to load |Unsupported global: )(.*?)(?:\n|$)", str(exc))
+        why = found[1].strip().rstrip(".") if found else " ".join(str(exc).split())[:200]
+        raise ValueError(
+            f"--resume path {path} is not a checkpoint that loads as data only ({why}); a pickle that "
+            "needs more can run code, so it is not loaded: resume from a checkpoint train.py wrote"
+        ) from None
+
+
 def find_resume_checkpoint(path: PathLike) -> Path:
     """The checkpoint to resume from: ``path`` itself if intact, else the newest intact one.
 
@@ -465,6 +481,7 @@ def find_resume_checkpoint(path: PathLike) -> Path:
     if _looks_like_checkpoint(path) or path.is_file():
         problem = checkpoint_problem(path)
         if problem is None:
+            _check_loads_as_data(path)
             return path
         warnings.warn(
             f"checkpoint {path} is incomplete or corrupt ({problem}); looking for the newest intact one beside it",

@@ -66,8 +66,8 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
     ``instantiate=False``: parses only; ``device_checks=False``: checks what the command itself
     decides, on any machine (a GPU command on a CPU machine: tests/test_readme_commands.py):
     no CUDA needed for a GPU accelerator, no Trainer (so none of Lightning's device checks),
-    the model without the plan's kernel checks, no GGUF tokenizer read, no run directory
-    locked."""
+    the model without the plan's kernel checks, no GGUF tokenizer or --init-from checkpoint
+    read, no run directory locked."""
     import inspect
     from argparse import RawDescriptionHelpFormatter
 
@@ -239,6 +239,12 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
             cfg = self.config
             with refused_as("model", cfg.model.as_dict()):
                 CausalLMModule.check_arguments(**cfg.model.as_dict())
+            if cfg.model.init_from is not None and self.device_checks:
+                from longctx.models.checkpoint_import import check_init_from
+
+                # The checkpoint's files checked and its sizes against the config's, before the
+                # tokenizer and the data: its tensors are read (and their values checked) with the model.
+                check_init_from(cfg.model.init_from, cfg.model.model, configs=default_config.parent)
             if self.resume_checkpoint is not None:
                 self.check_resume()
             trainer = cfg.trainer
