@@ -118,6 +118,7 @@ def train(argv: Optional[list[str]] = None) -> int:
     try:  # data first: the tokenizer fixes the vocabulary of a freshly initialised model
         with file_lock(dm.cache_dir / ".train-prepare.lock"):
             dm.prepare_data()  # tokenizer + tokenized corpus, cached: re-launched ranks hit the cache
+        dm.check_one_batch(cli.data_parallel_size)  # here, not in every rank's setup
     except (ValueError, FileNotFoundError) as e:  # the corpus or tokenizer cannot be used
         message = one_line(e)
         if "sentences_.empty()" in message:  # SentencePiece skipped every (over-long) line

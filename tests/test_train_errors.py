@@ -232,6 +232,23 @@ def test_resume_with_other_data_tokenizer_or_model_settings_is_refused(train, ca
     assert "data.seq_len changed" in out
 
 
+def test_resume_of_a_checkpoint_with_nan_weights(train, capsys, cache, tmp_path):
+    """NaN in a checkpoint's weights: refused before anything starts, naming the tensor that
+    holds it (not another one the non-finite guard meets later) and an earlier checkpoint."""
+    run = _finished_run(train, tmp_path, step=4, max_steps=6)
+    weights = {"model.embed.weight": torch.randn(8, 4), "model.blocks.1.mlp.up_proj.weight": torch.randn(4, 4)}
+    torch.save({"global_step": 2, "state_dict": weights}, run / "checkpoints" / "step000002.ckpt")
+    weights["model.blocks.1.mlp.up_proj.weight"][1, 2:] = float("nan")
+    torch.save({"global_step": 4, "state_dict": weights}, run / "checkpoints" / "last.ckpt")
+    line = _error(train, ["--resume", str(run)], capsys, cache)
+    assert line == (
+        f"train.py: error: --resume {run / 'checkpoints' / 'last.ckpt'}: the checkpoint (step 4) holds NaN/Inf in "
+        "state_dict['model.blocks.1.mlp.up_proj.weight'] (2 of 16 values), so training on from it gives NaN: "
+        f"resume from a checkpoint saved before the values broke (--resume {run / 'checkpoints' / 'step000002.ckpt'}) "
+        "(a lower --lr, or --nonfinite.policy skip, may keep them finite)"
+    )
+
+
 def test_resume_reads_the_runs_config(train, tmp_path, cache, capsys):
     run = _finished_run(train, tmp_path, step=3, max_steps=6)
     saved = yaml.safe_load((run / "config.yaml").read_text())
@@ -298,6 +315,46 @@ def test_the_default_output_folder_moves_on_to_a_fresh_one(train, capsys, cache,
             f"output: runs/tiny-cpu holds an earlier run, so this one writes to {second.out} "
             "(--resume runs/tiny-cpu continues that one; --output-dir DIR picks the folder)\n"
         )
+
+
+def test_output_dir_that_cannot_be_written(train, capsys, cache, tmp_path):
+    """An --output-dir under a file, a file itself, or in a folder this user may not write:
+    one line naming the folder and why, exit code 2, before any data work."""
+    file = tmp_path / "notes.txt"
+    file.write_text("x")
+    line = _error(train, ["--output-dir", str(file / "run")], capsys, cache)
+    assert line == (
+        f"train.py: error: run.output_dir {file / 'run'} cannot be written ({file} is a file, not a folder); "
+        "pass a writable --output-dir"
+    )
+    line = _error(train, ["--output-dir", str(file)], capsys, cache)
+    assert f"run.output_dir {file} cannot be written ({file} is a file, not a folder)" in line
+    if Path("/sys/kernel").is_dir():  # sysfs refuses new folders even to root
+        line = _error(train, ["--output-dir", "/sys/longctx-run"], capsys, cache)
+        assert "run.output_dir /sys/longctx-run cannot be written (Operation not permitted: /sys/longctx-run)" in line
+    if os.geteuid() != 0:  # root writes into read-only folders
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        line = _error(train, ["--output-dir", str(locked / "run")], capsys, cache)
+        assert f"run.output_dir {locked / 'run'} cannot be written (Permission denied" in line
+
+
+def test_corpus_too_small_for_one_batch_with_a_given_tokenizer(train, capsys, cache, tmp_path):
+    """A tokenizer given (nothing to train) and a corpus that makes no full batch: one line with
+    exit code 2 once the corpus is tokenized, before any process starts (not a traceback per rank)."""
+    from longctx.data.tokenizer import SentencePieceTokenizer
+
+    lines = [f"def f{i}(x):\n    return x + {i}\n" for i in range(300)]
+    model = tmp_path / "tok.model"
+    SentencePieceTokenizer.train(lines, vocab_size=300).save(model)
+    corpus = tmp_path / "small.txt"
+    corpus.write_text("".join(lines[:20]))
+    rc = train.main(["--data", str(corpus), "--tokenizer", str(model), "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("train.py: ")]  # not the progress bars
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("train.py: error: data: the training split is smaller than one global batch: ")
+    assert "batch_size 8 x data-parallel size 1 = 8" in lines[0]
 
 
 def test_error_as_a_command(tmp_path):

@@ -333,7 +333,7 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
             model's arguments checked on its device, the run directory locked (rank 0)."""
             if not self._instantiate:
                 return
-            from .run_dir import lock_run_dir
+            from .run_dir import lock_run_dir, make_run_dir
             from .training import launch_rank
 
             cfg = self.config
@@ -354,6 +354,8 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
                     CausalLMModule.check_arguments(**cfg.model.as_dict(), device=self.trainer.strategy.root_device)
                 if launch_rank() == 0:
                     self.run_lock = lock_run_dir(self.out)
+                else:  # every rank writes there (sharded checkpoints): each one refuses alike
+                    make_run_dir(self.out)
 
         @staticmethod
         def _instantiator(section: str, given: Any = dict, then: Any = None):
@@ -368,6 +370,12 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
                 return built
 
             return build
+
+        @property
+        def data_parallel_size(self) -> int:
+            """The run's data-parallel size where the command decides it (world / CP), else 1."""
+            world, cp = getattr(self, "world", None), self.config.strategy.context_parallel_size
+            return world // cp if world and cp and world % cp == 0 else 1
 
         def _data_arguments(self) -> dict:
             # The data module checks its sequence length against the CP size the strategy will
@@ -435,7 +443,7 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
 
         def check_resume(self) -> None:
             """Refuse a resume that cannot continue the run, and say what a flag changes."""
-            from .checkpoint_io import checkpoint_step
+            from .checkpoint_io import checkpoint_step, nonfinite_entry
             from .training import say
 
             cfg, ckpt = self.config, self.resume_checkpoint
@@ -459,6 +467,15 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
                     "(another --output-dir)"
                 )
             step = checkpoint_step(ckpt)  # the checkpoint was verified when parsing picked it
+            nonfinite = nonfinite_entry(ckpt)
+            if nonfinite:
+                earlier = earlier_checkpoints(ckpt, step)
+                raise ValueError(
+                    f"--resume {ckpt}: the checkpoint (step {step}) holds NaN/Inf in {nonfinite}, so training on "
+                    "from it gives NaN: resume from a checkpoint saved before the values broke"
+                    + (f" (--resume {earlier[0]})" if earlier else "")
+                    + " (a lower --lr, or --nonfinite.policy skip, may keep them finite)"
+                )
             max_steps = cfg.trainer.max_steps
             if step >= 0 and step >= max_steps:
                 decay = cfg.model.decay_steps or max_steps
@@ -537,6 +554,22 @@ def model_vocab(model: Any) -> int:
     from longctx.models import GPTConfig
 
     return GPTConfig.from_dict(model.model).vocab_size
+
+
+def earlier_checkpoints(checkpoint: Path, step: int) -> list[Path]:
+    """The intact checkpoints beside ``checkpoint`` saved before ``step``, newest first."""
+    from .checkpoint_io import checkpoint_step
+    from .checkpoint_verify import is_complete_checkpoint
+
+    found = []
+    for other in checkpoint.parent.glob("*.ckpt"):
+        try:
+            other_step = checkpoint_step(other)
+        except Exception:  # noqa: BLE001 - an unreadable one is no way out
+            continue
+        if other != checkpoint and 0 <= other_step < step and is_complete_checkpoint(other):
+            found.append((other_step, other))
+    return [path for _, path in sorted(found, reverse=True)]
 
 
 def run_dir_of(checkpoint: Path) -> Path:

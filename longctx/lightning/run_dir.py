@@ -20,6 +20,7 @@ __all__ = [
     "flatten_metrics",
     "fresh_run_dir",
     "lock_run_dir",
+    "make_run_dir",
     "plot_loss",
     "run_outputs",
     "write_atomic",
@@ -35,11 +36,14 @@ def run_outputs(out: Path) -> list[str]:
     found = []
     for name in RUN_OUTPUTS:
         path = out / name
-        if path.is_dir():
-            if any(not p.name.startswith(".") for p in path.iterdir()):
-                found.append(f"{name}/")
-        elif path.exists():
-            found.append(name)
+        try:
+            if path.is_dir():
+                if any(not p.name.startswith(".") for p in path.iterdir()):
+                    found.append(f"{name}/")
+            elif path.exists():
+                found.append(name)
+        except OSError:  # unreadable: making the run's folder will say why
+            continue
     return found
 
 
@@ -56,9 +60,28 @@ def fresh_run_dir(default: Path) -> Path:
     return candidate
 
 
+def make_run_dir(out: Path) -> None:
+    """Create ``out`` (and its parents) and check a file can be written in it; where not, one
+    ``ValueError`` naming the folder and why (read-only, a file in the way), not an OSError."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        if isinstance(e, FileExistsError) or out.exists() and not out.is_dir():
+            why = f"{out} is a file, not a folder"
+        elif isinstance(e, NotADirectoryError) or isinstance(e, FileNotFoundError) and e.filename != str(out):
+            parent = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+            why = f"{parent} is a file, not a folder" if parent else (e.strerror or str(e))
+        else:
+            why = f"{e.strerror or e}: {e.filename}" if e.filename else str(e)
+        raise ValueError(f"run.output_dir {out} cannot be written ({why}); pass a writable --output-dir") from None
+
+
 def lock_run_dir(out: Path):
     """Hold an exclusive lock on the run directory: a second run there is an error, not a mix."""
-    out.mkdir(parents=True, exist_ok=True)
+    make_run_dir(out)
     handle = open(out / ".run.lock", "a+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
