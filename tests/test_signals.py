@@ -81,6 +81,8 @@ def _start(out: Path, env: dict, *extra: str) -> subprocess.Popen:
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        # As in a terminal, also where pytest runs in the background (which ignores SIGINT).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
