@@ -86,14 +86,16 @@ INTERRUPTED = 128 + 2  # exit code of a run stopped by Ctrl-C (SIGINT), as a she
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    fitted: list[bool] = []  # set once training has run: a Ctrl-C after it interrupts the summary only
     try:
-        return train(argv)
-    except KeyboardInterrupt:  # Ctrl-C before the run's handler took over (parsing, data work)
-        print("train.py: stopped by Ctrl-C before training started (nothing to resume)", file=sys.stderr)
+        return train(argv, fitted)
+    except KeyboardInterrupt:  # Ctrl-C outside the fit, where the run's own handler stops it
+        when = "after training, while writing the summary" if fitted else "before training started"
+        print(f"train.py: stopped by Ctrl-C {when}", file=sys.stderr)
         return INTERRUPTED
 
 
-def train(argv: Optional[list[str]] = None) -> int:
+def train(argv: Optional[list[str]] = None, fitted: Optional[list] = None) -> int:
     from argparse import ArgumentError
 
     try:  # every mistake the command line can show: one line, rc 2, before any data work
@@ -136,6 +138,8 @@ def train(argv: Optional[list[str]] = None) -> int:
 
     say(describe_run(trainer, module, seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size, out=out, resume=resume))
     stopped, code = fit(trainer, module, dm, resume)
+    if fitted is not None:
+        fitted.append(True)
     if code is not None:
         return code
     if trainer.is_global_zero:

@@ -357,6 +357,20 @@ def test_corpus_too_small_for_one_batch_with_a_given_tokenizer(train, capsys, ca
     assert "batch_size 8 x data-parallel size 1 = 8" in lines[0]
 
 
+def test_ctrl_c_before_training_is_one_line(train, capsys, cache, tmp_path, monkeypatch):
+    """Ctrl-C while the corpus is prepared (before the run's own handler exists): one line and
+    exit code 130, not a KeyboardInterrupt traceback."""
+    from longctx.data import LongDocumentDataModule
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LongDocumentDataModule, "prepare_data", interrupted)
+    rc = train.main(["--output-dir", str(tmp_path / "out")])
+    assert rc == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["train.py: stopped by Ctrl-C before training started"]
+
+
 def test_error_as_a_command(tmp_path):
     """The whole path as a user runs it: rc 2 and a single stderr line, imports included
     (~7 s on an idle 2-core machine; the bound leaves room for a CI that shares its cores)."""
