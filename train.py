@@ -82,7 +82,20 @@ def prepare(argv: list[str], *, instantiate: bool = True, device_checks: bool = 
     return cli(argv, instantiate=instantiate, device_checks=device_checks)
 
 
+INTERRUPTED = 128 + 2  # exit code of a run stopped by Ctrl-C (SIGINT), as a shell reports it
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    fitted: list[bool] = []  # set once training has run: a Ctrl-C after it interrupts the summary only
+    try:
+        return train(argv, fitted)
+    except KeyboardInterrupt:  # Ctrl-C outside the fit, where the run's own handler stops it
+        when = "after training, while writing the summary" if fitted else "before training started"
+        print(f"train.py: stopped by Ctrl-C {when}", file=sys.stderr)
+        return INTERRUPTED
+
+
+def train(argv: Optional[list[str]] = None, fitted: Optional[list] = None) -> int:
     from argparse import ArgumentError
 
     try:  # every mistake the command line can show: one line, rc 2, before any data work
@@ -107,6 +120,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:  # data first: the tokenizer fixes the vocabulary of a freshly initialised model
         with file_lock(dm.cache_dir / ".train-prepare.lock"):
             dm.prepare_data()  # tokenizer + tokenized corpus, cached: re-launched ranks hit the cache
+        dm.check_one_batch(cli.data_parallel_size)  # here, not in every rank's setup
     except (ValueError, FileNotFoundError) as e:  # the corpus or tokenizer cannot be used
         message = one_line(e)
         if "sentences_.empty()" in message:  # SentencePiece skipped every (over-long) line
@@ -116,10 +130,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             )
         print(f"train.py: error: data: {message}", file=sys.stderr)
         return 2
-    module = cli.instantiate_model()
+    try:  # a checkpoint to start from whose tensors show damage (longctx.models.checkpoint_import)
+        module = cli.instantiate_model()
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        print(f"train.py: error: model: {one_line(e)}", file=sys.stderr)
+        return 2
 
     say(describe_run(trainer, module, seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size, out=out, resume=resume))
     stopped, code = fit(trainer, module, dm, resume)
+    if fitted is not None:
+        fitted.append(True)
     if code is not None:
         return code
     if trainer.is_global_zero:

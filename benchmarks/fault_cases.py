@@ -217,6 +217,43 @@ def sigterm(target: str) -> Callable[[Settings], Row]:
     return case
 
 
+def sigint(target: str, launcher: str = "plain") -> Callable[[Settings], Row]:
+    """Ctrl-C: SIGINT to the launching process only (``kill -INT``; under a plain launch that is
+    rank 0) or to every process of the job (``all``: what a terminal does; under torchrun its
+    agent also passes it on). Like SIGTERM: every rank stops after the same step with a
+    checkpoint of it, exit code 130, and the resumed losses continue the uninterrupted run's."""
+    suffix = "_torchrun" if launcher == "torchrun" else ""
+
+    def case(s: Settings) -> Row:
+        name = f"sigint_{target}{suffix}"
+        to = "every process (a terminal's Ctrl-C)" if target == "all" else "the launching process (kill -INT)"
+        row = Row(name, f"SIGINT to {to} mid-step" + (", under torchrun" if suffix else ""))
+        out = s.workdir / name
+        run, rc = _signal_mid_step(s, row, name, launcher, target, signal.SIGINT, s.grace + 10)
+        log = run.log()
+        row["message"] = find_line(log, r"^stopped by SIGINT \(Ctrl-C\) at step", r"stopped by SIGINT")
+        if launcher == "plain":
+            row.check(rc == 130, f"exit code {rc}, not 130")
+        else:
+            codes = [int(c) for c in _torchrun_exit_codes(log)]
+            row["exit_codes"]["workers"] = codes
+            row.check(codes in ([130, 130], []) and "stopped by SIGINT at step" in log, f"workers exited {codes}")
+        row.check(
+            row["seconds"] is not None and row["seconds"] <= s.grace,
+            f"took {row['seconds']}s > the {s.grace:g}s grace period",
+        )
+        ends = [run.completed(r) for r in range(2)]
+        row.check(ends[0] == ends[1], f"ranks stopped at different steps {ends}")
+        _work_lost(run, out, row)
+        row.check(row["work_lost"] == 0, f"{row['work_lost']} steps lost (the stop saves its own step)")
+        row.check(" failed" not in log and "KeyboardInterrupt" not in log, "a rank was reported failed")
+        _resume_matches(s, row, out, f"{name}_resume")
+        return row
+
+    case.__name__ = f"sigint_{target}{suffix}"
+    return case
+
+
 def _torchrun_exit_codes(log: str) -> list[str]:
     return re.findall(r"exitcode\s*:\s*(-?\d+)", log)
 
@@ -424,6 +461,9 @@ CASES: dict[str, Callable[[Settings], Row]] = {
     "sigterm_rank1": sigterm("rank1"),
     "sigterm_rank0": sigterm("rank0"),
     "sigterm_launcher": sigterm("launcher"),
+    "sigint_launcher": sigint("launcher"),
+    "sigint_all": sigint("all"),
+    "sigint_all_torchrun": sigint("all", "torchrun"),
     "sigkill_rank1": sigkill("rank1"),
     "sigkill_rank0": sigkill("rank0"),
     "sigkill_rank0_torchrun": sigkill("rank0", "torchrun"),
@@ -437,4 +477,14 @@ CASES: dict[str, Callable[[Settings], Row]] = {
     "reshard_1to2": reshard("1>2"),
 }
 # Cases that compare losses with the uninterrupted run (or resume its checkpoints).
-NEEDS_REFERENCE = {"sigterm_rank1", "sigterm_rank0", "sigterm_launcher", "enospc_rank1", "reshard_2to1", "reshard_1to2"}
+NEEDS_REFERENCE = {
+    "sigterm_rank1",
+    "sigterm_rank0",
+    "sigterm_launcher",
+    "sigint_launcher",
+    "sigint_all",
+    "sigint_all_torchrun",
+    "enospc_rank1",
+    "reshard_2to1",
+    "reshard_1to2",
+}

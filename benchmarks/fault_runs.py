@@ -171,7 +171,12 @@ class Run:
     # -- ending ----------------------------------------------------------------------------
 
     def signal(self, target: str, signum: int) -> int:
-        """Send ``signum`` to ``target`` ("launcher" or "rank0"/"rank1"); returns the pid."""
+        """Send ``signum`` to ``target`` ("launcher", "rank0"/"rank1", or "all": every process of
+        the run, as a terminal's Ctrl-C reaches them, the run being a session of its own); returns
+        the pid (of the launcher for "all")."""
+        if target == "all":
+            os.killpg(self.proc.pid, signum)
+            return self.proc.pid
         pid = self.proc.pid if target == "launcher" else self.pid(int(target.removeprefix("rank")))
         if pid is None:
             raise RuntimeError(f"{self.name}: no pid for {target}")

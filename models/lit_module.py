@@ -47,7 +47,7 @@ from longctx.run_plan import balances_documents
 from longctx.sharding import document_position_ids, is_sharded
 from longctx.validation import ArgumentValueError, check_choice, check_number
 
-from .checkpoint_import import check_checkpoint_spec, check_init_from, load_pretrained
+from .checkpoint_import import check_checkpoint_spec, check_run_checkpoint_sizes, load_pretrained
 from .config import GPTConfig
 from .gpt import GPT
 
@@ -616,7 +616,7 @@ def _check_arguments(args: Mapping[str, Any]) -> None:
             )
     elif init_from is not None:
         check_checkpoint_spec("init_from", init_from)
-        check_init_from(init_from, model)  # a train.py checkpoint's sizes, before any data work
+        check_run_checkpoint_sizes(init_from, model)  # a train.py checkpoint's sizes, before any data work
     elif not isinstance(model, GPTConfig):
         GPTConfig.from_dict(dict(model or {}))  # unknown keys and bad sizes
 

@@ -273,6 +273,25 @@ class LongDocumentDataModule(L.LightningDataModule):
         val = load_split(self._packed_dir, "val", self.seq_len, **kwargs)
         self._collect_stats(train, val)
         dp_size, _ = self._dp()
+        self._check_one_batch(train, dp_size)
+        if self.val_fraction > 0 and len(val) < dp_size and self._is_global_zero():
+            logger.warning(
+                "data: the validation split has %d sequences of %d tokens for %d data-parallel ranks; "
+                "validation is skipped (raise val_fraction or lower seq_len)",
+                len(val),
+                self.seq_len + 1,
+                dp_size,
+            )
+        self.train_dataset, self.val_dataset = train, val
+
+    def check_one_batch(self, data_parallel_size: int = 1) -> None:
+        """After ``prepare_data``, before any process starts: a training split smaller than one
+        global batch (``batch_size`` x ``data_parallel_size``) is a ``ValueError`` now, not one in
+        every rank's ``setup``."""
+        packed = self._build()  # the caches prepare_data wrote: memory-mapped, not rebuilt
+        self._check_one_batch(load_split(packed, "train", self.seq_len), data_parallel_size)
+
+    def _check_one_batch(self, train: PackedSequenceDataset, dp_size: int) -> None:
         global_batch = self.batch_size * dp_size
         n_train = len(train)
         if n_train < global_batch:
@@ -283,15 +302,6 @@ class LongDocumentDataModule(L.LightningDataModule):
                 "corpus, a smaller seq_len or batch_size, or a smaller val_fraction "
                 "(the tokenized corpus is cached, so retrying is fast)."
             )
-        if self.val_fraction > 0 and len(val) < dp_size and self._is_global_zero():
-            logger.warning(
-                "data: the validation split has %d sequences of %d tokens for %d data-parallel ranks; "
-                "validation is skipped (raise val_fraction or lower seq_len)",
-                len(val),
-                self.seq_len + 1,
-                dp_size,
-            )
-        self.train_dataset, self.val_dataset = train, val
 
     def _collect_stats(self, train: PackedSequenceDataset, val: PackedSequenceDataset) -> None:
         assert self._packed_dir is not None
@@ -403,7 +413,7 @@ class LongDocumentDataModule(L.LightningDataModule):
             return
         saved, now = state_dict.get("identity", {}), self._identity()
         changed = [k for k in ("packed", "seq_len", "seed") if saved.get(k) != now.get(k) and now.get(k) is not None]
-        if changed:
+        if changed and self._is_global_zero():
             logger.warning(
                 "data: resuming with changed %s (checkpoint %s, now %s); the sampler checks "
                 "whether the saved position still applies",

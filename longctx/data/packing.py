@@ -13,6 +13,11 @@ Three stages, each cached under ``cache_dir`` by a hash of its inputs:
    (consecutive windows share one token, so every next-token pair is trained exactly
    once). ``seq_len`` is not part of any cache key: changing it costs nothing.
 
+A cached result is checked before it is reused (``meta.json`` records what it holds: the
+tokenized corpus's file sizes and documents, the packed streams' token counts); a damaged one
+(a truncated file, one that no longer loads) is rebuilt with a warning naming the file, or,
+where it cannot be removed, refused in one line that says how to clear it.
+
 Labels are shifted on the full window (``labels[t] = tokens[t+1]``) before any
 context-parallel sharding. By default a label whose token belongs to another document
 than its input position is ignored (-100): the last token of a document does not
@@ -71,7 +76,7 @@ def tokenize_corpus(
 
     key = tokenized_key(corpus, tokenizer)
     final = Path(cache_dir) / "tokenized" / key
-    if (final / "meta.json").is_file():
+    if (final / "meta.json").is_file() and _reusable(final, _tokenized_problem):
         logger.debug("data: reusing tokenized corpus %s", final)
         return final
     documents, stats = corpus.load()
@@ -113,6 +118,7 @@ def tokenize_corpus(
         write_json(
             out / "meta.json",
             {
+                "files": {f.name: f.stat().st_size for f in sorted(out.iterdir()) if f.is_file()},
                 "corpus": corpus.name,
                 "corpus_fingerprint": corpus.fingerprint,
                 "tokenizer": repr(tokenizer),
@@ -192,7 +198,7 @@ def pack_corpus(
 
     key = packed_key(tokenized_dir, bos_id=bos_id, eos_id=eos_id, val_fraction=val_fraction, seed=seed)
     final = Path(cache_dir) / "packed" / key
-    if (final / "meta.json").is_file():
+    if (final / "meta.json").is_file() and _reusable(final, _packed_problem):
         return final
     ds = load_from_disk(str(tokenized_dir))
     lengths = np.asarray(ds.data.column("num_tokens").to_numpy(), dtype=np.int64)
@@ -217,6 +223,71 @@ def pack_corpus(
     finally:
         shutil.rmtree(out, ignore_errors=True)  # only left behind when something failed
     return final
+
+
+def _tokenized_problem(folder: Path) -> Optional[str]:
+    """Why a cached tokenized corpus cannot be reused (a file of another size than written,
+    or, for caches that recorded no sizes, one that does not load), or None."""
+    meta = read_json(folder / "meta.json")
+    files = meta.get("files")
+    if isinstance(files, dict):
+        for name, size in files.items():
+            path = folder / name
+            if not path.is_file():
+                return f"{path} is missing"
+            if path.stat().st_size != size:
+                return f"{path} has {path.stat().st_size} bytes, {size} were written"
+        return None
+    from datasets import load_from_disk
+
+    try:
+        documents = len(load_from_disk(str(folder)))
+    except Exception as exc:  # noqa: BLE001 - every way a damaged Arrow cache fails to load
+        return f"{folder} does not load ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+    if documents != meta.get("documents"):
+        return f"{folder} holds {documents} documents, {meta.get('documents')} were written"
+    return None
+
+
+def _packed_problem(folder: Path) -> Optional[str]:
+    """Why cached token streams cannot be reused (a file that does not memory-map, or holds
+    another number of tokens than written), or None."""
+    meta = read_json(folder / "meta.json")
+    for split in SPLITS:
+        for stream in ("tokens", "documents"):
+            path = folder / f"{split}.{stream}.npy"
+            try:
+                n = len(np.load(path, mmap_mode="r"))
+            except (OSError, ValueError) as exc:  # "mmap length is greater than file size"
+                return f"{path} does not load ({exc})"
+            if n != meta[split]["tokens"]:
+                return f"{path} holds {n} tokens, {meta[split]['tokens']} were written"
+    return None
+
+
+def _reusable(folder: Path, problem_of) -> bool:
+    """Whether a cached result can be reused; a damaged one is removed (so that it is built
+    again), with a warning naming what is wrong; one that cannot be removed: one line saying
+    how to clear it."""
+    try:
+        problem = problem_of(folder)
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # meta.json itself damaged
+        problem = f"{folder / 'meta.json'} is unreadable ({type(exc).__name__}: {exc})"
+    if problem is None:
+        return True
+    logger.warning("data: the cache is damaged (%s); building it again", problem)
+    try:
+        aside = tmp_sibling(folder)
+        os.rename(folder, aside)  # at once: no process picks a half-removed cache
+        shutil.rmtree(aside)
+    except FileNotFoundError:
+        pass  # another process moved it aside first
+    except OSError as exc:
+        raise ValueError(
+            f"data cache {folder} is damaged ({problem}) and cannot be removed ({exc}); remove it "
+            f"(rm -r {folder}) and run again"
+        ) from None
+    return False
 
 
 def _write_stream(

@@ -136,16 +136,16 @@ class ContextParallelSampler(DistributedSampler):
         ]
         self.epoch = int(state["epoch"])
         if mismatch:
-            msg = (
-                "sampler state does not match this dataset (" + "; ".join(mismatch) + "): the resumed run "
-                f"restarts epoch {self.epoch} from its beginning and will not see the same samples"
-            )
-            logger.warning(msg)
-            warnings.warn(msg, stacklevel=2)
+            if _is_rank_zero():  # every rank restores the same state: one notice is enough
+                warnings.warn(
+                    "sampler state does not match this dataset (" + "; ".join(mismatch) + "): the resumed run "
+                    f"restarts epoch {self.epoch} from its beginning and will not see the same samples",
+                    stacklevel=2,
+                )
             self._resume_from = self._consumed = 0
             return
         consumed = int(state["consumed"])
-        if state.get("num_replicas") != self.num_replicas:
+        if state.get("num_replicas") != self.num_replicas and _is_rank_zero():
             logger.info(
                 "sampler: resuming with %d data-parallel replicas (checkpoint had %s) at sample %d of epoch %d",
                 self.num_replicas,
@@ -154,6 +154,12 @@ class ContextParallelSampler(DistributedSampler):
                 self.epoch,
             )
         self._resume_from = self._consumed = min(consumed, n)
+
+
+def _is_rank_zero() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _batch_size_of(batch: Any, default: Optional[int]) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
 import os
 import random
@@ -181,8 +182,15 @@ class SentencePieceTokenizer:
             cache_dir, corpus_fingerprint, vocab_size=vocab_size, model_type=model_type, max_chars=max_chars, seed=seed
         )
         if path.is_file():
-            logger.info("tokenizer: reusing cached SentencePiece model %s", path)
-            return cls(path)
+            try:
+                tok = cls(path)
+                recorded = _recorded_fingerprint(path)
+                if recorded is not None and recorded != tok.fingerprint:
+                    raise ValueError(f"its sha256 {tok.fingerprint[:16]}... is not the recorded {recorded[:16]}...")
+                logger.info("tokenizer: reusing cached SentencePiece model %s", path)
+                return tok
+            except ValueError as exc:  # a damaged file (truncated, overwritten): trained again
+                logger.warning("tokenizer: the cached model %s is damaged (%s); training it again", path, exc)
         logger.info("tokenizer: training a SentencePiece %s model (vocab_size=%d) -> %s", model_type, vocab_size, path)
         tok = cls.train(texts_fn(), vocab_size=vocab_size, model_type=model_type, max_chars=max_chars, seed=seed)
         tmp = tmp_sibling(path)
@@ -197,9 +205,19 @@ class SentencePieceTokenizer:
                 "max_chars": max_chars,
                 "seed": seed,
                 "recipe": _SPM_RECIPE_VERSION,
+                "fingerprint": tok.fingerprint,  # checked when the cached file is reused
             },
         )
         return cls(path)
+
+
+def _recorded_fingerprint(model_path: Path) -> Optional[str]:
+    """The fingerprint (sha256 of the bytes) written beside a cached model, if any."""
+    try:
+        value = json.loads(model_path.with_suffix(".json").read_text()).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def spm_cache_path(cache_dir: PathLike, corpus_fingerprint: str, **settings: Any) -> Path:

@@ -450,6 +450,50 @@ def checkpoint_step(path: PathLike) -> int:
     return step if isinstance(step, int) and not isinstance(step, bool) else -1
 
 
+def nonfinite_entry(path: PathLike) -> Optional[str]:
+    """The first tensor of a single-file checkpoint's weights or optimizer state that holds NaN
+    or Inf, named with its count (``state_dict['w'] (3 of 64 values)``), or None. A sharded
+    folder is not read here (None)."""
+    path = Path(path)
+    if path.is_dir():
+        return None
+    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if not isinstance(ckpt, dict):
+        return None
+
+    def walk(value: Any, where: str) -> Optional[str]:
+        if torch.is_tensor(value):
+            if value.is_floating_point() or value.is_complex():
+                bad = int((~torch.isfinite(value)).sum())
+                if bad:
+                    return f"{where} ({bad} of {value.numel()} values)"
+            return None
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in items:
+            found = walk(item, f"{where}[{key!r}]")
+            if found:
+                return found
+        return None
+
+    return walk(ckpt.get("state_dict"), "state_dict") or walk(ckpt.get("optimizer_states"), "optimizer_states")
+
+
+def _check_loads_as_data(path: Path) -> None:
+    """A checkpoint named on purpose that a ``weights_only`` load refuses: one line, not
+    torch's advice to load it with ``weights_only=False`` (which could run its code)."""
+    if path.is_dir():
+        return  # a sharded folder's pickles are read through allowlists when it loads
+    try:
+        checkpoint_step(path)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"(?:Trying to load |Unsupported global: )(.*?)(?:\n|$)", str(exc))
+        why = found[1].strip().rstrip(".") if found else " ".join(str(exc).split())[:200]
+        raise ValueError(
+            f"--resume path {path} is not a checkpoint that loads as data only ({why}); a pickle that "
+            "needs more can run code, so it is not loaded: resume from a checkpoint train.py wrote"
+        ) from None
+
+
 def find_resume_checkpoint(path: PathLike) -> Path:
     """The checkpoint to resume from: ``path`` itself if intact, else the newest intact one.
 
@@ -465,6 +509,7 @@ def find_resume_checkpoint(path: PathLike) -> Path:
     if _looks_like_checkpoint(path) or path.is_file():
         problem = checkpoint_problem(path)
         if problem is None:
+            _check_loads_as_data(path)
             return path
         warnings.warn(
             f"checkpoint {path} is incomplete or corrupt ({problem}); looking for the newest intact one beside it",

@@ -66,8 +66,8 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
     ``instantiate=False``: parses only; ``device_checks=False``: checks what the command itself
     decides, on any machine (a GPU command on a CPU machine: tests/test_readme_commands.py):
     no CUDA needed for a GPU accelerator, no Trainer (so none of Lightning's device checks),
-    the model without the plan's kernel checks, no GGUF tokenizer read, no run directory
-    locked."""
+    the model without the plan's kernel checks, no GGUF tokenizer or --init-from checkpoint
+    read, no run directory locked."""
     import inspect
     from argparse import RawDescriptionHelpFormatter
 
@@ -239,6 +239,12 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
             cfg = self.config
             with refused_as("model", cfg.model.as_dict()):
                 CausalLMModule.check_arguments(**cfg.model.as_dict())
+            if cfg.model.init_from is not None and self.device_checks:
+                from longctx.models.checkpoint_import import check_init_from
+
+                # The checkpoint's files checked and its sizes against the config's, before the
+                # tokenizer and the data: its tensors are read (and their values checked) with the model.
+                check_init_from(cfg.model.init_from, cfg.model.model, configs=default_config.parent)
             if self.resume_checkpoint is not None:
                 self.check_resume()
             trainer = cfg.trainer
@@ -258,9 +264,42 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
             default_vocab = self.parser.get_defaults().data.vocab_size
             if cfg.data.tokenizer is None and cfg.model.init_from is None and cfg.data.vocab_size == default_vocab:
                 cfg.data.vocab_size = model_vocab(cfg.model)
-            if cfg.run.output_dir is None:  # a resumed run continues in its own directory
-                ckpt = self.resume_checkpoint
-                cfg.run.output_dir = str(run_dir_of(ckpt) if ckpt else Path("runs") / self.name)
+            self._choose_output_dir()
+
+        def _choose_output_dir(self) -> None:
+            """A resumed run continues in its own folder; a new one never writes into a folder
+            that holds another run: the default one (``runs/<config name>``) moves on to
+            ``runs/<config name>-2``, ... (said once), a given one is refused."""
+            from .launcher import LAUNCHER_PID_ENV
+            from .run_dir import fresh_run_dir, run_outputs
+            from .training import say
+
+            run, ckpt = self.config.run, self.resume_checkpoint
+            own = run_dir_of(ckpt) if ckpt is not None else None
+            if run.output_dir is None:
+                if own is not None:
+                    run.output_dir = str(own)
+                    return
+                default = Path("runs") / self.name
+                out = fresh_run_dir(default)
+                if out != default:
+                    say(
+                        f"output: {default} holds an earlier run, so this one writes to {out} "
+                        f"(--resume {default} continues that one; --output-dir DIR picks the folder)"
+                    )
+                run.output_dir = str(out)
+                return
+            out = Path(run.output_dir)
+            if own is not None and out.resolve() == own.resolve():
+                return
+            if LAUNCHER_PID_ENV in os.environ:
+                return  # a rank that rank 0 launched: rank 0 checked the folder before it
+            found = run_outputs(out)
+            if found:
+                raise ValueError(
+                    f"run.output_dir {out} already holds a run ({', '.join(found)}); a new run there would "
+                    f"overwrite it: continue it with --resume {out}, or pass another --output-dir"
+                )
 
         def _check_world(self) -> None:
             """``world``: the one the command asks for (the launcher's, else devices x nodes; None
@@ -294,7 +333,7 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
             model's arguments checked on its device, the run directory locked (rank 0)."""
             if not self._instantiate:
                 return
-            from .run_dir import lock_run_dir
+            from .run_dir import lock_run_dir, make_run_dir
             from .training import launch_rank
 
             cfg = self.config
@@ -315,6 +354,8 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
                     CausalLMModule.check_arguments(**cfg.model.as_dict(), device=self.trainer.strategy.root_device)
                 if launch_rank() == 0:
                     self.run_lock = lock_run_dir(self.out)
+                else:  # every rank writes there (sharded checkpoints): each one refuses alike
+                    make_run_dir(self.out)
 
         @staticmethod
         def _instantiator(section: str, given: Any = dict, then: Any = None):
@@ -329,6 +370,12 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
                 return built
 
             return build
+
+        @property
+        def data_parallel_size(self) -> int:
+            """The run's data-parallel size where the command decides it (world / CP), else 1."""
+            world, cp = getattr(self, "world", None), self.config.strategy.context_parallel_size
+            return world // cp if world and cp and world % cp == 0 else 1
 
         def _data_arguments(self) -> dict:
             # The data module checks its sequence length against the CP size the strategy will
@@ -396,7 +443,7 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
 
         def check_resume(self) -> None:
             """Refuse a resume that cannot continue the run, and say what a flag changes."""
-            from .checkpoint_io import checkpoint_step
+            from .checkpoint_io import checkpoint_step, nonfinite_entry
             from .training import say
 
             cfg, ckpt = self.config, self.resume_checkpoint
@@ -411,7 +458,24 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
                     f"--resume {ckpt}: the checkpoint holds another model shape than asked for "
                     f"({', '.join(changed)}); resume with the run's model (drop those flags)"
                 )
+            changed = [f"{k} {a!r} -> {b!r}" for k, (a, b) in self.overrides.items() if changes_what_is_trained(k)]
+            if changed:
+                raise ValueError(
+                    f"--resume {ckpt}: the run was trained with other data, tokenizer or model settings than "
+                    f"asked for here ({', '.join(changed)}); continuing it with them would train something else "
+                    "on the run's weights: drop those flags to continue the run, or start a new run "
+                    "(another --output-dir)"
+                )
             step = checkpoint_step(ckpt)  # the checkpoint was verified when parsing picked it
+            nonfinite = nonfinite_entry(ckpt)
+            if nonfinite:
+                earlier = earlier_checkpoints(ckpt, step)
+                raise ValueError(
+                    f"--resume {ckpt}: the checkpoint (step {step}) holds NaN/Inf in {nonfinite}, so training on "
+                    "from it gives NaN: resume from a checkpoint saved before the values broke"
+                    + (f" (--resume {earlier[0]})" if earlier else "")
+                    + " (a lower --lr, or --nonfinite.policy skip, may keep them finite)"
+                )
             max_steps = cfg.trainer.max_steps
             if step >= 0 and step >= max_steps:
                 decay = cfg.model.decay_steps or max_steps
@@ -426,6 +490,11 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
                 return
             changes = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in self.overrides.items())
             say(f"resume: the run's own config {where}" + (f"; overridden here: {changes}" if changes else ""))
+            if "data.seq_len" in self.overrides:
+                say(
+                    "resume: data.seq_len changed, so the corpus is cut into other sequences: the data order "
+                    "restarts its epoch from the beginning (the weights and optimizer state continue)"
+                )
             if "trainer.max_steps" in self.overrides and "model.decay_steps" not in self.overrides:
                 say(
                     f"resume: the lr schedule keeps ending at step {cfg.model.decay_steps} (--decay-steps N changes it)"
@@ -487,6 +556,22 @@ def model_vocab(model: Any) -> int:
     return GPTConfig.from_dict(model.model).vocab_size
 
 
+def earlier_checkpoints(checkpoint: Path, step: int) -> list[Path]:
+    """The intact checkpoints beside ``checkpoint`` saved before ``step``, newest first."""
+    from .checkpoint_io import checkpoint_step
+    from .checkpoint_verify import is_complete_checkpoint
+
+    found = []
+    for other in checkpoint.parent.glob("*.ckpt"):
+        try:
+            other_step = checkpoint_step(other)
+        except Exception:  # noqa: BLE001 - an unreadable one is no way out
+            continue
+        if other != checkpoint and 0 <= other_step < step and is_complete_checkpoint(other):
+            found.append((other_step, other))
+    return [path for _, path in sorted(found, reverse=True)]
+
+
 def run_dir_of(checkpoint: Path) -> Path:
     parent = checkpoint.parent
     return parent.parent if parent.name == "checkpoints" else parent
@@ -513,6 +598,38 @@ def resolve_devices(devices: Any, accelerator: str, context_parallel_size: Optio
     if devices == "auto" and accelerator == "cpu":
         return context_parallel_size or 1
     return devices
+
+
+# Settings a resume cannot change without training something else on the run's weights:
+# what the token stream is (corpus, tokenizer, split, order) and what the model computes.
+# Everything else (steps, schedule, cadence, precision, parallel layout, world size) is applied
+# and said once.
+DATA_KEYS = (
+    "data_path",
+    "text_column",
+    "tokenizer",
+    "vocab_size",
+    "tokenizer_model_type",
+    "tokenizer_train_chars",
+    "val_fraction",
+    "seed",
+    "max_documents",
+    "include_tests",
+    "stdlib_documents",
+    "mask_cross_document_labels",
+)
+MODEL_KEYS = ("attention", "rope_positions", "init_from", "hf_model")
+MODEL_INFORMATIONAL = ("max_seq_len", "init_std")  # GPTConfig fields that change nothing once trained
+
+
+def changes_what_is_trained(key: str) -> bool:
+    """Whether a resume that changes option ``key`` (dotted) trains something else."""
+    section, _, name = key.partition(".")
+    if section == "data":
+        return name in DATA_KEYS
+    if section == "model" and name.startswith("model."):
+        return name.removeprefix("model.") not in MODEL_INFORMATIONAL
+    return section == "model" and name in MODEL_KEYS
 
 
 MODEL_SHAPE_KEYS = (

@@ -1,4 +1,5 @@
-"""SIGTERM ends a job at a step boundary, every rank together, after a checkpoint that fits.
+"""SIGTERM and Ctrl-C end a job at a step boundary, every rank together, after a checkpoint
+that fits.
 
 SIGTERM is how ``timeout``, SLURM (preemption, time limit) and Kubernetes end a job; SIGKILL
 follows after a grace period (30 s by default in both schedulers). Lightning's own handler
@@ -18,6 +19,15 @@ that rank failing. Here (installed by ``ContextParallelStrategy``):
 * a timer started with the signal ends the process ``grace_period`` seconds later whatever
   it is doing (a save that does not fit, a rank stuck in a collective): better without a
   checkpoint than a hang; atomic saves keep the previous checkpoint whole.
+
+Ctrl-C (SIGINT) is a request to stop the same way (exit code 130 = 128 + SIGINT), not a
+``KeyboardInterrupt`` in whatever rank it lands in: a terminal sends it to every process of
+the job, ``kill -INT`` to the launching one only; the ranks agree on it after the step as on
+SIGTERM, so it is not passed on. A second Ctrl-C stops at once (no checkpoint of the current
+step; the ones saved before are intact); one that comes within ``INTERRUPT_REPEAT_S`` of the
+first is the same key press delivered twice (a terminal and torchrun's agent both pass it on).
+The handler is this process's while a fit lasts (from ``setup_environment`` to Lightning's
+teardown); a SIGINT that the process ignored when the fit began (``nohup``, ``&``) stays ignored.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from types import FrameType
 from typing import Any, Callable, Optional
 
@@ -35,6 +46,7 @@ from lightning.pytorch.callbacks import Callback
 from ..watchdog import hard_exit
 
 DEFAULT_GRACE_PERIOD = 25.0  # seconds: inside SLURM's and Kubernetes' default 30 s before SIGKILL
+INTERRUPT_REPEAT_S = 1.0  # a second SIGINT sooner than this is the first one delivered twice
 
 
 def signal_name(signum: int) -> str:
@@ -64,11 +76,15 @@ class SignalStop:
         self.grace_period = grace_period
         self.rank = 0
         self.signum: Optional[int] = None
+        self._began_at = 0.0
         self.checkpoint_saved = False
         self._forward, self._before_exit = forward, before_exit
 
     def handle(self, signum: int, _frame: Optional[FrameType] = None) -> None:
         """The signal handler: record, pass on, start the clock. Nothing that can block."""
+        if signum == signal.SIGINT:
+            self._interrupt()
+            return
         if self.signum is not None:
             return
         self._begin(signum)
@@ -79,14 +95,39 @@ class SignalStop:
         )
         self._forward(signum)
 
+    def _interrupt(self) -> None:
+        """Ctrl-C: the first one stops after the step like SIGTERM (not passed on: a terminal
+        sends it to every process, and the ranks agree on it after the step); a later one
+        (``INTERRUPT_REPEAT_S`` on) ends this process and those it launched at once."""
+        if self.signum is None:
+            self._begin(signal.SIGINT)
+            if self.rank == 0:  # a terminal's Ctrl-C reaches every rank: one line is enough
+                os.write(
+                    2,
+                    f"\n[longctx] Ctrl-C: stopping after the current step (checkpoint, then exit {128 + signal.SIGINT};"
+                    f" at most {self.grace_period:g}s); press Ctrl-C again to stop at once without one\n".encode(),
+                )
+            return
+        if time.monotonic() - self._began_at < INTERRUPT_REPEAT_S:
+            return  # the same key press, delivered again (terminal + torchrun's agent)
+        self._before_exit()
+        if self.rank == 0:
+            os.write(
+                2,
+                b"\n[longctx] second Ctrl-C: stopped at once, without a checkpoint of the current step; "
+                b"the checkpoints saved before are intact (--resume takes the newest)\n",
+            )
+        os._exit(128 + signal.SIGINT)
+
     def _begin(self, signum: int) -> None:
         self.signum = signum
+        self._began_at = time.monotonic()
         timer = threading.Timer(self.grace_period, self._expire)
         timer.daemon = True
         timer.start()
 
     def install(self, trainer: Any, rank: int) -> None:
-        """Take over SIGTERM in ``trainer``'s runs and stop them through ``StopOnSignal``."""
+        """Take over SIGTERM and SIGINT in ``trainer``'s runs and stop them through ``StopOnSignal``."""
         self.rank = rank
         if not any(isinstance(c, StopOnSignal) for c in trainer.callbacks):
             # Appended after Lightning placed the ModelCheckpoints last: a save due at the
@@ -95,6 +136,26 @@ class SignalStop:
         # Lightning's handler broadcasts inside the handler and makes ranks raise on their own
         # flags: its signal connector installs this one in its place while a run lasts.
         trainer._signal_connector._sigterm_notifier_fn = self.handle
+        self._take_interrupts(trainer._signal_connector)
+
+    def _take_interrupts(self, connector: Any) -> None:
+        """SIGINT to ``handle`` from now until the connector's teardown (the end of the fit,
+        also a failed one), then back to what it was; left alone where it is ignored."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may set handlers (and only it receives signals)
+        previous = signal.getsignal(signal.SIGINT)
+        if previous == signal.SIG_IGN:
+            return
+        signal.signal(signal.SIGINT, self.handle)
+        teardown = connector.teardown
+
+        def teardown_and_restore() -> None:
+            connector.teardown = teardown
+            teardown()
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, previous)
+
+        connector.teardown = teardown_and_restore
 
     def exit_now(self, message: str) -> None:
         """End the process (the watchdog's ``on_failure``). During a stop, ranks leaving at

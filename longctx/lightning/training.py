@@ -1,6 +1,6 @@
 """A training run in one output directory, as train.py runs it: its own options
 (``RunOptions``), the Trainer around a ``ContextParallelStrategy`` with the run's callbacks,
-the tokenizer the data module gets, the banner, ``fit`` that ends cleanly on SIGTERM, and
+the tokenizer the data module gets, the banner, ``fit`` that ends cleanly on SIGTERM and Ctrl-C, and
 the end-of-run summary. Usable by any script that keeps train.py's folder layout."""
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def describe_run(trainer: Any, module: Any, *, seq_len: int, batch_size: int, ou
 
 
 def fit(trainer: Any, module: Any, datamodule: Any, resume: Optional[Path]) -> tuple[Optional[Any], Optional[int]]:
-    """``trainer.fit``; a SIGTERM stop is an outcome, not an error: (the ``StoppedBySignal``
+    """``trainer.fit``; a SIGTERM or Ctrl-C stop is an outcome, not an error: (the ``StoppedBySignal``
     or None, None), or (None, exit code) where another rank left first during the stop, or
     (None, 2) with one line printed where the memory model refused the run before step 1."""
     from longctx.memory_fit import PredictedOutOfMemory
@@ -154,7 +154,7 @@ def fit(trainer: Any, module: Any, datamodule: Any, resume: Optional[Path]) -> t
     strategy = trainer.strategy
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume) if resume else None)
-    except StoppedBySignal as stop:  # SIGTERM (preemption, timeout): every rank stopped at one step
+    except StoppedBySignal as stop:  # SIGTERM (preemption, timeout) or Ctrl-C: every rank stopped at one step
         return stop, None
     except PredictedOutOfMemory as error:  # CausalLMModule's check before the first step
         print(f"train.py: error: {error}", file=sys.stderr, flush=True)  # one line by construction
@@ -192,9 +192,24 @@ def summarize_run(trainer: Any, out: Path, *, title: str, resumed: bool, stopped
         checkpoint = f"  checkpoint {stopped.checkpoint} (continue: --resume {out})\n"
     else:
         checkpoint = "  checkpoint none saved at this step\n"
-    return (
+    text = (
         (f"stopped by {signal_name(stopped.signum)}" if stopped else "done")
         + f": {trainer.global_step} steps; {summary}\n  metrics    {out / 'metrics.csv'}\n"
         + checkpoint
         + f"  loss plot  {out / 'loss.png'}\n  config     {out / 'config.yaml'}"
+    )
+    return text if stopped is None else f"{text}\n{stop_line(stopped, out)}"
+
+
+def stop_line(stopped: Any, out: Path) -> str:
+    """The last line of a run stopped by a signal: what stopped it, its exit code, how to go on."""
+    import signal
+
+    from .preemption import signal_name
+
+    name = signal_name(stopped.signum) + (" (Ctrl-C)" if stopped.signum == signal.SIGINT else "")
+    where = "its checkpoint" if stopped.checkpoint else "the newest checkpoint saved before it"
+    return (
+        f"stopped by {name} at step {stopped.step}, exit code {stopped.code}; to continue from {where}: "
+        f"python train.py --resume {out}"
     )

