@@ -7,7 +7,7 @@
 Every process of the launch is one context-parallel group (CP = world size; gloo on CPUs,
 NCCL on GPUs): each prompt and window is sharded as training shards it (``--layout``) and run
 with ring attention, so a length no single device holds is evaluated on N. The numbers do
-not depend on N (exact up to rounding: tests/test_evaluation.py).
+not depend on N (exact up to rounding: tests/model/test_evaluation.py).
 
 * passkey (``longctx.models.passkey``): a random key planted at each ``--depths`` of filler
   text of each ``--lengths``, ``--trials`` keys per cell, scored on the answer tokens:

@@ -6,7 +6,7 @@ The long-context evaluation's first measurement (evaluate.py; the passkey retrie
 as training runs it (sharded by the CP group's layout, ring attention), per-token losses a
 chunk of logits at a time, summed per (window, position bucket) and token-weighted over the
 ranks. Every rank returns the same numbers; at P ranks they equal one process's
-(tests/test_evaluation.py, float64).
+(tests/model/test_evaluation.py, float64).
 """
 
 from __future__ import annotations

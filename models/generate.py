@@ -16,7 +16,7 @@ CP group (or none: one process):
   token rank 0 of the group picks (greedy, or sampled with ``temperature`` / ``top_k`` /
   ``top_p`` from a generator seeded with ``seed``) is broadcast, so all ranks continue alike.
 
-Exact: the tokens and log-probabilities equal one process's (tests/test_generate.py).
+Exact: the tokens and log-probabilities equal one process's (tests/model/test_generate.py).
 
     from longctx.models.generate import generate
     out = generate(model, prompt_ids, 32)            # on every rank of the CP group

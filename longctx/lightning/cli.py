@@ -64,7 +64,7 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
     ``TrainCLI(argv)`` parses (configs/``default_config`` or a resumed run's own config.yaml
     <- ``--config`` files <- flags, in order) and builds every object before any data work;
     ``instantiate=False``: parses only; ``device_checks=False``: checks what the command itself
-    decides, on any machine (a GPU command on a CPU machine: tests/test_readme_commands.py):
+    decides, on any machine (a GPU command on a CPU machine: tests/lightning/test_readme_commands.py):
     no CUDA needed for a GPU accelerator, no Trainer (so none of Lightning's device checks),
     the model without the plan's kernel checks, no GGUF tokenizer or --init-from checkpoint
     read, no run directory locked."""

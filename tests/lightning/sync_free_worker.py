@@ -1,4 +1,4 @@
-"""Run by tests/test_sync_free_steps.py under torchrun (2 GPUs): whole Lightning training steps,
+"""Run by tests/lightning/test_sync_free_steps.py under torchrun (2 GPUs): whole Lightning training steps,
 CP = 2, packed documents, with the training step (from the batch's arrival through the
 backward, every hook between) under ``torch.cuda.set_sync_debug_mode("error")`` after two
 warm-up steps. Writes {"checked": steps run under it, "losses": [...]} to argv[1]."""

@@ -4,7 +4,7 @@ One spawned group of 8 processes (spawning and importing torch is most of the ti
 every case in float64 through the ``"torch"`` backend, causal, and compares the gathered out,
 dq, dk, dv with the explicit-mask reference (``tests/attention_reference.py``):
 
-* the document layouts of ``tests/test_ring_documents.py`` (random short documents, documents
+* the document layouts of ``tests/ring/test_ring_documents.py`` (random short documents, documents
   crossing every shard boundary, one-token documents, ids reused far apart, documents ending
   on shard boundaries, one document over every rank), zigzag and contiguous, with plain ids
   (planned per call) and with the step's ``DocumentPlan`` (then in two head chunks where the
