@@ -58,7 +58,7 @@ def torch_load_data(path: Path, *, trust_code: bool = False) -> Any:
     except pickle.UnpicklingError as exc:
         raise pickle.UnpicklingError(
             f"{path} holds objects other than tensors and plain data, and unpickling them can run "
-            f"code. Refused; if you trust whoever wrote the file, pass --trust-checkpoint-code. ({exc})"
+            f"code. Refused (evaluate.py takes --trust-checkpoint-code for a file you trust). ({exc})"
         ) from None
 
 

@@ -19,10 +19,21 @@ from helpers.train_script import load_train
 REPO = Path(__file__).resolve().parents[2]
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9_.<>-]*[a-z0-9_>])(?![\w.])")
 # Flags of other programs named in library strings.
-NOT_TRAIN_PY = {"--no-deps": "pip", "--sections": "benchmarks/ring.py", "--nproc-per-node": "torchrun"}
+NOT_TRAIN_PY = {
+    "--no-deps": "pip",
+    "--sections": "benchmarks/ring.py",
+    "--nproc-per-node": "torchrun",
+    "--max-sequences": "evaluate.py",
+    "--trust-checkpoint-code": "evaluate.py",
+}
 # A value of each flag's kind (a new hint names a flag missing here: add one).
 VALUES = {
     "--config": ["configs/tiny-cpu.yaml"],
+    "--data": ["stdlib:json"],
+    "--init-from": ["runs/no-such-run"],
+    "--lr": ["1e-4"],
+    "--nonfinite.policy": ["skip"],
+    "--preset": ["tiny"],
     "--context-parallel": ["2"],
     "--data-parallel": ["ddp"],
     "--devices": ["2"],
