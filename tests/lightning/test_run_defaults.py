@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_train_errors import cache, train  # noqa: F401 (fixtures)
 
 from longctx.parallel import ParallelPlan
 from longctx.run_plan import World, resolve_run
@@ -137,7 +138,7 @@ def test_config_yaml_reproduces_the_run_plan(tmp_path):
     env_cache = ["--data", "stdlib:json,email,http,logging,xml", "--model.model.vocab_size", "512"]
     small = [*env_cache, "--seq-len", "64", "--batch-size", "2", "--trainer.enable_progress_bar", "false"]
 
-    def train(args):
+    def run(args):
         import os
 
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
@@ -148,13 +149,27 @@ def test_config_yaml_reproduces_the_run_plan(tmp_path):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         return proc
 
-    first = train(["--trainer.max_steps", "1", *small, "--output-dir", str(tmp_path / "first")])
+    first = run(["--trainer.max_steps", "1", *small, "--output-dir", str(tmp_path / "first")])
     cfg = yaml.safe_load((tmp_path / "first" / "config.yaml").read_text())
     model = cfg["model"]
     assert model["load_balance"] is True and model["rope_positions"] == "document"  # CP 2, documents
     assert None not in (model["parallel"]["activation_checkpointing"], model["parallel"]["fuse_pointwise"])
     assert model["parallel"]["activation_checkpointing"] == "none" and model["parallel"]["fuse_pointwise"] is False
     assert model["parallel"]["float8"] is False and cfg["strategy"]["data_parallel"] == "ddp"
-    again = train(["--config", str(tmp_path / "first" / "config.yaml"), "--output-dir", str(tmp_path / "again")])
+    again = run(["--config", str(tmp_path / "first" / "config.yaml"), "--output-dir", str(tmp_path / "again")])
     lines = _run_plan_lines(first.stdout)
     assert len(lines) == 1 and lines == _run_plan_lines(again.stdout), (first.stdout, again.stdout)
+
+
+def test_float8_on_cpu_is_one_line_and_exit_code_2_through_train_py(train, capsys, cache):  # noqa: F811
+    """``--model.parallel.float8 true`` on a CPU: train.py says why in one line (the module's
+    own words, said of the option), exit code 2, before any data work."""
+    from test_train_errors import _error
+
+    from longctx.models.lit_module import CausalLMModule
+
+    with pytest.raises(ValueError) as refused:
+        CausalLMModule.check_arguments(parallel={"float8": True}, device="cpu")
+    line = _error(train, ["--model.parallel.float8", "true", "--accelerator", "cpu"], capsys, cache)
+    assert line == f"train.py: error: model.{refused.value}"
+    assert "model.parallel.float8 cannot run on cpu: FP8 training needs an sm89+ GPU" in line
