@@ -155,29 +155,44 @@ def test_conversion_touches_the_projections_only_and_checkpoints_load_both_ways(
 
 
 def _fsdp_float8_worker(rank: int, world_size: int):
+    """One sequence with documents over a CP group of both ranks, FSDP2 over the same two
+    (the dp x cp world), selective checkpointing: bf16 and FP8."""
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
+    from longctx import CPContext, document_position_ids, shard_sequence
     from longctx.float8 import after_optimizer_step, float8_modules
     from longctx.parallel import ParallelDims
 
     mesh = init_device_mesh("cpu", (world_size,))
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (1, 129), generator=g)
+    docs = torch.cumsum(torch.rand(1, 128, generator=g) < 0.05, dim=1)  # ~20-token documents
+    shard = dict(rank=rank, world_size=world_size, layout="zigzag")
+    ids, labels, pos, docs = (
+        shard_sequence(t, 1, **shard) for t in (tokens[:, :-1], tokens[:, 1:], document_position_ids(docs), docs)
+    )
     out = {}
     for float8 in (False, True):
         model = _model()
-        dims = ParallelDims(data_parallel="fsdp", fsdp_mesh=mesh, param_dtype=torch.bfloat16)
-        parallelize(model, dims, ParallelPlan(float8=float8, attention_backend="torch"))
+        dims = ParallelDims(
+            cp=CPContext(dist.group.WORLD), data_parallel="fsdp", fsdp_mesh=mesh, param_dtype=torch.bfloat16
+        )
+        plan = ParallelPlan(float8=float8, attention_backend="torch", activation_checkpointing="selective")
+        parallelize(model, dims, plan)
         weight = model.blocks[0].mlp.up_proj.weight.to_local()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(rank))
         losses = []
         for _ in range(2):
-            loss_sum, n = model(ids, labels=ids)
-            (loss_sum / n).backward()
+            loss_sum, n = model.loss(ids, labels, pos, docs)
+            loss_sum.backward()
             optimizer.step()
             optimizer.zero_grad()
             after_optimizer_step(model)  # the weights' scales in one all-reduce (float8 all-gather)
-            losses.append((loss_sum / n).item())
+            total = torch.stack([loss_sum.detach().float(), n.float()])
+            dist.all_reduce(total)
+            losses.append((total[0] / total[1]).item())
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         out[float8] = dict(
             losses=losses,
@@ -194,9 +209,10 @@ def _fsdp_float8_worker(rank: int, world_size: int):
 @_needs_torchao()
 def test_fsdp2_float8_all_gather_trains_and_saves_the_plain_state_dict():
     """FSDP2 over two gloo ranks with float8 all-gather (torchao's weight wrapper under the
-    DTensor shards): two optimizer steps with the scales precomputed after each, losses close
-    to the bf16 run's, and the full state dict has the plain model's keys, shapes and dtypes
-    (plain tensors) and loads into a plain GPT."""
+    DTensor shards), the same ranks a CP group running ring attention over packed documents,
+    selective checkpointing: two optimizer steps with the scales precomputed after each, losses
+    close to the bf16 run's, and the full state dict has the plain model's keys, shapes and
+    dtypes (plain tensors) and loads into a plain GPT."""
     results = run_distributed(_fsdp_float8_worker, 2)
     for rank in results:
         plain, fp8 = rank[False], rank[True]
