@@ -11,8 +11,9 @@ and ``parallelize``, which applies them to an architecture-only model from outsi
   CP ranks hold other tokens of the same samples, so they shard parameters too),
   FSDP2's compute dtype and CPU offload. The strategy builds it.
 * ``ParallelPlan``: the runtime policy of one model: activation checkpointing, pointwise
-  fusion, ring or Ulysses, kernel backends, loss chunk size, memory settings. A run resolves
-  its "auto"s once (``longctx.run_plan.resolve_run``); the training module owns the result.
+  fusion, ring or Ulysses, kernel backends, loss chunk size, memory settings, FP8 linears. A
+  run resolves its "auto"s and the settings it leaves unset (``defaults_for``: per device) once
+  (``longctx.run_plan.resolve_run``); the training module owns the result.
 * ``parallelize(model, dims, plan)``: applies both, FSDP2 last (per block, an untied input
   embedding, then the root).
 

@@ -221,3 +221,29 @@ def test_fsdp2_float8_all_gather_trains_and_saves_the_plain_state_dict():
         assert fp8["state"] == plain["state"]
         assert all(abs(a - b) < 0.02 * a for a, b in zip(plain["losses"], fp8["losses"])), (plain, fp8)
     assert len(results[0][True]["state"]) == len(_model().state_dict())  # rank 0 holds the full one
+
+
+@_needs_torchao()
+def test_a_hugging_face_llama_converts_the_same_linears(tmp_path):
+    """transformers' Llama blocks name their linears as GPT's do: the same seven per layer
+    convert, the LM head does not, and the state dict keeps its keys and dtypes."""
+    transformers = pytest.importorskip("transformers")
+    from longctx.float8 import float8_modules
+    from longctx.models.hf_lm import HFCausalLM
+
+    transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ).save_pretrained(tmp_path)
+    plain, fp8 = HFCausalLM.from_pretrained(str(tmp_path)), HFCausalLM.from_pretrained(str(tmp_path))
+    before = {k: (v.shape, v.dtype) for k, v in fp8.state_dict().items()}
+    parallelize(fp8, plan=ParallelPlan(float8=True, attention_backend="torch"))
+    converted = float8_modules(fp8)
+    assert len(converted) == 7 * 2 and not any("lm_head" in name for name in converted)
+    assert {k: (v.shape, v.dtype) for k, v in fp8.state_dict().items()} == before
+    plain.load_state_dict(fp8.state_dict(), strict=True)
