@@ -28,7 +28,8 @@ residual stream. ``hf_modules`` (transformers' eager Llama blocks): each RMSNorm
 copy of its input and the normalised tensor before the gain, (4 + a)d, instead of its bf16
 input (twice a layer, and the final norm's before the loss).
 ``offload_activations`` moves the first n layers' share to (pinned) host memory and keeps
-one layer in flight on the GPU.
+one layer in flight on the GPU. ``float8``: the saved tensors are the same; FP8's casts add
+``float8_casts`` to each layer's backward moment (``float8_cast_bytes``).
 
 The largest transient is one layer being recomputed and differentiated, at the larger of
 two moments: the MLP's backward (the layer's "none" tensors, the residual gradient and the
@@ -226,7 +227,7 @@ def estimate(
         raise ValueError(f"precision must be 'bf16-mixed' or '32-true', got {precision!r}")
     if cpu_offload and data_parallel != "fsdp":
         raise ValueError("cpu_offload needs data_parallel='fsdp'")
-    plan = as_plan(plan)
+    plan = as_plan(plan).defaults_for(None)  # settings left to a run that none resolved: the plain model
     if plan.activation_checkpointing == "auto":
         raise ValueError(
             "estimate needs a decided activation_checkpointing ('none', 'selective' or 'full'), got 'auto'"
@@ -314,6 +315,7 @@ def estimate(
     layer_live = max(layer_live_mlp, layer_live_attn)
     if ckpt == "none":  # the layer's tensors are already counted in the saved ones
         layer_live -= saved_layer * T
+    casts = float8_cast_bytes(s, T, tiled=tiled) if plan.float8 else 0
 
     # ---- offload: the first n layers' saved tensors in host memory. In the backward an
     # offloaded layer's tensors come back while the next one's are prefetched: two layers
@@ -397,7 +399,7 @@ def estimate(
             work_bwd,
             "layer_recompute_backward",
             layer_live,
-            {"residual_grad": r * d * T},
+            {"residual_grad": r * d * T, "float8_casts": casts},
         ),
         phase(
             "the first layer's backward",
@@ -406,7 +408,7 @@ def estimate(
             work_first,
             "layer_recompute_backward",
             layer_live,
-            {"residual_grad": r * d * T},
+            {"residual_grad": r * d * T, "float8_casts": casts},
         ),
     ]
     if own_embedding and mixed:  # the embedding gathered again, its unsharded gradient (bf16 -> fp32)
@@ -459,6 +461,27 @@ def estimate(
         phases=totals,
         first_step_allocated_bytes=int(first_step),
     )
+
+
+def float8_cast_bytes(s: _Shape, T: int, *, tiled: bool) -> int:
+    """The extra bytes of FP8 linears (``ParallelPlan(float8=True)``, torchao's ``Float8Linear``)
+    at the largest moment of one layer's backward, counted from torchao 0.18's code.
+
+    torchao saves the same high-precision input a bf16 linear saves (and the weight), so the
+    saved activations do not change; each matmul casts its operands afresh, eagerly: a cast of
+    n elements makes ``x.float() * scale`` and its clamp (two fp32 tensors, 8n bytes, briefly)
+    before the 1-byte result, and ``abs(x)`` for the amax before that (at most 4n). The
+    largest backward moment is the MLP's gate/up projections: their output gradient (tokens x
+    F) cast twice (for the input and the weight gradient: 2 bytes a token kept) while the
+    second cast's 8 bytes are alive, plus the input's 1-byte copy and one weight's casts (9
+    bytes per element of a d x F matrix). The scales are fp32 scalars (nothing at this scale).
+    Counted conservatively (the largest of the layer's casts at every layer moment), and
+    nothing counted for what FP8 saves (FSDP2's float8 all-gather holds 1-byte working
+    weights where the model counts 2). With ``mlp_tile_size`` the tiled projections and MLP
+    call their weights directly (bf16): only ``o_proj`` casts, a d x q matrix over ``T`` tokens."""
+    widest = max(s.d, s.q) if tiled else max(s.F, s.d, s.q)
+    weight = s.d * s.q if tiled else s.d * max(s.F, s.q)
+    return int(T * (2 * widest + 8 * widest + s.d) + 9 * weight)
 
 
 def _pow2(n: int) -> int:

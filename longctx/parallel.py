@@ -11,8 +11,9 @@ and ``parallelize``, which applies them to an architecture-only model from outsi
   CP ranks hold other tokens of the same samples, so they shard parameters too),
   FSDP2's compute dtype and CPU offload. The strategy builds it.
 * ``ParallelPlan``: the runtime policy of one model: activation checkpointing, pointwise
-  fusion, ring or Ulysses, kernel backends, loss chunk size, memory settings. A run resolves
-  its "auto"s once (``longctx.run_plan.resolve_run``); the training module owns the result.
+  fusion, ring or Ulysses, kernel backends, loss chunk size, memory settings, FP8 linears. A
+  run resolves its "auto"s and the settings it leaves unset (``defaults_for``: per device) once
+  (``longctx.run_plan.resolve_run``); the training module owns the result.
 * ``parallelize(model, dims, plan)``: applies both, FSDP2 last (per block, an untied input
   embedding, then the root).
 
@@ -154,7 +155,12 @@ class ParallelPlan:
             selective, full; then the rest of ``longctx.memory_fit.fitting_plan``'s ladder),
             decided once before the model is built (``longctx.run_plan.resolve_run``); "full"
             where it cannot be checked (no GPU, or the sequence length not known yet).
-        fuse_pointwise: RMSNorm, RoPE and the SwiGLU gate through ``torch.compile``.
+            None (default): left to the run (``defaults_for``): "auto" on a CUDA GPU, "none"
+            elsewhere.
+        fuse_pointwise: RMSNorm, RoPE and the SwiGLU gate through ``torch.compile`` (the same
+            math as the eager chains, in one or two kernels; fp32 inside). None (default): left
+            to the run (``defaults_for``): on on a CUDA GPU for models that fuse (``GPT``; not
+            transformers' modules), off elsewhere (a CPU machine may have no compiler).
         cp_attention: ``"ring"`` (any head count) or ``"ulysses"`` (``n_kv_head % cp == 0``).
         attention_backend: block kernels: ``"auto"`` (measured fastest: FlashAttention-4
             where installed on sm90/sm100), ``"fa4"``, ``"cudnn"``, ``"flash"``, ``"triton"``,
@@ -186,10 +192,16 @@ class ParallelPlan:
             (``longctx.documents.plan_documents``): ``"ring"``, P - 1 point-to-point steps
             with one kernel call each; ``"gather"``, one all-to-all and one kernel call per
             direction, whatever P.
+        float8: FP8 training (torchao's float8 linear layers, dynamic tensorwise scales) of the
+            block projections and MLP (q/k/v/o, gate/up/down; never attention itself or the LM
+            head), with FSDP2's float8 all-gather under ``data_parallel="fsdp"``
+            (``longctx.float8``). Needs an sm89+ GPU and ``pip install 'longctx[float8]'``
+            (``check_device`` says which is missing, in one line). Weights stay fp32/bf16
+            parameters: checkpoints load with or without it.
     """
 
-    activation_checkpointing: str = "none"
-    fuse_pointwise: bool = False
+    activation_checkpointing: Optional[str] = None
+    fuse_pointwise: Optional[bool] = None
     cp_attention: str = "ring"
     attention_backend: str = "auto"
     document_backend: Optional[str] = None
@@ -198,13 +210,19 @@ class ParallelPlan:
     mlp_tile_size: Optional[int] = None
     attention_head_chunks: int = 1
     document_exchange: str = "ring"
+    float8: bool = False
 
     def __post_init__(self) -> None:
         ac = self.activation_checkpointing
         ac = {False: "none", True: "full"}.get(ac, ac) if isinstance(ac, bool) else ac
-        if ac not in PLAN_CHECKPOINTING:
-            raise ArgumentValueError("activation_checkpointing", f"must be one of {PLAN_CHECKPOINTING}, got {ac!r}")
+        if ac is not None and ac not in PLAN_CHECKPOINTING:
+            choices = f"{PLAN_CHECKPOINTING} (or null: the run's default)"
+            raise ArgumentValueError("activation_checkpointing", f"must be one of {choices}, got {ac!r}")
         object.__setattr__(self, "activation_checkpointing", ac)  # frozen: normalised once, here
+        for name in ("fuse_pointwise", "float8"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "fuse_pointwise" and value is None):
+                raise ArgumentValueError(name, f"must be true or false, got {value!r}")
         if self.cp_attention not in CP_ATTENTION:
             raise ArgumentValueError("cp_attention", f"must be one of {CP_ATTENTION}, got {self.cp_attention!r}")
         from longctx.kernels import BACKENDS
@@ -227,9 +245,26 @@ class ParallelPlan:
 
         check_choice("document_exchange", self.document_exchange, EXCHANGES)
 
+    def defaults_for(self, device_type: Optional[str], *, fusable: bool = True) -> "ParallelPlan":
+        """This plan with the settings it leaves to the run (None) decided: the one place of
+        the run's defaults. On a CUDA GPU (``device_type="cuda"``) the fastest plan the memory
+        model predicts to fit: activation checkpointing "auto" (``longctx.run_plan.resolve_run``
+        decides it) and pointwise fusion on where the model fuses (``fusable``). Elsewhere (a
+        CPU; None: no device, e.g. ``estimate`` or ``parallelize`` called directly) "none" and
+        off, the plain model. A value the plan names is kept."""
+        gpu = device_type == "cuda"
+        ac = self.activation_checkpointing
+        fuse = self.fuse_pointwise
+        return dataclasses.replace(
+            self,
+            activation_checkpointing=("auto" if gpu else "none") if ac is None else ac,
+            fuse_pointwise=(gpu and fusable) if fuse is None else fuse,
+        )
+
     def check_device(self, device) -> None:
         """Raise ``ValueError`` (one line) where ``attention_backend`` cannot run on ``device``
-        (e.g. "fa4" without FlashAttention-4 or off an sm90/sm100 GPU), before any step."""
+        (e.g. "fa4" without FlashAttention-4 or off an sm90/sm100 GPU), or ``float8`` (no sm89+
+        GPU, or torchao not installed), before any step."""
         from longctx.kernels import backend_refusal
 
         for name in ("attention_backend", "document_backend"):
@@ -237,6 +272,12 @@ class ParallelPlan:
             why = None if backend is None else backend_refusal(backend, device)
             if why is not None:
                 raise ArgumentValueError(f"parallel.{name}", f"{backend!r} cannot run on {device}: {why}")
+        if self.float8:
+            from .float8 import float8_refusal
+
+            why = float8_refusal(device)
+            if why is not None:
+                raise ArgumentValueError("parallel.float8", f"cannot run on {device}: {why}")
 
     @classmethod
     def from_dict(cls, d: Union["ParallelPlan", Mapping[str, Any], None]) -> "ParallelPlan":
@@ -291,13 +332,15 @@ def parallelize(
 ) -> nn.Module:
     """Apply the parallel layout and the runtime plan to ``model`` (in place; returns it).
 
-    Order: CP hand-over, runtime policy (checkpointing, fusion, loss chunk), then FSDP2
-    (per block, an untied input embedding, then the root, as torchtitan does). Call it once,
+    Order: CP hand-over, runtime policy (checkpointing, fusion, loss chunk), float8 linears
+    (``plan.float8``), then FSDP2 (per block, an untied input embedding, then the root, as
+    torchtitan does). Call it once,
     from the LightningModule's ``configure_model`` (the strategy calls it for modules that
     don't).
     """
     dims = ParallelDims() if dims is None else dims
-    plan = ParallelPlan() if plan is None else ParallelPlan.from_dict(plan)
+    # Settings left to the run (None) that no run resolved: the plain model (defaults_for).
+    plan = ParallelPlan.from_dict(plan).defaults_for(None)
     if getattr(model, "_longctx_parallelized", False):
         raise RuntimeError(f"{type(model).__name__} was already parallelized; parallelize() runs once per model")
 
@@ -310,6 +353,10 @@ def parallelize(
         _hand_over_to_hf(model, dims.cp, plan)
 
     _apply_run_settings(model, plan)
+    if plan.float8:  # before FSDP2: the float8 weights' all-gather hooks are set up by fully_shard
+        from .float8 import convert_to_float8
+
+        convert_to_float8(model, fsdp_all_gather=dims.data_parallel == "fsdp")
     if dims.data_parallel == "fsdp":
         _apply_fsdp(model, dims)
     model._longctx_parallelized = True

@@ -7,7 +7,7 @@ frozen ``RunPlan`` of two parts kept apart:
 * ``parallel`` (``ParallelChoices``): data-parallel mode (FSDP2 or DDP; ``resolve_data_parallel``),
   CP size and layout, ring or Ulysses, the block kernel for each block kind (plain and
   document-masked, by ``longctx.kernels.select_backend``: the rule the kernels apply per call),
-  pointwise fusion, document balancing;
+  pointwise fusion, FP8 linears, document balancing, RoPE positions;
 * ``memory`` (``MemoryChoices``): activation checkpointing, MLP tiling, attention head chunks,
   offloaded blocks, loss chunk: the requested settings, escalated where the memory model
   (``longctx.memory``; one ladder: ``longctx.memory_fit.fitting_plan``) predicts they do not fit the GPU.
@@ -16,6 +16,11 @@ frozen ``RunPlan`` of two parts kept apart:
 the layers run what the plan says, nothing re-resolves "auto"); ``config_entries()`` the options
 that reproduce the run when written to its config.yaml; ``line()`` the line printed at start.
 A plan resolved again from its own entries is the same plan.
+
+Defaults: what the run leaves unset (None) is decided here, by device, in one place
+(``ParallelPlan.defaults_for``): on a CUDA GPU the fastest plan the memory model predicts to
+fit (activation checkpointing "auto", pointwise fusion on for models that fuse); on a CPU the
+plain model ("none", no fusion). Every value it takes is in the plan: printed, recorded.
 """
 
 from __future__ import annotations
@@ -70,8 +75,10 @@ class ParallelChoices:
     attention_backend: str  # blocks without document ids ("auto" only where the shapes were unknown)
     document_backend: str  # document-masked blocks
     fuse_pointwise: bool
+    float8: bool  # the block projections and MLP in FP8 (longctx.float8)
     balance_documents: bool
     document_exchange: str  # "ring" or "gather" (longctx.documents.plan_documents)
+    rope_positions: str  # "document" (restart per document) or "global"
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,7 @@ class RunPlan:
             document_backend=p.document_backend,
             fuse_pointwise=p.fuse_pointwise,
             document_exchange=p.document_exchange,
+            float8=p.float8,
             **dataclasses.asdict(self.memory),
         )
 
@@ -113,8 +121,13 @@ class RunPlan:
 
     def config_entries(self) -> dict:
         """Dotted config keys (train.py's sections) -> the values that reproduce this plan:
-        the model's ``parallel`` section and, under the longctx strategy, its data-parallel mode."""
-        entries: dict = {"model.parallel": self.model_plan().to_dict()}
+        the model's ``parallel`` section, its document balance and RoPE positions and, under
+        the longctx strategy, its data-parallel mode."""
+        entries: dict = {
+            "model.parallel": self.model_plan().to_dict(),
+            "model.load_balance": self.parallel.balance_documents,
+            "model.rope_positions": self.parallel.rope_positions,
+        }
         if self.parallel.data_parallel != "none":
             entries["strategy.data_parallel"] = self.parallel.data_parallel
         return entries
@@ -167,6 +180,14 @@ def balances_documents(
     return bool(load_balance) or (layout == "zigzag" and cp_attention == "ring")
 
 
+def resolve_rope_positions(requested: Optional[str], *, documents: bool) -> str:
+    """RoPE positions: as ``requested``, else "document" (restarting at every document) with
+    document attention and "global" (positions in the packed sequence) without."""
+    if requested is not None:
+        return requested
+    return "document" if documents else "global"
+
+
 def compute_dtype(precision: str):
     """The dtype attention blocks see under a Lightning ``precision`` string."""
     import torch
@@ -190,6 +211,7 @@ def resolve_run(
     batch_size: Optional[int] = None,
     documents: bool = True,
     load_balance: Optional[bool] = None,
+    rope_positions: Optional[str] = None,
     n_params: int = 0,
     parallelizes: bool = True,
     memory_check: bool = True,
@@ -205,7 +227,10 @@ def resolve_run(
     given. ``seq_len`` / ``batch_size``: the full training sequence and the per-rank batch
     (None: unknown before the first batch: the plain blocks' kernel stays "auto", chosen per
     call by the kernels, and the memory is not planned). ``documents``: document-masked
-    attention. ``n_params`` / ``parallelizes``: for ``resolve_data_parallel``.
+    attention; ``load_balance`` / ``rope_positions``: as the module was given them (None:
+    ``balances_documents`` / ``resolve_rope_positions`` decide). ``n_params`` / ``parallelizes``:
+    for ``resolve_data_parallel``. The plan's settings left at None are this device's
+    defaults (``ParallelPlan.defaults_for``; transformers' modules do not fuse).
     ``memory_check``: on a GPU, escalate the memory settings the plan leaves at their
     defaults to the cheapest that fit (``longctx.memory_fit.fitting_plan``) and raise
     ``PredictedOutOfMemory`` (one line) where nothing does. ``hf_modules``: the model is
@@ -213,14 +238,12 @@ def resolve_run(
     """
     import torch
 
-    from longctx.kernels import select_backend
+    from . import memory
 
-    from . import memory, memory_fit
-
-    plan = ParallelPlan.from_dict(requested)
     device = torch.device(device)
-    plan.check_device(device)  # a named kernel that cannot run here: one line naming the option
-    on_gpu = device.type == "cuda"
+    asked = ParallelPlan.from_dict(requested)
+    plan = asked.defaults_for(device.type, fusable=not hf_modules)
+    plan.check_device(device)  # a named kernel (or FP8) that cannot run here: one line naming the option
     mode = (
         world.data_parallel
         if world.data_parallel == "none"
@@ -239,18 +262,7 @@ def resolve_run(
     except (ValueError, AttributeError, TypeError):
         head_dim = None  # a model shape this cannot read: the kernels choose per call, no memory plan
 
-    # Block kernels: the ring's blocks are this rank's shard; Ulysses' the whole sequence.
-    dtype = compute_dtype(precision)
-    block = None if seq_len is None else (-(-seq_len // world.cp) if plan.cp_attention == "ring" else seq_len)
-    plain, document = plan.attention_backend, plan.document_backend or plan.attention_backend
-    if head_dim is not None:
-        if plain != "auto" or block is not None or not on_gpu:
-            plain = select_backend(plain, device, dtype, head_dim, block or 1, block or 1, True)
-        # Document-masked blocks take their kernel from the plain one's request where none is named.
-        document = select_backend(document, device, dtype, head_dim, block or 1, block or 1, True, documents=True)
-    plan = dataclasses.replace(plan, attention_backend=plain, document_backend=document)
-
-    estimate, notes = None, ()
+    plan = _resolve_kernels(plan, device, precision=precision, head_dim=head_dim, seq_len=seq_len, cp=world.cp)
     memory_kw = None
     if memory_check and seq_len and batch_size and head_dim is not None:
         memory_kw = _memory_kw(
@@ -260,21 +272,80 @@ def resolve_run(
             memory.estimate(config, seq_len, plan=_decided(plan), **memory_kw)
         except (ValueError, AttributeError, TypeError):
             memory_kw = None  # a model shape the memory model cannot read: no prediction, no check
-    fits_checked = memory_kw is not None and on_gpu and gpu_total is not None
+    gpu_total = gpu_total if device.type == "cuda" else None  # a CPU's memory is not planned
+    default = asked.activation_checkpointing is None
+    plan, estimate, notes = _plan_memory(
+        config, seq_len, plan, world, memory_kw, default=default, gpu_total=gpu_total, host_total=host_total
+    )
+
+    parallel = ParallelChoices(
+        data_parallel=mode,
+        cp=world.cp,
+        dp=world.dp,
+        layout=world.layout,
+        cpu_offload=world.cpu_offload,
+        cp_attention=plan.cp_attention,
+        attention_backend=plan.attention_backend,
+        document_backend=plan.document_backend,
+        fuse_pointwise=plan.fuse_pointwise,
+        float8=plan.float8,
+        balance_documents=balances_documents(
+            load_balance, documents=documents, cp=world.cp, layout=world.layout, cp_attention=plan.cp_attention
+        ),
+        document_exchange=plan.document_exchange,
+        rope_positions=resolve_rope_positions(rope_positions, documents=documents),
+    )
+    if plan.float8 and plan.mlp_tile_size is not None:
+        notes += (
+            "float8: with mlp_tile_size the tiled q/k/v projections and MLP use their weights directly "
+            "and run in bf16; only o_proj runs in FP8",
+        )
+    mem = MemoryChoices(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(MemoryChoices)})
+    return RunPlan(parallel, mem, estimate=estimate, notes=notes)
+
+
+def _resolve_kernels(plan: ParallelPlan, device, *, precision: str, head_dim, seq_len, cp: int) -> ParallelPlan:
+    """``plan`` with its block kernels named, per block kind, by the kernels' own rule."""
+    from longctx.kernels import select_backend
+
+    # The ring's blocks are this rank's shard; Ulysses' the whole sequence.
+    dtype = compute_dtype(precision)
+    block = None if seq_len is None else (-(-seq_len // cp) if plan.cp_attention == "ring" else seq_len)
+    plain, document = plan.attention_backend, plan.document_backend or plan.attention_backend
+    if head_dim is not None:
+        if plain != "auto" or block is not None or device.type != "cuda":
+            plain = select_backend(plain, device, dtype, head_dim, block or 1, block or 1, True)
+        # Document-masked blocks take their kernel from the plain one's request where none is named.
+        document = select_backend(document, device, dtype, head_dim, block or 1, block or 1, True, documents=True)
+    return dataclasses.replace(plan, attention_backend=plain, document_backend=document)
+
+
+def _plan_memory(config, seq_len, plan, world: World, memory_kw, *, default: bool, gpu_total, host_total):
+    """(plan, estimate, notes): activation checkpointing "auto" decided (the least recompute
+    predicted to fit; "full" where nothing is checked: no GPU memory, no shapes), the fitting
+    ladder where the plan does not fit, the check. ``memory_kw``: ``estimate``'s arguments (None:
+    no prediction); ``default``: "auto" came from the device's defaults, not the user."""
+    from . import memory, memory_fit
+
+    estimate, notes = None, ()
+    fits_checked = memory_kw is not None and gpu_total is not None
     host = None if host_total is None else host_total // world.local_ranks
-    if plan.activation_checkpointing == "auto":  # the least recompute that fits; "full" unchecked
+    if plan.activation_checkpointing == "auto":
+        auto = "auto (the GPU default)" if default else "auto"
         if fits_checked:
             plan = memory_fit.least_recompute(
                 config, seq_len, plan=plan, gpu_total=gpu_total, host_total=host, **memory_kw
             )
             chose = memory.estimate(config, seq_len, plan=plan, **memory_kw).gpu_bytes
             notes = (
-                f"memory: activation_checkpointing auto -> {plan.activation_checkpointing} "
+                f"memory: activation_checkpointing {auto} -> {plan.activation_checkpointing} "
                 f"({chose / memory.GiB:.1f} GiB predicted, {gpu_total / memory.GiB:.1f} GiB on the GPU)",
             )
         else:
             plan = _decided(plan)
-            notes = ("memory: activation_checkpointing auto -> full (no GPU memory to check a lighter mode against)",)
+            notes = (
+                f"memory: activation_checkpointing {auto} -> full (no GPU memory to check a lighter mode against)",
+            )
     if memory_kw is not None:
         estimate = memory.estimate(config, seq_len, plan=plan, **memory_kw)
     if fits_checked:
@@ -295,24 +366,7 @@ def resolve_run(
             host_total=host_total,
             host_ranks=world.local_ranks,
         )
-
-    parallel = ParallelChoices(
-        data_parallel=mode,
-        cp=world.cp,
-        dp=world.dp,
-        layout=world.layout,
-        cpu_offload=world.cpu_offload,
-        cp_attention=plan.cp_attention,
-        attention_backend=plan.attention_backend,
-        document_backend=plan.document_backend,
-        fuse_pointwise=plan.fuse_pointwise,
-        balance_documents=balances_documents(
-            load_balance, documents=documents, cp=world.cp, layout=world.layout, cp_attention=plan.cp_attention
-        ),
-        document_exchange=plan.document_exchange,
-    )
-    mem = MemoryChoices(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(MemoryChoices)})
-    return RunPlan(parallel, mem, estimate=estimate, notes=notes)
+    return plan, estimate, notes
 
 
 def _decided(plan: ParallelPlan) -> ParallelPlan:

@@ -11,7 +11,8 @@ the strategy shards every batch. What this module adds:
 * AdamW (weight decay on matrices only) with linear warmup + cosine decay, per step; the
   gradients freed right after each optimizer step (not through the next forward);
 * logging: ``train_loss`` (the true global mean, identical on every rank), ``train_ppl``,
-  ``lr``, ``tokens_per_s`` (the wall rate, from one optimizer step to the next), ``mfu`` (GPU),
+  ``lr``, ``tokens_per_s`` (the wall rate, from one optimizer step to the next), ``mfu`` (GPU;
+  against the dense bf16 peak, FP8 runs (``ParallelPlan(float8=True)``) too, so the two compare),
   ``step_s`` (the step's forward and backward; the first step's includes the kernels'
   compiles), ``outside_s`` (the rest of the wall time between steps), peak memory (GPU: ``max_memory_allocated``
   of the fullest rank); ``val_loss`` / ``val_ppl``
@@ -43,7 +44,7 @@ from longctx.documents import plan_documents
 from longctx.hardware import peak_flops
 from longctx.loss import TokenWeightedAccumulator
 from longctx.parallel import ParallelDims, ParallelPlan, parallelize
-from longctx.run_plan import balances_documents
+from longctx.run_plan import balances_documents, resolve_rope_positions
 from longctx.sharding import document_position_ids, is_sharded
 from longctx.validation import ArgumentValueError, check_choice, check_number
 
@@ -77,11 +78,14 @@ class CausalLMModule(L.LightningModule):
         model: a ``GPTConfig``, a mapping for ``GPTConfig.from_dict`` (``preset`` plus
             overrides), or None with ``init_from``.
         parallel: the runtime plan as asked for (``longctx.ParallelPlan`` or a mapping of its
-            fields); its "auto"s are resolved once in ``setup``, before ``configure_model``
+            fields; what it leaves at None is the device's default: on a GPU activation
+            checkpointing "auto" and pointwise fusion, on a CPU neither); its "auto"s are
+            resolved once in ``setup``, before ``configure_model``
             (``longctx.run_plan.resolve_run``: kernels, memory settings, with the strategy's
             data-parallel mode and the document balance): ``run_plan``, printed at the start
             of a fit; ``plan`` / ``hparams["parallel"]`` its model part, which train.py's
-            config.yaml records so that the run reproduces.
+            config.yaml records (with the resolved ``load_balance`` and ``rope_positions``) so
+            that the run reproduces.
         attention: ``"document"`` (default): a token attends only to earlier tokens of its own
             document, from the batch's ``document_ids`` (a batch without them is one
             document); ``"causal"``: to every earlier token of the packed sequence.
@@ -165,9 +169,8 @@ class CausalLMModule(L.LightningModule):
                 seq_len=seq_len,
             )
         )
-        if rope_positions is None:
-            rope_positions = "document" if attention == "document" else "global"
-        self.attention, self.rope_positions = attention, rope_positions
+        self.attention = attention
+        self.rope_positions = resolve_rope_positions(rope_positions, documents=attention == "document")
         self.load_balance = load_balance
         if isinstance(model, GPTConfig):
             model = model.to_dict()
@@ -363,6 +366,7 @@ class CausalLMModule(L.LightningModule):
             batch_size=int(batch_size) if batch_size else None,
             documents=self.attention == "document",
             load_balance=self.load_balance,
+            rope_positions=self.rope_positions,
             n_params=sum(p.numel() for p in self.parameters()),
             memory_check=memory_check,
             hf_modules=self.hparams.get("hf_model") is not None,
@@ -431,6 +435,8 @@ class CausalLMModule(L.LightningModule):
         else:
             tps = self._step_tokens / max(now - self._last_step_end, 1e-9)
             metrics["tokens_per_s"] = torch.tensor(tps)
+            # The dense bf16 peak, FP8 runs too: their MFU stays comparable with bf16 runs (FP8
+            # tensor cores peak twice as high; this figure says how much faster the step is).
             peak = peak_flops(self.device)
             if peak is not None and self.seq_len:
                 keys = self._step_pairs / self._step_tokens if self._step_tokens else None
@@ -460,6 +466,10 @@ class CausalLMModule(L.LightningModule):
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if self.plan.float8:  # FSDP2's float8 all-gather: next step's weight scales in one all-reduce
+            from longctx.float8 import after_optimizer_step
+
+            after_optimizer_step(self.model)
         # Lightning sets gradients to None only inside the next step's closure, after its
         # forward: the gradients (4 bytes a parameter, over the FSDP2 shards: 15 GiB a rank for
         # an 8B model on 2) would sit through that forward, its peak. Freed here instead, as
