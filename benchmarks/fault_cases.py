@@ -201,20 +201,27 @@ def sigterm(target: str) -> Callable[[Settings], Row]:
                 codes == [143, 143] or "stopped by SIGTERM at step" in log and not codes,
                 f"workers exited {codes}, not 143",
             )
-        row.check(
-            row["seconds"] is not None and row["seconds"] <= s.grace,
-            f"took {row['seconds']}s > the {s.grace:g}s grace period",
-        )
-        ends = [run.completed(r) for r in range(2)]
-        row.check(ends[0] == ends[1], f"ranks stopped at different steps {ends}")
-        _work_lost(run, out, row)
-        row.check(row["work_lost"] == 0, f"{row['work_lost']} steps lost (the stop saves its own step)")
-        row.check(" failed" not in log, "a rank was reported failed")
-        _resume_matches(s, row, out, f"{name}_resume")
+        _stopped_cleanly(s, row, run, out, name, log)
         return row
 
     case.__name__ = f"sigterm_{target}"
     return case
+
+
+def _stopped_cleanly(s: Settings, row: Row, run, out, name: str, log: str) -> None:
+    """What every requested stop (SIGTERM, SIGINT) must show: within the grace period, every
+    rank after the same step, no work lost, nobody reported failed, and the resume continuing
+    the uninterrupted run's losses."""
+    row.check(
+        row["seconds"] is not None and row["seconds"] <= s.grace,
+        f"took {row['seconds']}s > the {s.grace:g}s grace period",
+    )
+    ends = [run.completed(r) for r in range(2)]
+    row.check(ends[0] == ends[1], f"ranks stopped at different steps {ends}")
+    _work_lost(run, out, row)
+    row.check(row["work_lost"] == 0, f"{row['work_lost']} steps lost (the stop saves its own step)")
+    row.check(" failed" not in log, "a rank was reported failed")
+    _resume_matches(s, row, out, f"{name}_resume")
 
 
 def sigint(target: str, launcher: str = "plain") -> Callable[[Settings], Row]:
@@ -238,16 +245,8 @@ def sigint(target: str, launcher: str = "plain") -> Callable[[Settings], Row]:
             codes = [int(c) for c in _torchrun_exit_codes(log)]
             row["exit_codes"]["workers"] = codes
             row.check(codes in ([130, 130], []) and "stopped by SIGINT at step" in log, f"workers exited {codes}")
-        row.check(
-            row["seconds"] is not None and row["seconds"] <= s.grace,
-            f"took {row['seconds']}s > the {s.grace:g}s grace period",
-        )
-        ends = [run.completed(r) for r in range(2)]
-        row.check(ends[0] == ends[1], f"ranks stopped at different steps {ends}")
-        _work_lost(run, out, row)
-        row.check(row["work_lost"] == 0, f"{row['work_lost']} steps lost (the stop saves its own step)")
-        row.check(" failed" not in log and "KeyboardInterrupt" not in log, "a rank was reported failed")
-        _resume_matches(s, row, out, f"{name}_resume")
+        row.check("KeyboardInterrupt" not in log, "a rank was reported failed (KeyboardInterrupt)")
+        _stopped_cleanly(s, row, run, out, name, log)
         return row
 
     case.__name__ = f"sigint_{target}{suffix}"
