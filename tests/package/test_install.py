@@ -19,8 +19,11 @@ SUBPACKAGES = ("longctx", "longctx.models", "longctx.kernels", "longctx.data", "
 
 
 def _run(cmd: list, cwd: Path, **env) -> subprocess.CompletedProcess:
-    """``cmd`` without the caller's PYTHONPATH (a worktree's run sets one to its own longctx)."""
-    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **env}
+    """``cmd`` without the caller's PYTHONPATH (a worktree's run sets one to its own longctx) or
+    the distributed variables an earlier in-process fit may have left (its MASTER_PORT can be
+    taken by then)."""
+    drop = {"PYTHONPATH", "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"}
+    env = {**{k: v for k, v in os.environ.items() if k not in drop}, **env}
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
