@@ -488,11 +488,12 @@ class CausalLMModule(L.LightningModule):
         documents = self.attention == "document"
         if "fa4" not in (plan.attention_backend, plan.document_backend if documents else None):
             return
-        precision = str(self.trainer.precision)
-        dtype = torch.bfloat16 if "bf16" in precision else torch.float16 if precision.startswith("16") else None
-        if dtype is None:
-            return
         from longctx.kernels import fa4
+        from longctx.run_plan import compute_dtype
+
+        dtype = compute_dtype(self.trainer.precision)
+        if dtype not in (torch.bfloat16, torch.float16):  # FA4 runs neither fp32 nor fp64
+            return
 
         cfg = self.config
         start = time.perf_counter()

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ..balance import balance_documents
-from ..documents import plan_documents
+from ..documents import EXCHANGES, plan_documents
 from ..layouts import check_layout
 from ..sharding import ShardedBatch, document_position_ids, shard_batch
+from ..validation import check_choice, check_number
 
 
 class PreparedBatch(ShardedBatch):
@@ -43,17 +44,13 @@ class BatchPreparation:
     exchange: str = "ring"
 
     def __post_init__(self) -> None:
-        for name, low in (("cp_size", 1), ("cp_rank", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"BatchPreparation: {name} must be an int >= {low}, got {value!r}")
+        check_number("cp_size", self.cp_size, low=1, integer=True)
+        check_number("cp_rank", self.cp_rank, low=0, integer=True)
         if self.cp_rank >= self.cp_size:
             raise ValueError(f"BatchPreparation: cp_rank {self.cp_rank} is outside [0, {self.cp_size})")
         check_layout(self.layout)
-        if self.rope_positions not in ("document", "global"):
-            raise ValueError(
-                f"BatchPreparation: rope_positions must be 'document' or 'global', got {self.rope_positions!r}"
-            )
+        check_choice("rope_positions", self.rope_positions, ("document", "global"))
+        check_choice("exchange", self.exchange, EXCHANGES)
 
     def __call__(self, batch: Any) -> Any:
         if not isinstance(batch, Mapping) or "input_ids" not in batch:
