@@ -5,10 +5,10 @@
 #   GPUS="1 2 4"; BEFORE=DIR also runs DIR's train.py at the largest GPU count: an older tree
 #   staged with models/ and kernels/ copied into its longctx/ (git archive REV, then cp -r).
 # After fa4_carry.sh's stash call; carry .carry/fa4-2 and .carry/wheels. Metrics under $OUT/runs,
-# the table in $OUT/scaleout.json. Usage: bash benchmarks/device_scaleout.sh
+# the table in $OUT/scaleout.json. Usage: bash benchmarks/device/device_scaleout.sh
 set -u
 steps=${STEPS:-20} limit=${LIMIT:-200}
-source benchmarks/device_env.sh || exit 3
+source benchmarks/device/device_env.sh || exit 3
 here=$(pwd)
 mkdir -p "$OUT/runs"
 run() {  # run NAME GPUS ATTENTION [DIR]
