@@ -5,7 +5,7 @@ of the step's wall time.
 
     python benchmarks/scaleout_table.py --runs DIR --gpu h100 --out benchmarks/results/scaleout_h100x4.json
 
-``DIR`` holds ``<workload>_<n>gpu_metrics.csv`` files (benchmarks/device_scaleout.sh writes them);
+``DIR`` holds ``<workload>_<n>gpu_metrics.csv`` files (benchmarks/device/device_scaleout.sh writes them);
 a workload named ``<base>-<variant>`` without a one-GPU row is compared with ``<base>``'s.
 """
 

@@ -108,13 +108,64 @@ def cache_dir() -> Optional[str]:
 
 def _timed_first_call(key, fn):
     if key in compile_seconds:
-        return fn()
-    start = time.perf_counter()
-    result = fn()
-    torch.cuda.synchronize()
-    compile_seconds[key] = time.perf_counter() - start
-    log.info("FlashAttention-4 %s: first call (compile or cache load) %.1f s", key, compile_seconds[key])
+        result = fn()
+    else:
+        start = time.perf_counter()
+        result = fn()
+        torch.cuda.synchronize()
+        compile_seconds[key] = time.perf_counter() - start
+        log.info("FlashAttention-4 %s: first call (compile or cache load) %.1f s", key, compile_seconds[key])
+    if _warmed_up is not None:
+        _check_late_compile(key)
     return result
+
+
+# FA4's own compile caches hold its kernel variants: more than ``_variant`` names (e.g. a
+# varlen call over more than 256 segments takes another scheduler). ``warm_up`` remembers
+# their keys; a key added later is a compile in the middle of a run: logged once, naming
+# the variant, and counted in ``late_compiles``.
+_warmed_up: Optional[set] = None
+late_compiles: list = []
+_JIT_FUNCTIONS = (
+    "_flash_attn_fwd",
+    "_flash_attn_bwd",
+    "_bwd_preprocess",
+    "_bwd_postprocess_convert",
+    "_compute_tile_cumsum",
+    "_compute_blocks_to_batch",
+)
+
+
+def _jit_caches() -> list:
+    """(name, dict of compile key -> kernel) of FA4's compile caches (internal: tolerant)."""
+    iface = _interface()
+    caches = []
+    for name in _JIT_FUNCTIONS:
+        cache = getattr(getattr(getattr(iface, name, None), "compile_cache", None), "cache", None)
+        if isinstance(cache, dict):
+            caches.append((name, cache))
+    return caches
+
+
+def _jit_keys() -> set:
+    return {(name, key) for name, cache in _jit_caches() for key in cache}
+
+
+def _check_late_compile(variant) -> None:
+    global _warmed_up
+    if sum(len(cache) for _, cache in _jit_caches()) == len(_warmed_up):
+        return
+    new = _jit_keys() - _warmed_up
+    _warmed_up |= new
+    for name, key in sorted(new, key=str):
+        late_compiles.append((variant, name, key))
+        log.warning(
+            "FlashAttention-4 compiled a kernel variant after the warm-up (%s, %s: %s): "
+            "longctx's kernels/fa4.warm_up should cover it",
+            variant,
+            name,
+            key,
+        )
 
 
 def _variant(kind, q, k, causal, varlen, one_tile=False):
@@ -427,31 +478,38 @@ def _backward_varlen(iface, dout, q, k, v, out, lse, softmax_scale, causal, kern
 
 
 def warm_up(device, dtype: torch.dtype, head_dim: int, n_head: int, n_kv_head: int, *, documents: bool) -> int:
-    """Call every kernel variant a training step uses once, on small blocks, so that their
+    """Call every kernel variant a training step can use once, on small blocks, so that their
     compiles (or loads from the disk cache) happen before the first step instead of in the
     middle of a run. Covers dense causal/full blocks and, with ``documents``, varlen calls
-    both where every segment fits one query tile and where one does not (FA4 compiles each
-    separately). Returns the number of variants first called here."""
-    before = len(compile_seconds)
+    over the axes FA4 compiles apart: segments that fit one query tile or not, and up to 256
+    segments or more (another scheduler). Afterwards a compile of any other variant is
+    logged (``late_compiles``). Returns the number of FA4 kernels first called here."""
+    global _warmed_up
+    before = len(_jit_keys())
     scale = 1.0 / head_dim**0.5
     gen = torch.Generator(device=device).manual_seed(0)
+    # Segment lengths: within one query tile (GQA packing included) or over several; 32 or
+    # 300 segments.
+    shapes = [[16] * 32, [512], [2] * 300, [200] * 300] if documents else []
+    rows = max([512] + [sum(lengths) for lengths in shapes])
 
     def tensor(heads):
-        return torch.randn(1, 512, heads, head_dim, device=device, dtype=dtype, generator=gen)
+        return torch.randn(1, rows, heads, head_dim, device=device, dtype=dtype, generator=gen)
 
-    q, k, v, dout = tensor(n_head), tensor(n_kv_head), tensor(n_kv_head), tensor(n_head)
-    tiny = [16] * 32  # with GQA packing still within one 128-row tile
+    q_all, k_all, v_all, dout_all = tensor(n_head), tensor(n_kv_head), tensor(n_kv_head), tensor(n_head)
     from .segments import Segments
 
     for causal in (True, False):
+        q, k, v, dout = (t[:, :512] for t in (q_all, k_all, v_all, dout_all))
         out, lse = forward(q, k, v, causal, scale)
         backward(dout, q, k, v, out, lse, causal, scale)
-        if not documents:
-            continue
-        for lengths in (tiny, [512]):
+        for lengths in shapes:
+            n = sum(lengths)
+            q, k, v, dout = (t[:, :n] for t in (q_all, k_all, v_all, dout_all))
             cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32, device=device)
             segments = Segments(cu, cu, max(lengths), max(lengths))
             out, lse = forward_segments(q, k, v, causal, scale, None, segments)
             backward_segments(dout, q, k, v, out, lse, causal, scale, None, segments)
     torch.cuda.synchronize(device)
-    return len(compile_seconds) - before
+    _warmed_up = _jit_keys()
+    return len(_warmed_up) - before

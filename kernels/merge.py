@@ -43,8 +43,11 @@ def _merge_torch_(out, lse, out_b, lse_b) -> None:
 
 
 if triton is not None:
-
-    @triton.jit
+    # Not specialized on what changes with the data (see kernels/rows.py): one variant a run.
+    @triton.jit(
+        do_not_specialize=["seq_len", "row_offset", "sl_b", "sl_h", "slb_b", "slb_h"],
+        do_not_specialize_on_alignment=["lse", "lse_b", "row_index"],
+    )
     def _merge_kernel(
         out,
         lse,

@@ -63,8 +63,12 @@ def _use_triton(impl: str, *tensors: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    # Row counts, offsets and lse strides change from call to call with the data; Triton would
+    # compile a new variant whenever one of them changes class (1, multiple of 16, other) or an
+    # lse/index pointer changes alignment, i.e. in the middle of a run. Not specialized on them,
+    # every call of a run takes the variant compiled on its first step.
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows", "row_offset"], do_not_specialize_on_alignment=["rows"])
     def _add_rows_kernel(
         dst,
         src,
@@ -101,7 +105,10 @@ if triton is not None:
         acc += tl.load(src_ptr, mask=tile_ok, other=0.0).to(tl.float32)
         tl.store(dst_ptr, acc.to(dst.dtype.element_ty), mask=tile_ok)
 
-    @triton.jit
+    @triton.jit(
+        do_not_specialize=["seq_len", "sl_b", "sl_h", "sc_b"],
+        do_not_specialize_on_alignment=["lse", "covered"],
+    )
     def _mark_rows_kernel(
         out,
         lse,

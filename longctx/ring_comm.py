@@ -84,6 +84,28 @@ class RingExchange:
         return PendingShift(dist.batch_isend_irecv(ops))
 
 
+def connect_peers(group: dist.ProcessGroup) -> None:
+    """Exchange one value with every other rank of ``group`` (rank + s for s = 1 .. P - 1), now.
+
+    NCCL opens a pair's point-to-point connection on its first message. The document ring
+    sends rank r to rank r + s only in steps where those ranks share a document, so without
+    this a batch that first needs a pair would open it (and wait for the peer to get there)
+    in the middle of a run. Every rank of the group must call it. Also checks the wiring:
+    each received value must be the sender's rank."""
+    exchange = RingExchange(group)
+    world, rank = exchange.world_size, exchange.rank
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    for offset in range(1, world):
+        send = torch.tensor([rank], dtype=torch.int64, device=device)
+        recv = torch.empty(1, dtype=torch.int64, device=device)
+        exchange.swap(offset, send, recv).wait()
+        expected = (rank - offset) % world
+        if int(recv.item()) != expected:
+            raise RuntimeError(
+                f"ring group wiring: rank {rank} expected a message from group rank {expected}, got {int(recv.item())}"
+            )
+
+
 class PendingShift:
     def __init__(self, works: list):
         self._works: Optional[list] = works

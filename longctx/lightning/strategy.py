@@ -74,7 +74,7 @@ from torch.utils.data import DataLoader
 from ..data.prepare import PreparingCollate
 from ..layouts import Layout, check_layout
 from ..parallel import CPContext, ParallelDims, parallelize
-from ..ring_comm import new_ring_group
+from ..ring_comm import connect_peers, new_ring_group
 from ..run_plan import World as RunWorld
 from ..run_plan import check_replica_fits, resolve_data_parallel
 from ..validation import ArgumentValueError, check_choice, check_number
@@ -318,6 +318,8 @@ class ContextParallelStrategy(ModelParallelStrategy):
         ranks = torch.arange(world).view(world // cp, cp)
         groups = [new_ring_group(r.tolist(), timeout=self._timeout) for r in ranks] if cp > 1 else []
         self._cp_group = groups[self.dp_rank] if groups else None
+        if cp > 2 and dist.get_backend() == "nccl":  # P = 2: the one peer connects on the first shift
+            connect_peers(self._cp_group)
         # FSDP2 shards over every rank of dp x cp: a 1-D mesh over the default group.
         self._device_mesh = DeviceMesh.from_group(dist.group.WORLD, self.root_device.type, mesh_dim_names=("dp_cp",))
 

@@ -247,3 +247,56 @@ def test_fa4_nan_in_q_shows_in_its_row():
     out, lse = attention_forward(q, k, v, causal=True, backend="fa4")
     assert torch.isnan(out[0, 17, 1]).all() and torch.isnan(lse[0, 1, 17])
     assert torch.isfinite(out[0, :17]).all() and torch.isfinite(lse[0, 0]).all()
+
+
+class _FakeJit:
+    def __init__(self):
+        self.compile_cache = type("Cache", (), {})()
+        self.compile_cache.cache = {}
+
+
+def test_a_compile_after_warm_up_is_logged_and_counted(monkeypatch, caplog):
+    """FA4's own compile caches are watched after the warm-up: a new key (a kernel variant
+    the warm-up did not cover) is named in a warning and counted, once."""
+    iface = type("Interface", (), {name: _FakeJit() for name in fa4._JIT_FUNCTIONS})()
+    monkeypatch.setattr(fa4, "_interface", lambda: iface)
+    monkeypatch.setattr(fa4, "late_compiles", [])
+    iface._flash_attn_fwd.compile_cache.cache[("fwd", "warm")] = object()
+    monkeypatch.setattr(fa4, "_warmed_up", fa4._jit_keys())
+    monkeypatch.setitem(fa4.compile_seconds, "variant", 0.0)
+    fa4._timed_first_call("variant", lambda: None)
+    assert fa4.late_compiles == []
+
+    def compiles():
+        iface._flash_attn_bwd.compile_cache.cache[("bwd", "over 256 segments")] = object()
+
+    with caplog.at_level("WARNING", logger=fa4.log.name):
+        fa4._timed_first_call("variant", compiles)
+        fa4._timed_first_call("variant", lambda: None)  # the same key again: not counted twice
+    assert fa4.late_compiles == [("variant", "_flash_attn_bwd", ("bwd", "over 256 segments"))]
+    assert len([r for r in caplog.records if "after the warm-up" in r.message]) == 1
+
+
+@requires_cuda(fa4=True)
+def test_no_fa4_compile_after_warm_up_over_random_document_layouts():
+    """After ``warm_up`` (the model's head shape), document blocks of any segment count and
+    length, causal and full, compile nothing new (FA4's scheduler differs above 256 segments,
+    its persistent variant where every segment fits one query tile)."""
+    fa4.warm_up(torch.device("cuda"), torch.bfloat16, 64, 32, 8, documents=True)
+    assert fa4._warmed_up is not None
+    gen = torch.Generator().manual_seed(7)
+    from longctx.kernels import Segments
+
+    for count, longest in [(1, 9000), (40, 3000), (257, 40), (400, 300), (600, 3), (3, 17)]:
+        lengths = torch.randint(1, longest + 1, (count,), generator=gen)
+        cu = torch.zeros(count + 1, dtype=torch.int32)
+        cu[1:] = lengths.cumsum(0)
+        n = int(cu[-1])
+        q, dout = (torch.randn(1, n, 32, 64, generator=gen).bfloat16().cuda() for _ in range(2))
+        k, v = (torch.randn(1, n, 8, 64, generator=gen).bfloat16().cuda() for _ in range(2))
+        segments = Segments(cu.cuda(), cu.cuda(), int(lengths.max()), int(lengths.max()))
+        for causal in (True, False):
+            out, lse = fa4.forward_segments(q, k, v, causal, 0.125, None, segments)
+            fa4.backward_segments(dout, q, k, v, out, lse, causal, 0.125, None, segments)
+    torch.cuda.synchronize()
+    assert fa4.late_compiles == []
