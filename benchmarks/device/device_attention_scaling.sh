@@ -19,7 +19,7 @@ for n in ${WORLDS:-4 2}; do
 done
 if [ "${PEER:-1}" = 1 ]; then  # torchtitan's load balancer for flex (ptrr) only
   timeout "${PEER_LIMIT:-200}" torchrun --standalone --nproc-per-node 4 benchmarks/document_peer_torch_cp.py \
-    --mixes "$mixes" --balancers ptrr --out "$OUT" --tag "$tag" > "$OUT/logs/peer_ws4.log" 2>    --mixes "$mixes" --out "$OUT" --tag "$tag" > "$OUT/logs/peer_ws4.log" 2>&11
+    --mixes "$mixes" --balancers ptrr --out "$OUT" --tag "$tag" > "$OUT/logs/peer_ws4.log" 2>&1
   echo "peer ws4 rc=$?"; tail -3 "$OUT/logs/peer_ws4.log" | cut -c1-300
 fi
 (cd "$OUT" && tar czf logs.tar.gz logs && rm -rf logs)
