@@ -84,17 +84,16 @@ class RingExchange:
         return PendingShift(dist.batch_isend_irecv(ops))
 
 
-def connect_peers(group: dist.ProcessGroup) -> None:
+def connect_peers(group: dist.ProcessGroup, device: Optional[torch.device] = None) -> None:
     """Exchange one value with every other rank of ``group`` (rank + s for s = 1 .. P - 1), now.
 
     NCCL opens a pair's point-to-point connection on its first message. The document ring
     sends rank r to rank r + s only in steps where those ranks share a document, so without
     this a batch that first needs a pair would open it (and wait for the peer to get there)
-    in the middle of a run. Every rank of the group must call it. Also checks the wiring:
-    each received value must be the sender's rank."""
+    in the middle of a run. Every rank of the group must call it, with its own device (a CUDA
+    one on NCCL). Also checks the wiring: each received value must be the sender's rank."""
     exchange = RingExchange(group)
     world, rank = exchange.world_size, exchange.rank
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
     for offset in range(1, world):
         send = torch.tensor([rank], dtype=torch.int64, device=device)
         recv = torch.empty(1, dtype=torch.int64, device=device)

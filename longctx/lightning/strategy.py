@@ -319,7 +319,7 @@ class ContextParallelStrategy(ModelParallelStrategy):
         groups = [new_ring_group(r.tolist(), timeout=self._timeout) for r in ranks] if cp > 1 else []
         self._cp_group = groups[self.dp_rank] if groups else None
         if cp > 2 and dist.get_backend() == "nccl":  # P = 2: the one peer connects on the first shift
-            connect_peers(self._cp_group)
+            connect_peers(self._cp_group, self.root_device)
         # FSDP2 shards over every rank of dp x cp: a 1-D mesh over the default group.
         self._device_mesh = DeviceMesh.from_group(dist.group.WORLD, self.root_device.type, mesh_dim_names=("dp_cp",))
 
