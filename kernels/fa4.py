@@ -481,17 +481,17 @@ def warm_up(device, dtype: torch.dtype, head_dim: int, n_head: int, n_kv_head: i
     """Call every kernel variant a training step can use once, on small blocks, so that their
     compiles (or loads from the disk cache) happen before the first step instead of in the
     middle of a run. Covers dense causal/full blocks and, with ``documents``, varlen calls
-    over the axes FA4 compiles apart: segments that fit one query tile or not, and up to 256
-    segments or more (another scheduler). Afterwards a compile of any other variant is
-    logged (``late_compiles``). Returns the number of FA4 kernels first called here."""
+    over the axes FA4 compiles apart: up to 256 segments or more (another scheduler), and
+    query and key segments each within one tile or over several (a full block's two sides
+    independently). Afterwards a compile of any other variant is logged (``late_compiles``).
+    Returns the number of FA4 kernels first called here."""
     global _warmed_up
     before = len(_jit_keys())
     scale = 1.0 / head_dim**0.5
+    # Segment lengths within one tile (GQA packing included) and over several; segment counts.
+    short, long, counts = 2, 200, (32, 300)
+    rows = max(512, long * max(counts))
     gen = torch.Generator(device=device).manual_seed(0)
-    # Segment lengths: within one query tile (GQA packing included) or over several; 32 or
-    # 300 segments.
-    shapes = [[16] * 32, [512], [2] * 300, [200] * 300] if documents else []
-    rows = max([512] + [sum(lengths) for lengths in shapes])
 
     def tensor(heads):
         return torch.randn(1, rows, heads, head_dim, device=device, dtype=dtype, generator=gen)
@@ -503,13 +503,19 @@ def warm_up(device, dtype: torch.dtype, head_dim: int, n_head: int, n_kv_head: i
         q, k, v, dout = (t[:, :512] for t in (q_all, k_all, v_all, dout_all))
         out, lse = forward(q, k, v, causal, scale)
         backward(dout, q, k, v, out, lse, causal, scale)
-        for lengths in shapes:
-            n = sum(lengths)
-            q, k, v, dout = (t[:, :n] for t in (q_all, k_all, v_all, dout_all))
-            cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32, device=device)
-            segments = Segments(cu, cu, max(lengths), max(lengths))
-            out, lse = forward_segments(q, k, v, causal, scale, None, segments)
-            backward_segments(dout, q, k, v, out, lse, causal, scale, None, segments)
+        if not documents:
+            continue
+        for count in counts:
+            for q_len in (short, long):
+                for k_len in (q_len,) if causal else (short, long):
+                    q, dout = (t[:, : count * q_len] for t in (q_all, dout_all))
+                    k, v = (t[:, : count * k_len] for t in (k_all, v_all))
+                    cu_q, cu_k = (
+                        torch.arange(0, (count + 1) * n, n, dtype=torch.int32, device=device) for n in (q_len, k_len)
+                    )
+                    segments = Segments(cu_q, cu_k, q_len, k_len)
+                    out, lse = forward_segments(q, k, v, causal, scale, None, segments)
+                    backward_segments(dout, q, k, v, out, lse, causal, scale, None, segments)
     torch.cuda.synchronize(device)
     _warmed_up = _jit_keys()
     return len(_warmed_up) - before

@@ -280,22 +280,29 @@ def test_a_compile_after_warm_up_is_logged_and_counted(monkeypatch, caplog):
 @requires_cuda(fa4=True)
 def test_no_fa4_compile_after_warm_up_over_random_document_layouts():
     """After ``warm_up`` (the model's head shape), document blocks of any segment count and
-    length, causal and full, compile nothing new (FA4's scheduler differs above 256 segments,
-    its persistent variant where every segment fits one query tile)."""
+    length, causal and full (query and key segments of unrelated lengths), compile nothing
+    new: FA4 compiles apart above 256 segments, where every query segment fits one tile, and
+    (backward) where either side's longest segment fits one block."""
     fa4.warm_up(torch.device("cuda"), torch.bfloat16, 64, 32, 8, documents=True)
     assert fa4._warmed_up is not None
     gen = torch.Generator().manual_seed(7)
     from longctx.kernels import Segments
 
-    for count, longest in [(1, 9000), (40, 3000), (257, 40), (400, 300), (600, 3), (3, 17)]:
-        lengths = torch.randint(1, longest + 1, (count,), generator=gen)
+    def lengths(count, longest):
+        n = torch.randint(1, longest + 1, (count,), generator=gen)
         cu = torch.zeros(count + 1, dtype=torch.int32)
-        cu[1:] = lengths.cumsum(0)
-        n = int(cu[-1])
-        q, dout = (torch.randn(1, n, 32, 64, generator=gen).bfloat16().cuda() for _ in range(2))
-        k, v = (torch.randn(1, n, 8, 64, generator=gen).bfloat16().cuda() for _ in range(2))
-        segments = Segments(cu.cuda(), cu.cuda(), int(lengths.max()), int(lengths.max()))
+        cu[1:] = n.cumsum(0)
+        return cu.cuda(), int(n.max())
+
+    layouts = [(1, 9000, 9000), (40, 3000, 60), (40, 60, 3000), (257, 40, 40), (400, 300, 20), (600, 3, 3)]
+    for count, q_longest, k_longest in layouts:
         for causal in (True, False):
+            cu_q, max_q = lengths(count, q_longest)
+            cu_k, max_k = (cu_q, max_q) if causal else lengths(count, k_longest)
+            n_q, n_k = int(cu_q[-1]), int(cu_k[-1])
+            q, dout = (torch.randn(1, n_q, 32, 64, generator=gen).bfloat16().cuda() for _ in range(2))
+            k, v = (torch.randn(1, n_k, 8, 64, generator=gen).bfloat16().cuda() for _ in range(2))
+            segments = Segments(cu_q, cu_k, max_q, max_k)
             out, lse = fa4.forward_segments(q, k, v, causal, 0.125, None, segments)
             fa4.backward_segments(dout, q, k, v, out, lse, causal, 0.125, None, segments)
     torch.cuda.synchronize()
