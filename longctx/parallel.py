@@ -41,6 +41,7 @@ from .ulysses import ulysses_attention
 from .validation import ArgumentValueError, check_choice
 
 CP_ATTENTION = ("ring", "ulysses")
+DOCUMENT_EXCHANGES = ("ring", "gather", "auto")  # "auto": longctx.exchange_cost chooses per batch
 DATA_PARALLEL = ("fsdp", "ddp", "none")
 CHECKPOINTING = ("none", "selective", "full")  # what a model applies
 PLAN_CHECKPOINTING = (*CHECKPOINTING, "auto")  # what a plan may ask for (run_plan decides "auto")
@@ -191,7 +192,10 @@ class ParallelPlan:
         document_exchange: how packed documents' key/value rows reach the ranks that see them
             (``longctx.documents.plan_documents``): ``"ring"``, P - 1 point-to-point steps
             with one kernel call each; ``"gather"``, one all-to-all and one kernel call per
-            direction, whatever P.
+            direction, whatever P; ``"auto"``, per batch the exchange and (where the batch is
+            balanced) the token order, packed or balanced, that ``longctx.exchange_cost``
+            predicts fastest. None (default): left to the run (``defaults_for``): "auto" on a
+            CUDA GPU, "ring" elsewhere.
         float8: FP8 training (torchao's float8 linear layers, dynamic tensorwise scales) of the
             block projections and MLP (q/k/v/o, gate/up/down; never attention itself or the LM
             head), with FSDP2's float8 all-gather under ``data_parallel="fsdp"``
@@ -209,7 +213,7 @@ class ParallelPlan:
     offload_activations: Union[bool, int] = False
     mlp_tile_size: Optional[int] = None
     attention_head_chunks: int = 1
-    document_exchange: str = "ring"
+    document_exchange: Optional[str] = None
     float8: bool = False
 
     def __post_init__(self) -> None:
@@ -241,24 +245,26 @@ class ParallelPlan:
 
         check_tile_size(self.mlp_tile_size)
         check_head_chunks(self.attention_head_chunks)
-        from .documents import EXCHANGES
-
-        check_choice("document_exchange", self.document_exchange, EXCHANGES)
+        if self.document_exchange is not None:
+            check_choice("document_exchange", self.document_exchange, DOCUMENT_EXCHANGES)
 
     def defaults_for(self, device_type: Optional[str], *, fusable: bool = True) -> "ParallelPlan":
         """This plan with the settings it leaves to the run (None) decided: the one place of
         the run's defaults. On a CUDA GPU (``device_type="cuda"``) the fastest plan the memory
         model predicts to fit: activation checkpointing "auto" (``longctx.run_plan.resolve_run``
-        decides it) and pointwise fusion on where the model fuses (``fusable``). Elsewhere (a
-        CPU; None: no device, e.g. ``estimate`` or ``parallelize`` called directly) "none" and
-        off, the plain model. A value the plan names is kept."""
+        decides it), pointwise fusion on where the model fuses (``fusable``) and the document
+        exchange chosen per batch ("auto"). Elsewhere (a CPU; None: no device, e.g. ``estimate``
+        or ``parallelize`` called directly) "none", off and "ring", the plain model. A value
+        the plan names is kept."""
         gpu = device_type == "cuda"
         ac = self.activation_checkpointing
         fuse = self.fuse_pointwise
+        exchange = self.document_exchange
         return dataclasses.replace(
             self,
             activation_checkpointing=("auto" if gpu else "none") if ac is None else ac,
             fuse_pointwise=(gpu and fusable) if fuse is None else fuse,
+            document_exchange=("auto" if gpu else "ring") if exchange is None else exchange,
         )
 
     def check_device(self, device) -> None:

@@ -41,6 +41,7 @@ from torchmetrics import MeanMetric
 from longctx.balance import balance_documents
 from longctx.data.prepare import BatchPreparation, PreparedBatch
 from longctx.documents import plan_documents
+from longctx.exchange_cost import choose_plan
 from longctx.hardware import peak_flops
 from longctx.loss import TokenWeightedAccumulator
 from longctx.parallel import ParallelDims, ParallelPlan, parallelize
@@ -245,7 +246,13 @@ class CausalLMModule(L.LightningModule):
             balance=bool(self.run_plan.parallel.balance_documents),
             plan=self.attention == "document",
             exchange=self.run_plan.parallel.document_exchange,
+            **self._attention_shape(),
         )
+
+    def _attention_shape(self) -> dict:
+        """Heads and head dim of the model's attention (what ``longctx.exchange_cost`` prices)."""
+        cfg = self.config
+        return dict(heads=cfg.n_head, kv_heads=cfg.n_kv_head, head_dim=cfg.head_dim)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if isinstance(batch, PreparedBatch):  # made ready in the data pipeline
@@ -273,17 +280,15 @@ class CausalLMModule(L.LightningModule):
         rank = int(getattr(strategy, "cp_rank", 0)) if cp > 1 else 0
         layout = getattr(strategy, "layout", "zigzag")
         exchange = (
-            self.run_plan.parallel.document_exchange if self.run_plan is not None else self.plan.document_exchange
+            self.run_plan.parallel.document_exchange
+            if self.run_plan is not None
+            else self.plan.defaults_for(None).document_exchange
         )
-        plan = plan_documents(
-            document_ids,
-            world_size=cp,
-            rank=rank,
-            layout=layout,
-            causal=True,
-            device=document_ids.device,
-            exchange=exchange,
-        )
+        where = dict(world_size=cp, rank=rank, layout=layout, device=document_ids.device)
+        if exchange == "auto":
+            _, plan = choose_plan({"as given": document_ids}, **where, **self._attention_shape())
+        else:
+            plan = plan_documents(document_ids, causal=True, exchange=exchange, **where)
         if not self._documents_reported:
             self._first_plan(plan)
         return plan

@@ -10,11 +10,13 @@ reaches the GPU with non-blocking copies, and the training step reads nothing ba
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 from ..balance import balance_documents
-from ..documents import EXCHANGES, plan_documents
+from ..documents import plan_documents
+from ..exchange_cost import choose_plan
 from ..layouts import check_layout
+from ..parallel import DOCUMENT_EXCHANGES
 from ..sharding import ShardedBatch, document_position_ids, shard_batch
 from ..validation import check_choice, check_number
 
@@ -31,8 +33,10 @@ class BatchPreparation:
 
     ``rope_positions="document"``: ``position_ids`` restart at every document; ``balance``:
     ``balance_documents`` over the CP ranks; ``plan``: the rank's ``DocumentPlan`` (document
-    masking, its ``exchange``) as ``batch["document_plan"]``, built on the host. A batch without
-    ``document_ids`` is only sharded.
+    masking, its ``exchange``) as ``batch["document_plan"]``, built on the host. ``exchange=
+    "auto"``: per batch, the exchange and (where ``balance``) the order, balanced or as packed,
+    that ``longctx.exchange_cost`` predicts fastest for attention of ``heads`` / ``kv_heads``
+    heads of ``head_dim``. A batch without ``document_ids`` is only sharded.
     """
 
     cp_size: int = 1
@@ -42,6 +46,9 @@ class BatchPreparation:
     balance: bool = False
     plan: bool = False
     exchange: str = "ring"
+    heads: int = 16
+    kv_heads: Optional[int] = None
+    head_dim: int = 128
 
     def __post_init__(self) -> None:
         check_number("cp_size", self.cp_size, low=1, integer=True)
@@ -50,30 +57,41 @@ class BatchPreparation:
             raise ValueError(f"BatchPreparation: cp_rank {self.cp_rank} is outside [0, {self.cp_size})")
         check_layout(self.layout)
         check_choice("rope_positions", self.rope_positions, ("document", "global"))
-        check_choice("exchange", self.exchange, EXCHANGES)
+        check_choice("exchange", self.exchange, DOCUMENT_EXCHANGES)
+        for name in ("heads", "head_dim"):
+            check_number(name, getattr(self, name), low=1, integer=True)
+        if self.kv_heads is not None:
+            check_number("kv_heads", self.kv_heads, low=1, integer=True)
 
     def __call__(self, batch: Any) -> Any:
         if not isinstance(batch, Mapping) or "input_ids" not in batch:
             return batch  # not a token batch: the strategy shards it on the device as before
         full = dict(batch)
         ids = full.get("document_ids")
+        plan = None
         if ids is not None:
             if self.rope_positions == "document":
                 full["position_ids"] = document_position_ids(ids)
+            orders = {"packed": full}
             if self.balance and self.cp_size > 1:
-                full = balance_documents(full, world_size=self.cp_size, layout=self.layout)
-            ids = full["document_ids"]
-        plan = None
-        if ids is not None and self.plan:
-            plan = plan_documents(
-                ids,
-                world_size=self.cp_size,
-                rank=self.cp_rank,
-                layout=self.layout,
-                causal=True,
-                device="cpu",
-                exchange=self.exchange,
-            )
+                orders["balanced"] = balance_documents(full, world_size=self.cp_size, layout=self.layout)
+            if self.plan and self.exchange == "auto":
+                shape = dict(heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
+                where = dict(world_size=self.cp_size, rank=self.cp_rank, layout=self.layout, device="cpu")
+                order, plan = choose_plan({k: v["document_ids"] for k, v in orders.items()}, **where, **shape)
+                full = orders[order]
+            else:
+                full = orders["balanced" if "balanced" in orders else "packed"]
+                if self.plan:
+                    plan = plan_documents(
+                        full["document_ids"],
+                        world_size=self.cp_size,
+                        rank=self.cp_rank,
+                        layout=self.layout,
+                        causal=True,
+                        device="cpu",
+                        exchange=self.exchange,
+                    )
         out = PreparedBatch(shard_batch(full, rank=self.cp_rank, world_size=self.cp_size, layout=self.layout))
         if plan is not None:
             out["document_plan"] = plan

@@ -112,3 +112,36 @@ def test_a_batch_without_documents_is_only_sharded():
 def test_bad_preparation_arguments_are_named(kwargs, words):
     with pytest.raises(ValueError, match=words):
         BatchPreparation(**kwargs)
+
+
+def _lengths_batch(lengths, seq):
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:seq]
+    tokens = torch.randint(0, 100, (1, seq + 1), generator=torch.Generator().manual_seed(len(lengths)))
+    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "document_ids": ids[None]}
+
+
+@pytest.mark.parametrize(
+    "lengths, exchange",
+    [
+        ([64] * 256, "gather"),  # short documents, few rows cross ranks: one all-to-all beats 3 ring steps
+        ([16384], "ring"),  # one document: every rank's K/V moves, the ring's cheaper rows win
+    ],
+)
+def test_auto_picks_per_batch_and_every_rank_agrees(lengths, exchange):
+    """``exchange="auto"``: every rank of a group prices the same full ids and so picks the
+    same exchange and order; the batch and plan are exactly those of that choice."""
+    full, world = _lengths_batch(lengths, 16384), 4
+    picks = set()
+    for rank in range(world):
+        prep = BatchPreparation(cp_size=world, cp_rank=rank, balance=True, plan=True, exchange="auto", heads=32)
+        got = prep(dict(full))
+        plan = got["document_plan"]
+        picks.add((plan.exchange, tuple(plan.fingerprint)))
+        balanced = balance_documents(dict(full), world_size=world, layout="zigzag")
+        order = next(
+            o
+            for o in (balanced, full)
+            if torch.equal(shard_batch(o, rank=rank, world_size=world)["document_ids"], got["document_ids"])
+        )
+        _same_plan(plan, plan_documents(order["document_ids"], world_size=world, rank=rank, exchange=plan.exchange))
+    assert len(picks) == 1 and next(iter(picks))[0] == exchange
