@@ -74,7 +74,7 @@ class LongContextEvaluation(L.Callback):
         every_n_steps: int,
         *,
         lengths: Optional[Sequence[int]] = None,
-        depths: Sequence[float] = (0.0, 0.5, 1.0),
+        depths: tuple[float, ...] = (0.0, 0.5, 1.0),
         trials: int = 2,
         max_sequences: int = 2,
         seed: int = 0,
@@ -135,8 +135,9 @@ class LongContextEvaluation(L.Callback):
 
     def describe(self, lengths: Sequence[int], seq_len: Optional[int]) -> str:
         """One line: what every evaluation runs, and where its numbers go."""
+        keys = f"{self.trials} key{'s' * (self.trials > 1)} each"
         passkey = (
-            f"passkey at lengths {list(lengths)} x depths {self.depths} ({self.trials} keys each)"
+            f"passkey at lengths {list(lengths)} x depths {self.depths} ({keys})"
             if lengths
             else f"no passkey (the training length {seq_len} has no room for a needle)"
         )
