@@ -141,7 +141,8 @@ class LongContextEvaluation(L.Callback):
             if lengths
             else f"no passkey (the training length {seq_len} has no room for a needle)"
         )
-        loss = f"the loss by position of {self.max_sequences} validation windows" if self.max_sequences else ""
+        windows = f"{self.max_sequences} validation window{'s' * (self.max_sequences > 1)}"
+        loss = f"the loss by position of {windows}" if self.max_sequences else ""
         where = "metrics.csv" + (f" and {self.output_dir}/stepNNNNNN.json" if self.output_dir is not None else "")
         return f"every {self.every_n_steps} steps: {passkey}{', ' + loss if loss else ''} -> {where}"
 
