@@ -133,8 +133,8 @@ def train(argv: Optional[list[str]] = None, fitted: Optional[list] = None) -> in
             )
         print(f"train.py: error: data: {message}", file=sys.stderr)
         return 2
-    try:  # the evaluation's lengths against the tokenizer, the training length and the CP layout
-        cli.check_evaluation()
+    try:  # the evaluation's passkey lengths against the tokenizer's needle
+        cli.check_evaluation(dm.get_tokenizer())
     except ValueError as e:
         print(f"train.py: error: {one_line(e)}", file=sys.stderr)
         return 2

@@ -112,12 +112,13 @@ class LongContextEvaluation(L.Callback):
         """The passkey lengths of a run at ``seq_len`` tokens over ``cp_size`` CP ranks; the
         given ones checked: one over ``seq_len``, one the layout cannot split or one shorter
         than the needle, question and answer is an ``ArgumentValueError`` of ``lengths``. The
-        derived ones may be none (a training length too short for a needle): no passkey."""
+        derived ones may be none (a training length too short for a needle): no passkey.
+        Without a tokenizer (a check before it exists) the needle is left out of it."""
         if self.lengths is None:
             if seq_len is None:
                 raise ArgumentValueError("lengths", "must be given where the data module has no seq_len to derive them")
             multiple = required_multiple(cp_size, layout) if cp_size > 1 else 1
-            room = 2 * passkey_overhead(tokenizer)
+            room = 2 * passkey_overhead(tokenizer) if tokenizer is not None else 0
             return sorted(n for n in {seq_len // k // multiple * multiple for k in (4, 2, 1)} if n >= room)
         for n in self.lengths:
             try:
@@ -128,7 +129,8 @@ class LongContextEvaluation(L.Callback):
                     )
                 if cp_size > 1:
                     check_seq_len(n, cp_size, layout)
-                check_passkey_length(tokenizer, n)
+                if tokenizer is not None:
+                    check_passkey_length(tokenizer, n)
             except ValueError as e:
                 raise ArgumentValueError("lengths", f"{self.lengths}: {e}") from None
         return list(self.lengths)

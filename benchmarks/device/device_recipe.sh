@@ -36,11 +36,11 @@ else
   export TOKENIZERS_PARALLELISM=false
   MODEL=(--preset gpt-125m --model.model.vocab_size 8192 --model.parallel.fuse_pointwise false)
   DATA=()  # the default corpus: the standard library grouped per package (documents of 100K+ tokens)
-  SHORT=(--seq-len 4096 --model.model.max_seq_len 4096 --batch-size 8 --context-parallel 1 --devices 2 --accelerator gpu
+  SHORT=(--seq-len 4096 --model.model.max_seq_len 4096 --batch-size 4 --context-parallel 1 --devices 2 --accelerator gpu
     --lr 1e-3)
   LONG=(--seq-len 32768 --model.model.max_seq_len 32768 --batch-size 1 --context-parallel 2 --devices 2 --accelerator gpu
     --lr 3e-4)
-  SHORT_STEPS=${SHORT_STEPS:-300} LONG_STEPS=${LONG_STEPS:-150} EVAL_EVERY=${EVAL_EVERY:-50} FACTOR=8
+  SHORT_STEPS=${SHORT_STEPS:-400} LONG_STEPS=${LONG_STEPS:-150} EVAL_EVERY=${EVAL_EVERY:-50} FACTOR=8
   EVAL=(--lengths 1K,2K,4K,8K,16K,32K --depths 0,0.25,0.5,0.75,1 --trials 4 --data auto --max-sequences 8 --base-context 4K)
   EVAL_DURING=()
   NPROC=2 LIMIT=240

@@ -354,6 +354,7 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
                 ],
             )
             self.datamodule = self.config_init.data
+            self.check_evaluation()
             self.out = Path(self.config_init.run.output_dir)
             if self.device_checks:
                 self.trainer = self.instantiate_trainer()
@@ -387,18 +388,20 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
             evaluation = self.config_init.eval
             return evaluation if evaluation.every_n_steps else None
 
-        def check_evaluation(self) -> None:
-            """The evaluation's lengths against the data module's tokenizer, training length and CP
-            layout, before launch (the callback's own check at the start of the fit: the same line)."""
+        def check_evaluation(self, tokenizer: Any = None) -> None:
+            """The evaluation's lengths against the training length and the CP layout (before any
+            data work) and, given the data module's tokenizer, against the needle, which it then
+            says: the callback's own check at the start of the fit, so the same line."""
             from .training import say
 
             evaluation, data = self.evaluation, self.datamodule
             if evaluation is None:
                 return
+            cp = data.context_parallel_size or 1
             with refused_as("eval", self.config.eval.as_dict()):
-                cp = data.context_parallel_size or 1
-                lengths = evaluation.passkey_lengths(data.get_tokenizer(), data.seq_len, cp, data.layout)
-            say(f"eval: {evaluation.describe(lengths, data.seq_len)}")
+                lengths = evaluation.passkey_lengths(tokenizer, data.seq_len, cp, data.layout)
+            if tokenizer is not None:
+                say(f"eval: {evaluation.describe(lengths, data.seq_len)}")
 
         @property
         def data_parallel_size(self) -> int:

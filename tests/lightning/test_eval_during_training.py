@@ -7,7 +7,9 @@ training, over the run's CP group.
   evaluating without repeating the checkpoint's step;
 * lengths that cannot run (one the CP layout does not split, one shorter than the needle, one
   over the training length) are one ``train.py: error: eval.lengths ...`` line, rc 2, before
-  any process starts: the line the callback raises from Python, with the section in front.
+  any process starts (the needle's once the tokenizer exists, the others before any data work:
+  tests/lightning/test_train_errors.py): the line the callback raises from Python, with the
+  section in front.
 """
 
 from __future__ import annotations

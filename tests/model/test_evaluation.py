@@ -331,6 +331,8 @@ def test_callback_lengths_come_from_the_training_length_or_are_checked():
     assert LongContextEvaluation(2).passkey_lengths(tok, 1000, 4, "zigzag") == [248, 496, 1000]  # multiples of 8
     assert LongContextEvaluation(2).passkey_lengths(tok, 256) == [256]  # 64 and 128: no room for the filler
     assert LongContextEvaluation(2, lengths=[104, 256]).passkey_lengths(tok, 256, 2) == [104, 256]
+    # Before the tokenizer exists (train.py, before any data work): the needle is left out.
+    assert LongContextEvaluation(2, lengths=[64]).passkey_lengths(None, 256, 2) == [64]
     for lengths, said in (
         (
             [254],
