@@ -34,6 +34,7 @@ last evaluation is kept in checkpoints: a resumed run does not evaluate that ste
 from __future__ import annotations
 
 import json
+import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -197,7 +198,7 @@ class LongContextEvaluation(L.Callback):
     @torch.no_grad()
     def evaluate(self, trainer: Any, pl_module: Any) -> dict:
         """One evaluation of the model as it is: ``{"step", "passkey": passkey_table(...),
-        "loss_by_position": {"seq_len", "loss", "buckets": [...]}}`` (each where it ran)."""
+        "loss_by_position": {"seq_len", "loss", "buckets": [...]}, "seconds"}`` (each where it ran)."""
         if not hasattr(self, "_lengths"):
             self._setup(trainer, pl_module)
         model, datamodule = pl_module.model, getattr(trainer, "datamodule", None)
@@ -211,6 +212,7 @@ class LongContextEvaluation(L.Callback):
         if unsharded:
             model.unshard()
         record: dict = {"step": trainer.global_step}
+        start = time.perf_counter()
         try:
             with autocast:
                 if self._lengths:
@@ -231,6 +233,7 @@ class LongContextEvaluation(L.Callback):
             if unsharded:
                 model.reshard()
             model.train(was_training)
+        record["seconds"] = time.perf_counter() - start
         return record
 
     def _loss_by_quarter(self, model, val, group, layout: str) -> dict:

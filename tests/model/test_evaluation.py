@@ -239,6 +239,20 @@ def test_init_from_a_run_folder_with_a_new_length_and_rope_scaling(tiny_run, env
         train_py.prepare([*args, "--preset", "gpt-125m"], device_checks=False)
 
 
+def test_evaluate_refuses_a_length_the_launch_cannot_split():
+    """Checked against the launch's CP size (every process of it) before anything loads; main()
+    says it as one line, exit code 2, as the refusals above."""
+    evaluate_py = _script("evaluate")
+    args = evaluate_py.parse_args(["--preset", "tiny", "--tokenizer", "t.model", "--lengths", "1K,1026"])
+    with pytest.raises(ValueError) as refused:
+        evaluate_py.check_arguments(args, 2)
+    assert str(refused.value) == (
+        "--lengths: sequence length 1026 cannot be split by layout 'zigzag' over P=2 ranks: it must be a positive "
+        "multiple of 4 (2 x P); nearest valid: 1024 or 1028 (CP = the 2 processes of the launch)"
+    )
+    assert evaluate_py.check_arguments(args, 1) == (["passkey", "loss"], [0.0, 0.25, 0.5, 0.75, 1.0])
+
+
 # ---- the training callback ---------------------------------------------------------------
 
 
@@ -315,6 +329,7 @@ def test_callback_logs_passkey_and_loss_by_position_beside_the_loss(tmp_path):
         assert table["lengths"] == [256] and table["depths"] == [0.0, 0.5, 1.0] and len(table["samples"]) == 3
         assert LongContextEvaluation.metrics(record)["passkey_logprob"] == pytest.approx(float(row["passkey_logprob"]))
         assert [b["hi"] for b in record["loss_by_position"]["buckets"]] == [64, 128, 192, 256]
+        assert record["seconds"] > 0
     assert callback.state_dict() == {"last_step": 4}  # in the checkpoint: a resume does not evaluate step 4 again
     with pytest.raises(ValueError, match="passkey length 64 is shorter than the needle"):
         fit(LongContextEvaluation(every_n_steps=2, lengths=[64, 256]), "refused")  # at the start, no step run
