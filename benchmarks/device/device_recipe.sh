@@ -33,7 +33,6 @@ if [ "$TINY" = 1 ]; then
   NPROC=1 LIMIT=300
 else
   source benchmarks/device/device_env.sh || exit 3
-  export TOKENIZERS_PARALLELISM=false
   MODEL=(--preset gpt-125m --model.model.vocab_size 8192 --model.parallel.fuse_pointwise false)
   DATA=()  # the default corpus: the standard library grouped per package (documents of 100K+ tokens)
   SHORT=(--seq-len 4096 --model.model.max_seq_len 4096 --batch-size 4 --context-parallel 1 --devices 2 --accelerator gpu
