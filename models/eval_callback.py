@@ -146,7 +146,7 @@ class LongContextEvaluation(L.Callback):
         )
         windows = f"{self.max_sequences} validation window{'s' * (self.max_sequences > 1)}"
         loss = f"the loss by position of {windows}" if self.max_sequences else ""
-        where = "metrics.csv" + (f" and {self.output_dir}/stepNNNNNN.json" if self.output_dir is not None else "")
+        where = "the loggers" + (f" and {self.output_dir}/stepNNNNNN.json" if self.output_dir is not None else "")
         return f"every {self.every_n_steps} steps: {passkey}{', ' + loss if loss else ''} -> {where}"
 
     # -- Lightning hooks -------------------------------------------------------------------
