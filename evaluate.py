@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> dict:
     from longctx.data.eval_stream import load_eval_stream
     from longctx.models.evaluation import evaluate as loss_by_position
     from longctx.models.evaluation import format_length, is_rank0, log, plot_loss_by_position
-    from longctx.models.passkey import format_passkey, passkey_sample, passkey_table, plot_passkey
+    from longctx.models.passkey import check_passkey_length, format_passkey, passkey_table, plot_passkey
 
     group, device = setup_distributed(args.device)
     world = 1 if group is None else dist.get_world_size(group)
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(args)
     if "passkey" in tasks:  # the needle must fit the shortest length: before loading weights
-        passkey_sample(tokenizer, min(args.lengths), 0.0, 10 ** (5 - 1))
+        check_passkey_length(tokenizer, min(args.lengths))
     overrides: dict = {}
     if args.rope_theta is not None:
         overrides["rope_theta"] = args.rope_theta

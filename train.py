@@ -7,7 +7,8 @@
 
 A LightningCLI over ``CausalLMModule`` (section ``model``), ``LongDocumentDataModule``
 (``data``), ``ContextParallelStrategy`` (``strategy``), the ``Trainer`` (``trainer``), the
-``NonFiniteGuard`` callback (``nonfinite``) and train.py's own ``run`` options: every option
+``NonFiniteGuard`` callback (``nonfinite``), the ``LongContextEvaluation`` callback (``eval``,
+on with ``--eval-every N``) and train.py's own ``run`` options: every option
 is ``--SECTION.ARGUMENT`` (``--model.lr 1e-3``, ``--model.model.n_layer 4``), with the
 class's default and docstring; YAML configs have the same shape. The short flags people
 type are aliases of those keys (``--help`` lists both). ``--config`` files and flags apply
@@ -15,7 +16,8 @@ in order; without ``--config`` the base is configs/tiny-cpu.yaml. ``--print_conf
 the resolved config (loadable with ``--config``) and exits.
 
 Outputs: OUTPUT_DIR/config.yaml (the resolved config, loadable with ``--config``),
-metrics.csv, checkpoints/ (last.ckpt always the newest complete one), loss.png.
+metrics.csv, checkpoints/ (last.ckpt always the newest complete one), loss.png; with
+``--eval-every N`` the passkey and loss-by-position columns in metrics.csv and eval/stepNNNNNN.json.
 ``--resume`` takes a checkpoint, a checkpoint directory or a run directory and continues
 exactly where that checkpoint left off, from the run's own config.yaml (flags given then are
 printed overrides). Every input mistake visible before launch is one ``train.py: error:``
@@ -66,6 +68,7 @@ SHORT_FLAGS = {
     "--output-dir": "run.output_dir",
     "--val-every": "run.val_every",
     "--checkpoint-every": "run.checkpoint_every",
+    "--eval-every": "eval.every_n_steps",
 }
 
 
@@ -129,6 +132,11 @@ def train(argv: Optional[list[str]] = None, fitted: Optional[list] = None) -> in
                 "is the corpus one huge line? break it into lines)"
             )
         print(f"train.py: error: data: {message}", file=sys.stderr)
+        return 2
+    try:  # the evaluation's passkey lengths against the tokenizer's needle
+        cli.check_evaluation(dm.get_tokenizer())
+    except ValueError as e:
+        print(f"train.py: error: {one_line(e)}", file=sys.stderr)
         return 2
     try:  # a checkpoint to start from whose tensors show damage (longctx.models.checkpoint_import)
         module = cli.instantiate_model()

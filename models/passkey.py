@@ -54,6 +54,20 @@ def passkey_overhead(tokenizer, digits: int = 5) -> int:
     return max(sum(map(len, _parts(tokenizer, int(c * digits)))) for c in "123456789")
 
 
+def _too_short(length: int, fixed: int) -> ValueError:
+    return ValueError(
+        f"passkey length {length} is shorter than the needle, question and answer ({fixed} tokens "
+        f"with this tokenizer): use lengths of at least {fixed}"
+    )
+
+
+def check_passkey_length(tokenizer, length: int, digits: int = 5) -> None:
+    """Refuse a prompt length that cannot hold the needle, question and answer of every key."""
+    fixed = passkey_overhead(tokenizer, digits)
+    if length < fixed:
+        raise _too_short(length, fixed)
+
+
 def passkey_sample(tokenizer, length: int, depth: float, key: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(input_ids, labels, needle position)`` of one sample, each ``(length,)`` tensor; the
     labels are the answer tokens (shifted), -100 elsewhere."""
@@ -64,10 +78,7 @@ def passkey_sample(tokenizer, length: int, depth: float, key: int) -> tuple[torc
     fixed = len(bos) + len(needle) + len(question) + len(answer)
     n_filler = length - fixed
     if n_filler < 0 or not filler_unit:
-        raise ValueError(
-            f"passkey length {length} is shorter than the needle, question and answer ({fixed} tokens "
-            f"with this tokenizer): use lengths of at least {fixed}"
-        )
+        raise _too_short(length, fixed)
     filler = (filler_unit * (n_filler // len(filler_unit) + 1))[:n_filler]
     at = round(depth * n_filler)
     tokens = bos + filler[:at] + needle + filler[at:] + question + answer

@@ -1,7 +1,8 @@
 """train.py's LightningCLI: the parser over ``CausalLMModule`` (``model``),
 ``LongDocumentDataModule`` (``data``), ``ContextParallelStrategy`` (``strategy``), the
-``Trainer`` (``trainer``), ``NonFiniteGuard`` (``nonfinite``) and ``RunOptions`` (``run``);
-it builds what it parses, and renders every refusal as one line.
+``Trainer`` (``trainer``), ``NonFiniteGuard`` (``nonfinite``), ``LongContextEvaluation``
+(``eval``) and ``RunOptions`` (``run``); it builds what it parses, and renders every refusal
+as one line.
 
 The classes' signatures are the options: their ``Literal`` types and defaults are what the
 parser checks and ``--help`` lists; the values a type allows but a class refuses are refused
@@ -78,6 +79,7 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
     from torch.nn.parallel import DistributedDataParallel
 
     from longctx.data import LongDocumentDataModule
+    from longctx.models.eval_callback import LongContextEvaluation
     from longctx.models.lit_module import CausalLMModule
 
     from .health import NonFiniteGuard
@@ -169,6 +171,10 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
             ddp = set(inspect.signature(DistributedDataParallel.__init__).parameters)
             parser.add_class_arguments(ContextParallelStrategy, "strategy", skip=ddp)
             parser.add_class_arguments(NonFiniteGuard, "nonfinite", skip={"group"})
+            # The evaluation during training: off unless eval.every_n_steps is set; its JSON
+            # goes into the run's folder, its tokenizer is the data module's.
+            parser.add_class_arguments(LongContextEvaluation, "eval", skip={"tokenizer", "output_dir"})
+            parser.set_defaults({"eval.every_n_steps": 0})
             parser.add_class_arguments(RunOptions, "run")
             parser.add_argument(
                 "--resume",
@@ -342,11 +348,13 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
                 instantiators=[
                     (self._instantiator("run"), RunOptions, False),
                     (self._instantiator("nonfinite"), NonFiniteGuard, False),
+                    (self._instantiator("eval", given=self._eval_arguments), LongContextEvaluation, False),
                     (self._instantiator("strategy", then=self._check_world), ContextParallelStrategy, False),
                     (self._instantiator("data", given=self._data_arguments), LongDocumentDataModule, False),
                 ],
             )
             self.datamodule = self.config_init.data
+            self.check_evaluation()
             self.out = Path(self.config_init.run.output_dir)
             if self.device_checks:
                 self.trainer = self.instantiate_trainer()
@@ -370,6 +378,30 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
                 return built
 
             return build
+
+        def _eval_arguments(self) -> dict:
+            return {"output_dir": str(Path(self.config.run.output_dir) / "eval")}
+
+        @property
+        def evaluation(self) -> Optional[Any]:
+            """The built ``LongContextEvaluation`` where the run evaluates (``--eval-every N``), else None."""
+            evaluation = self.config_init.eval
+            return evaluation if evaluation.every_n_steps else None
+
+        def check_evaluation(self, tokenizer: Any = None) -> None:
+            """The evaluation's lengths against the training length and the CP layout (before any
+            data work) and, given the data module's tokenizer, against the needle, which it then
+            says: the callback's own check at the start of the fit, so the same line."""
+            from .training import say
+
+            evaluation, data = self.evaluation, self.datamodule
+            if evaluation is None:
+                return
+            cp = data.context_parallel_size or 1
+            with refused_as("eval", self.config.eval.as_dict()):
+                lengths = evaluation.passkey_lengths(tokenizer, data.seq_len, cp, data.layout)
+            if tokenizer is not None:
+                say(f"eval: {evaluation.describe(lengths, data.seq_len)}")
 
         @property
         def data_parallel_size(self) -> int:
@@ -407,8 +439,9 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
 
             init, trainer = self.config_init, self.config.trainer.as_dict()
             with refused_as("trainer", trainer):
+                callbacks = [init.nonfinite, *([self.evaluation] if self.evaluation is not None else [])]
                 return build_trainer(
-                    trainer, init.strategy, init.run, self.out, [init.nonfinite], on_train_start=self._write_config
+                    trainer, init.strategy, init.run, self.out, callbacks, on_train_start=self._write_config
                 )
 
         def _write_config(self, trainer: Any, module: Any) -> None:

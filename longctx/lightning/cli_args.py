@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 # The sections of a config, as of the command line (``--model.lr`` = model: lr:).
-SECTIONS = ("trainer", "model", "data", "strategy", "nonfinite", "run")
+SECTIONS = ("trainer", "model", "data", "strategy", "nonfinite", "eval", "run")
 
 
 def flag_values(argv: list[str], *names: str) -> list[str]:

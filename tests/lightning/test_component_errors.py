@@ -13,6 +13,7 @@ from longctx.layouts import check_seq_len
 from longctx.lightning import ContextParallelStrategy, NonFiniteGuard
 from longctx.lightning.cli import refused_as
 from longctx.lightning.training import RunOptions
+from longctx.models.eval_callback import LongContextEvaluation
 from longctx.models.lit_module import CausalLMModule
 from longctx.validation import ArgumentValueError
 
@@ -44,6 +45,10 @@ CASES = [
     (RunOptions, dict(val_every=-1), "run", ["--val-every", "-1"]),
     (RunOptions, dict(val_batches=0), "run", ["--run.val_batches", "0"]),
     (RunOptions, dict(checkpoint_every=-5), "run", ["--checkpoint-every", "-5"]),
+    (LongContextEvaluation, dict(every_n_steps=-1), "eval", ["--eval-every", "-1"]),
+    (LongContextEvaluation, dict(every_n_steps=2, trials=0), "eval", ["--eval-every", "2", "--eval.trials", "0"]),
+    (LongContextEvaluation, dict(every_n_steps=0, max_sequences=-1), "eval", ["--eval.max_sequences", "-1"]),
+    (LongContextEvaluation, dict(every_n_steps=2, lengths=[0, 256]), "eval", ["--eval.lengths", "[0, 256]"]),
 ]
 
 
@@ -89,6 +94,7 @@ NAMED = [
     (LongDocumentDataModule, dict(tokenizer="no/such.model"), "data", "tokenizer", ["--tokenizer", "no/such.model"]),
     (RunOptions, dict(val_batches=0), "run", "val_batches", ["--run.val_batches", "0"]),
     (NonFiniteGuard, dict(max_skips=3), "nonfinite", "max_skips", ["--nonfinite.max_skips", "3"]),
+    (LongContextEvaluation, dict(every_n_steps=2, depths=(0.0, 2.0)), "eval", "depths", ["--eval.depths", "[0, 2]"]),
 ]
 
 

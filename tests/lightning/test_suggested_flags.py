@@ -52,6 +52,9 @@ VALUES = {
     "--resume": None,
     "--stop-grace-period": ["30"],
     "--strategy.cpu_offload": ["true"],
+    "--eval-every": ["50"],
+    "--eval.lengths": ["[256]"],
+    "--eval.depths": ["[0, 1]"],
 }
 
 

@@ -78,6 +78,13 @@ CASES = [
     (["--model.min_lr_ratio", "2"], "model.min_lr_ratio must be a number in [0, 1], got 2.0"),
     (["--init-from", "nowhere/model"], "model.init_from nowhere/model: no such file or directory"),
     (["--run.keep_checkpoints", "2"], "run.keep_checkpoints must be one of -1, 0, 1, got 2"),
+    # The evaluation's lengths against the training length and the CP layout (the needle: once
+    # the tokenizer exists, tests/lightning/test_eval_during_training.py).
+    (
+        ["--eval-every", "10", "--eval.lengths", "[256, 510]"],
+        "eval.lengths [256, 510]: sequence length 510 cannot be split by layout 'zigzag' over P=2 ranks",
+    ),
+    (["--eval-every", "10", "--eval.lengths", "[1024]"], "passkey length 1024 is longer than the training length 512"),
     (["--data-parallel", "zero3"], "strategy.data_parallel must be one of auto, fsdp, ddp, got 'zero3'"),
     (["--nonfinite.policy", "never"], "nonfinite.policy must be one of skip, stop, got 'never'"),
     (["--model.model.n_layers", "3"], "unknown GPTConfig key(s) ['n_layers']"),

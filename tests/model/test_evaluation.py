@@ -239,6 +239,20 @@ def test_init_from_a_run_folder_with_a_new_length_and_rope_scaling(tiny_run, env
         train_py.prepare([*args, "--preset", "gpt-125m"], device_checks=False)
 
 
+def test_evaluate_refuses_a_length_the_launch_cannot_split():
+    """Checked against the launch's CP size (every process of it) before anything loads; main()
+    says it as one line, exit code 2, as the refusals above."""
+    evaluate_py = _script("evaluate")
+    args = evaluate_py.parse_args(["--preset", "tiny", "--tokenizer", "t.model", "--lengths", "1K,1026"])
+    with pytest.raises(ValueError) as refused:
+        evaluate_py.check_arguments(args, 2)
+    assert str(refused.value) == (
+        "--lengths: sequence length 1026 cannot be split by layout 'zigzag' over P=2 ranks: it must be a positive "
+        "multiple of 4 (2 x P); nearest valid: 1024 or 1028 (CP = the 2 processes of the launch)"
+    )
+    assert evaluate_py.check_arguments(args, 1) == (["passkey", "loss"], [0.0, 0.25, 0.5, 0.75, 1.0])
+
+
 # ---- the training callback ---------------------------------------------------------------
 
 
@@ -293,16 +307,63 @@ def test_callback_logs_passkey_and_loss_by_position_beside_the_loss(tmp_path):
         trainer.fit(Module(), datamodule=Data())
         return trainer
 
-    trainer = fit(LongContextEvaluation(every_n_steps=2, trials=1), "default")
+    callback = LongContextEvaluation(every_n_steps=2, trials=1, output_dir=str(tmp_path / "eval"))
+    trainer = fit(callback, "default")
     with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("passkey_acc")]
-    assert [int(r["step"]) for r in rows] == [1, 3]  # logged at the step that ended steps 2 and 4
-    for r in rows:  # only 256 of (64, 128, 256) fits the ~110-token needle twice over
+    # In the rows of the steps whose updates gave the evaluated weights (steps 2 and 4 done),
+    # and in no later row (Lightning would repeat a value logged through the module).
+    assert [int(r["step"]) for r in rows] == [1, 3]
+    for r in rows:  # only 256 of (64, 128, 256) fits the ~104-token needle twice over
         assert 0 <= float(r["passkey_acc"]) == float(r["passkey_acc_256"]) <= 1
         assert float(r["passkey_logprob"]) < 0
         assert all(float(r[f"pos_loss_q{q}"]) > 0 for q in (1, 2, 3, 4))
+    # Each evaluation whole, as JSON: the table lengths x depths with its samples, the buckets.
+    records = [json.loads((tmp_path / "eval" / f"step00000{s}.json").read_text()) for s in (2, 4)]
+    assert [r["step"] for r in records] == [2, 4] and sorted(p.name for p in (tmp_path / "eval").iterdir()) == [
+        "step000002.json",
+        "step000004.json",
+    ]
+    for record, row in zip(records, rows):
+        table = record["passkey"]
+        assert table["lengths"] == [256] and table["depths"] == [0.0, 0.5, 1.0] and len(table["samples"]) == 3
+        assert LongContextEvaluation.metrics(record)["passkey_logprob"] == pytest.approx(float(row["passkey_logprob"]))
+        assert [b["hi"] for b in record["loss_by_position"]["buckets"]] == [64, 128, 192, 256]
+        assert record["seconds"] > 0
+    assert callback.state_dict() == {"last_step": 4}  # in the checkpoint: a resume does not evaluate step 4 again
     with pytest.raises(ValueError, match="passkey length 64 is shorter than the needle"):
         fit(LongContextEvaluation(every_n_steps=2, lengths=[64, 256]), "refused")  # at the start, no step run
+
+
+def test_callback_lengths_come_from_the_training_length_or_are_checked():
+    """Derived: the training length, its half and quarter, rounded down to what the CP layout
+    splits, those with room for the filler. Given: each checked, one line naming the list."""
+    from longctx.models.eval_callback import LongContextEvaluation
+    from longctx.validation import ArgumentValueError
+
+    tok = CharTokenizer()  # the needle, question and answer: 104 characters
+    assert LongContextEvaluation(2).passkey_lengths(tok, 1024, 2, "zigzag") == [256, 512, 1024]
+    assert LongContextEvaluation(2).passkey_lengths(tok, 1000, 4, "zigzag") == [248, 496, 1000]  # multiples of 8
+    assert LongContextEvaluation(2).passkey_lengths(tok, 256) == [256]  # 64 and 128: no room for the filler
+    assert LongContextEvaluation(2, lengths=[104, 256]).passkey_lengths(tok, 256, 2) == [104, 256]
+    # Before the tokenizer exists (train.py, before any data work): the needle is left out.
+    assert LongContextEvaluation(2, lengths=[64]).passkey_lengths(None, 256, 2) == [64]
+    for lengths, said in (
+        (
+            [254],
+            "lengths [254]: sequence length 254 cannot be split by layout 'zigzag' over P=2 ranks: it must be a "
+            "positive multiple of 4 (2 x P); nearest valid: 252 or 256",
+        ),
+        (
+            [64, 256],
+            "lengths [64, 256]: passkey length 64 is shorter than the needle, question and answer (104 tokens with "
+            "this tokenizer): use lengths of at least 104",
+        ),
+        ([128, 512], "lengths [128, 512]: passkey length 512 is longer than the training length 256: "),
+    ):
+        with pytest.raises(ArgumentValueError) as refused:
+            LongContextEvaluation(2, lengths=lengths).passkey_lengths(tok, 256, 2, "zigzag")
+        assert refused.value.argument == "lengths" and str(refused.value).startswith(said), str(refused.value)
 
 
 # ---- the README's section ------------------------------------------------------------------
