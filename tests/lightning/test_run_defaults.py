@@ -103,10 +103,11 @@ def test_cpu_keeps_the_plain_defaults():
     assert (default.memory.activation_checkpointing, default.parallel.fuse_pointwise) == ("none", False)
     plan = ParallelPlan()
     assert (plan.activation_checkpointing, plan.fuse_pointwise) == (None, None)  # left to the run
-    assert plan.defaults_for("cpu") == plan.defaults_for(None) == ParallelPlan("none", False)
-    assert plan.defaults_for("cuda") == ParallelPlan("auto", True)
-    assert plan.defaults_for("cuda", fusable=False) == ParallelPlan("auto", False)
-    assert ParallelPlan("selective", False).defaults_for("cuda") == ParallelPlan("selective", False)
+    cpu, gpu = dict(document_exchange="ring"), dict(document_exchange="auto")
+    assert plan.defaults_for("cpu") == plan.defaults_for(None) == ParallelPlan("none", False, **cpu)
+    assert plan.defaults_for("cuda") == ParallelPlan("auto", True, **gpu)
+    assert plan.defaults_for("cuda", fusable=False) == ParallelPlan("auto", False, **gpu)
+    assert ParallelPlan("selective", False).defaults_for("cuda") == ParallelPlan("selective", False, **gpu)
 
 
 def test_config_entries_hold_every_resolved_value():
