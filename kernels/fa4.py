@@ -517,5 +517,7 @@ def warm_up(device, dtype: torch.dtype, head_dim: int, n_head: int, n_kv_head: i
                     out, lse = forward_segments(q, k, v, causal, scale, None, segments)
                     backward_segments(dout, q, k, v, out, lse, causal, scale, None, segments)
     torch.cuda.synchronize(device)
+    del q_all, k_all, v_all, dout_all, q, k, v, dout, out, lse
+    torch.cuda.empty_cache()  # the blocks (up to ~60K rows) go back before the model's own buffers
     _warmed_up = _jit_keys()
     return len(_warmed_up) - before
