@@ -209,10 +209,13 @@ def check_fits(
     host_total: Optional[int] = None,
     host_ranks: int = 1,
     hf_modules: bool = False,
+    device: str = "cuda",
+    documents: bool = False,
 ) -> MemoryEstimate:
     """Estimate, then raise ``PredictedOutOfMemory`` (a ValueError: one line, naming what to change) when the
     prediction exceeds ``gpu_total`` bytes per GPU or ``host_total`` bytes of host memory
-    shared by ``host_ranks`` ranks. A total of None is not checked (e.g. no GPU)."""
+    shared by ``host_ranks`` ranks. A total of None is not checked (e.g. no GPU). ``device``,
+    ``documents``: as ``estimate`` takes them."""
     plan = as_plan(plan)
     kw = dict(
         cp=cp,
@@ -223,6 +226,8 @@ def check_fits(
         precision=precision,
         attention_kernel=attention_kernel,
         hf_modules=hf_modules,
+        device=device,
+        documents=documents,
     )
     est = estimate(config, seq_len, plan=plan, **kw)
     per_rank_host = None if host_total is None else host_total // max(host_ranks, 1)

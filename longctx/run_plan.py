@@ -266,7 +266,14 @@ def resolve_run(
     memory_kw = None
     if memory_check and seq_len and batch_size and head_dim is not None:
         memory_kw = _memory_kw(
-            mode, world, plan, precision=precision, batch_size=batch_size, documents=documents, hf_modules=hf_modules
+            mode,
+            world,
+            plan,
+            precision=precision,
+            batch_size=batch_size,
+            documents=documents,
+            hf_modules=hf_modules,
+            device=device,
         )
         try:
             memory.estimate(config, seq_len, plan=_decided(plan), **memory_kw)
@@ -385,9 +392,12 @@ def _memory_kw(
     batch_size: int,
     documents: bool,
     hf_modules: bool = False,
+    device: Any,
 ) -> dict:
-    """``longctx.memory.estimate``'s arguments for a resolved plan: the memory model counts the
-    kernel the layers run (the document-masked one with documents)."""
+    """``longctx.memory.estimate``'s arguments for a resolved plan on ``device``: the memory model
+    counts the kernel the layers run (the document-masked one with documents)."""
+    import torch
+
     from . import memory
 
     kernel = plan.document_backend if documents else plan.attention_backend
@@ -400,6 +410,8 @@ def _memory_kw(
         precision="32-true" if str(precision)[:2] in ("32", "64") else "bf16-mixed",
         attention_kernel="auto" if kernel in (None, "auto") else memory.kernel_family(kernel),
         hf_modules=hf_modules,
+        device="cuda" if torch.device(device).type == "cuda" else "cpu",
+        documents=documents,
     )
 
 
@@ -411,13 +423,14 @@ def check_memory(
     batch_size: int,
     precision: str,
     documents: bool,
+    device: Any,
     local_ranks: int = 1,
     gpu_total: Optional[int] = None,
     host_total: Optional[int] = None,
     hf_modules: bool = False,
 ):
-    """The memory model's prediction for a resolved ``run`` (which it does not change): for data
-    whose shapes were unknown when the plan was made, checked on the first batch. Raises
+    """The memory model's prediction for a resolved ``run`` (which it does not change) on
+    ``device``: for data whose shapes were unknown when the plan was made, checked on the first batch. Raises
     ``PredictedOutOfMemory`` (one line, naming the change) where it exceeds ``gpu_total`` /
     ``host_total`` (None: not checked); None where the model's shape cannot be read."""
     from . import memory, memory_fit
@@ -440,6 +453,7 @@ def check_memory(
         batch_size=batch_size,
         documents=documents,
         hf_modules=hf_modules,
+        device=device,
     )
     try:
         memory.estimate(config, seq_len, plan=plan, **kw)

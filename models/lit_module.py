@@ -14,8 +14,9 @@ the strategy shards every batch. What this module adds:
   ``lr``, ``tokens_per_s`` (the wall rate, from one optimizer step to the next), ``mfu`` (GPU;
   against the dense bf16 peak, FP8 runs (``ParallelPlan(float8=True)``) too, so the two compare),
   ``step_s`` (the step's forward and backward; the first step's includes the kernels'
-  compiles), ``outside_s`` (the rest of the wall time between steps), peak memory (GPU: ``max_memory_allocated``
-  of the fullest rank); ``val_loss`` / ``val_ppl``
+  compiles), ``outside_s`` (the rest of the wall time between steps), peak memory of the fullest rank (GPU:
+  ``max_memory_allocated``, ``peak_mem_gib``; CPU: the resident-set high-water mark, ``peak_rss_gib``,
+  what ``longctx.memory.estimate(device="cpu").host_bytes`` predicts); ``val_loss`` / ``val_ppl``
   token-weighted over all ranks (torchmetrics).
 
 Non-finite losses/gradients are not handled here: ``longctx.lightning.health.NonFiniteGuard`` (a
@@ -392,6 +393,7 @@ class CausalLMModule(L.LightningModule):
                 batch_size=int(ids.shape[0]),
                 precision=str(self.trainer.precision),
                 documents=self.attention == "document",
+                device=device,
                 local_ranks=max(int(self.trainer.num_devices), 1),
                 hf_modules=self.hparams.get("hf_model") is not None,
                 **totals,
@@ -451,13 +453,12 @@ class CausalLMModule(L.LightningModule):
             self._step_start = None
         if self.device.type == "cuda":
             peak = torch.tensor(float(torch.cuda.max_memory_allocated(self.device)), device=self.device)
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)  # the fullest rank's
-            metrics["peak_mem_gib"] = peak / 2**30
-        else:
-            # ru_maxrss is KiB on Linux: the process's resident-set high-water mark.
-            metrics["peak_rss_gib"] = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
-        # Values are global (identical on all ranks; the peak was all-reduced above): no sync_dist.
+        else:  # ru_maxrss is KiB on Linux: the process's resident-set high-water mark
+            peak = torch.tensor(float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)  # the fullest rank's
+        metrics["peak_mem_gib" if self.device.type == "cuda" else "peak_rss_gib"] = peak / 2**30
+        # Values are global (identical on all ranks; the peaks were all-reduced above): no sync_dist.
         self.log("train_loss", mean, prog_bar=True, on_step=True, on_epoch=False)
         self.log_dict({k: v.float() for k, v in metrics.items()}, on_step=True, on_epoch=False)
         self._step_tokens = 0
