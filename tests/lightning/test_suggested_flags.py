@@ -52,6 +52,9 @@ VALUES = {
     "--resume": None,
     "--stop-grace-period": ["30"],
     "--strategy.cpu_offload": ["true"],
+    "--seq-len": ["1024"],
+    "--batch-size": ["1"],
+    "--model.memory_check": ["false"],
 }
 
 
