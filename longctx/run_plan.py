@@ -64,7 +64,7 @@ class World:
 
 @dataclass(frozen=True)
 class ParallelChoices:
-    """How the world splits the work and which kernels run it (every value resolved)."""
+    """How the world splits the work, which kernels run it and in what precision (every value resolved)."""
 
     data_parallel: str  # "fsdp", "ddp" or "none" (no longctx strategy)
     cp: int
@@ -79,6 +79,7 @@ class ParallelChoices:
     balance_documents: bool
     document_exchange: str  # "ring" or "gather" (longctx.documents.plan_documents)
     rope_positions: str  # "document" (restart per document) or "global"
+    precision: str  # the Trainer's (train.py: given, else bf16-mixed on a GPU, 32-true on a CPU)
 
 
 @dataclass(frozen=True)
@@ -121,12 +122,13 @@ class RunPlan:
 
     def config_entries(self) -> dict:
         """Dotted config keys (train.py's sections) -> the values that reproduce this plan:
-        the model's ``parallel`` section, its document balance and RoPE positions and, under
-        the longctx strategy, its data-parallel mode."""
+        the model's ``parallel`` section, its document balance and RoPE positions, the
+        Trainer's precision and, under the longctx strategy, its data-parallel mode."""
         entries: dict = {
             "model.parallel": self.model_plan().to_dict(),
             "model.load_balance": self.parallel.balance_documents,
             "model.rope_positions": self.parallel.rope_positions,
+            "trainer.precision": self.parallel.precision,
         }
         if self.parallel.data_parallel != "none":
             entries["strategy.data_parallel"] = self.parallel.data_parallel
@@ -301,6 +303,7 @@ def resolve_run(
         ),
         document_exchange=plan.document_exchange,
         rope_positions=resolve_rope_positions(rope_positions, documents=documents),
+        precision=str(precision),
     )
     if plan.float8 and plan.mlp_tile_size is not None:
         notes += (

@@ -7,6 +7,8 @@
   exit code 2, before any data work, at every rank count; a GPU-sized config started on CPU
   says it is sized for GPUs and which flags scale it down, and where it fits but is slow it
   says so once;
+* CPU runs take the CPU's precision and no fusion unless a flag or a config asks: the shipped
+  configs leave both to the device, and the run plan prints and records what it took;
 * the check before data work is the GPU's too (``CausalLMModule.check_fit``).
 """
 
@@ -22,6 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from test_train_errors import _error, cache, train  # noqa: F401 (fixtures)
 
 from longctx import ParallelPlan
@@ -93,7 +96,8 @@ def test_the_reference_kernels_scores_are_the_models_count():
 @pytest.mark.slow
 def test_train_py_host_prediction_holds_on_cpu(tmp_path):
     """train.py on CPU (tiny preset, CP 2 over gloo, 4,096 tokens of 2 sequences): the host memory
-    it predicts per rank is the fullest rank's measured peak RSS within 10%."""
+    it predicts per rank is the fullest rank's measured peak RSS within 10%; the plan it prints
+    and its config.yaml carry the precision it ran (32-bit)."""
     env = {**os.environ, "LONGCTX_CACHE_DIR": str(tmp_path / "cache")}
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
@@ -113,6 +117,9 @@ def test_train_py_host_prediction_holds_on_cpu(tmp_path):
     with open(out / "metrics.csv", newline="") as f:
         measured = max(float(r["peak_rss_gib"]) for r in csv.DictReader(f) if r.get("peak_rss_gib"))
     assert 0.9 <= measured / predicted <= 1.1, (measured, predicted)
+    plan = next(line for line in proc.stdout.splitlines() if line.startswith("run plan:"))
+    assert "precision=32-true" in plan and "fuse_pointwise=False" in plan
+    assert yaml.safe_load((out / "config.yaml").read_text())["trainer"]["precision"] == "32-true"
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
@@ -178,6 +185,38 @@ def test_a_gpu_sized_run_that_fits_a_cpu_is_said_to_be_slow_once(train, tmp_path
     assert not [n for n in plan([], "default").notes if "sized for GPUs" in n]
     tiny = GPTConfig.from_preset("tiny")
     assert tiny.flops_per_token(512) * 512 * 8 / 2 == pytest.approx(DEFAULT_RUN_STEP_FLOPS, rel=0.01)
+
+
+def test_cpu_runs_take_32_bit_and_no_fusion_unless_asked(train, tmp_path, monkeypatch):  # noqa: F811
+    """The shipped configs leave precision and pointwise fusion to the device (a GPU's bf16 and
+    fusion are its defaults): on CPU the recipe runs 32-bit, unfused, and its plan says so and
+    records the precision for config.yaml; a flag (or a config the user passes) that asks for
+    bf16 or fusion is kept."""
+    import longctx.memory_fit
+    from longctx.models.lit_module import CausalLMModule
+
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        cfg = train.resolve_config(["--config", str(path)]).config
+        assert cfg.trainer.precision in (None, "32-true"), path.name
+        assert (cfg.model.parallel or {}).get("fuse_pointwise") is None, path.name
+
+    monkeypatch.setattr(longctx.memory_fit, "host_available_bytes", lambda: 64 * GiB)
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
+    recipe = ["--config", SMOLLM2, "--config", _fresh(tmp_path), "--context-parallel", "4", "--seq-len", "2048"]
+
+    def resolved(extra, name):
+        cli = train.prepare([*recipe, *extra, "--output-dir", str(tmp_path / name)])
+        cli.run_lock.close()
+        return cli, CausalLMModule.check_fit(cli.trainer, cli.datamodule, host_total=None, **cli.config.model.as_dict())
+
+    cli, run = resolved([], "default")
+    assert cli.config.trainer.precision == "32-true" and str(cli.trainer.precision) == "32-true"
+    assert (run.parallel.precision, run.parallel.fuse_pointwise) == ("32-true", False)
+    assert "precision=32-true" in run.line() and "fuse_pointwise=False" in run.line()
+    assert run.config_entries()["trainer.precision"] == "32-true"
+    asked = ["--precision", "bf16-mixed", "--model.parallel.fuse_pointwise", "true"]
+    cli, run = resolved(asked, "asked")
+    assert (run.parallel.precision, run.parallel.fuse_pointwise) == ("bf16-mixed", True)
 
 
 def test_a_gpu_run_is_checked_before_data_work_too(monkeypatch):

@@ -501,6 +501,10 @@ def test_device_memory_full_commands_pass_train_checks_and_tabulate(tmp_path, mo
         resolved.config.model.parallel.document_backend = "fa4"
         if resolved.config.model.parallel.activation_checkpointing == "auto":  # what an H200 decides
             resolved.config.model.parallel.activation_checkpointing = "selective"
+        if resolved.config.model.parallel.fuse_pointwise is None:  # a GPU's default, as its config.yaml records it
+            resolved.config.model.parallel.fuse_pointwise = True
+        if resolved.config.trainer.precision is None:
+            resolved.config.trainer.precision = "bf16-mixed"
         run.mkdir(parents=True)
         (run / "config.yaml").write_text(resolved.dump())
         (run.parent / "train.log").write_text("run plan: parallel(data_parallel=fsdp, cp=2, dp=1)\n")
