@@ -51,6 +51,15 @@ at 84.5 GiB that way, in the last block's forward, which counts up to 84.4 GiB w
 Not in ``max_memory_allocated`` but on the device: CUDA context, cuDNN/NCCL workspaces
 (``cuda_context``, 1.5 GiB) and fragmentation (``allocator_slack``, 3% of the rest).
 
+On a CPU (``device="cpu"``) the same tensors are the process's own memory: ``host_bytes`` is
+``CPU_PROCESS_BYTES`` (Python, torch, Lightning, the process group, the data module and what a
+run adds over its steps: 0.70 GiB, fitted per rank of train.py) plus the step's peak plus what
+the C allocator keeps of the step's freed tensors (``CPU_RETAINED_FRACTION``, 5%); ``gpu_bytes`` is 0. The CPU's block
+kernel is the reference (``longctx.kernels.reference``), which materialises each call's scores:
+``reference_scores_bytes``, at the attention's backward moment (the quadratic term of a CPU
+run; with documents a call spans every sequence of the shard). Measured against train.py's
+fullest rank (peak RSS): within 7% on the tiny preset and on SmolLM2-135M's shape (README).
+
 What fits (the longest sequence, the escalation ladder, the check before the first step) is
 ``longctx.memory_fit``'s job, on this estimate. ``longctx`` never imports ``longctx.models``:
 the config is read duck-typed (GPTConfig or a Hugging Face Llama-style config).
@@ -65,6 +74,16 @@ GiB = 2**30
 CUDA_CONTEXT_BYTES = int(1.5 * GiB)
 SLACK_FRACTION = 0.03
 HOST_BASELINE_BYTES = 3 * GiB  # Python, torch, CUDA libraries: resident before any tensor
+# A CPU rank's resident memory besides the step's tensors: Python, torch, Lightning, the process
+# group, the data module (0.65 GiB when train.py's fit starts), and what a run adds over its steps
+# (the memory-mapped token cache's pages it touches, heap fragmentation: ~0.1 GiB over the default
+# run's 200 steps). Fitted to the fullest rank's peak RSS of train.py runs of 1 to 200 steps.
+CPU_PROCESS_BYTES = int(0.70 * GiB)
+# What the C allocator keeps of the step's freed tensors (glibc's heap keeps blocks below its mmap
+# threshold, up to 32 MiB: activations and gradients of small layers), as a share of the step's peak.
+CPU_RETAINED_FRACTION = 0.05
+REFERENCE_SCORE_COPIES = 4  # score-sized fp32 tensors the reference kernel's backward holds at once
+KERNEL_FAMILIES = ("fa4", "triton", "cudnn")  # how estimate counts a block kernel's buffers (kernel_family)
 
 
 @dataclass
@@ -89,6 +108,13 @@ class MemoryEstimate:
     first_step_allocated_bytes: int = 0
 
     def summary(self) -> str:
+        if not self.gpu_bytes:  # a CPU run: every tensor of the step is in host memory
+            top = sorted(((v, k) for k, v in self.host_items.items()), reverse=True)[:4]
+            parts = ", ".join(f"{k} {v / GiB:.2f}" for v, k in top)
+            return (
+                f"memory (predicted, per rank): host {self.host_bytes / GiB:.2f} GiB at {self.phase} "
+                f"({parts} GiB); {self.tokens_per_rank:,} tokens per rank"
+            )
         top = sorted(((v, k) for k, v in self.items.items()), reverse=True)[:4]
         parts = ", ".join(f"{k} {v / GiB:.1f}" for v, k in top)
         return (
@@ -169,8 +195,10 @@ def _offload_layers(setting, n_layer: int) -> int:
 
 
 def kernel_family(backend: str) -> str:
-    """How the memory model counts a block kernel's buffers: "flash" like "cudnn" (GQA
-    expanded), the reference like "triton"; "fa4" as itself."""
+    """How the memory model counts a block kernel's buffers on a GPU: "flash" like "cudnn" (GQA
+    expanded), the reference like "triton" (it runs on a GPU only where no other kernel can;
+    its score matrices are counted on a CPU, where it is the kernel: ``estimate(device="cpu")``);
+    "fa4" as itself."""
     return {"flash": "cudnn", "torch": "triton"}.get(backend, backend)
 
 
@@ -201,6 +229,8 @@ def estimate(
     precision: str = "bf16-mixed",
     attention_kernel: str = "auto",
     hf_modules: bool = False,
+    device: str = "cuda",
+    documents: bool = False,
 ) -> MemoryEstimate:
     """Predicted peak GPU and host bytes of one rank for one training step (forward,
     backward, AdamW step) of ``batch_size`` sequences of ``seq_len`` tokens.
@@ -215,14 +245,21 @@ def estimate(
     kernels pick here for this head dim and shard length (``auto_attention_kernel``).
     ``hf_modules``: the blocks are transformers' eager Llama-family modules (``--hf-model``),
     which keep more than ``longctx.models.GPT``'s (see the terms below); never fused.
+    ``device``: ``"cuda"``, or ``"cpu"``: a CPU run, whose step's tensors are host memory
+    (``host_bytes`` = ``CPU_PROCESS_BYTES`` + the step's peak; ``gpu_bytes`` 0) and whose
+    kernel is the reference, with its score matrices (``reference_scores_bytes``).
+    ``documents``: document-masked attention, whose calls span the shard's rows of every
+    sequence at once (it matters to the reference kernel's scores only).
     """
     for name, value in (("seq_len", seq_len), ("cp", cp), ("dp", dp), ("batch_size", batch_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if data_parallel not in ("fsdp", "ddp", "none"):
         raise ValueError(f"data_parallel must be 'fsdp', 'ddp' or 'none', got {data_parallel!r}")
-    if attention_kernel not in ("auto", "fa4", "triton", "cudnn"):
-        raise ValueError(f"attention_kernel must be 'auto', 'fa4', 'triton' or 'cudnn', got {attention_kernel!r}")
+    if attention_kernel not in ("auto", *KERNEL_FAMILIES):
+        raise ValueError(f"attention_kernel must be 'auto' or one of {KERNEL_FAMILIES}, got {attention_kernel!r}")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     if precision not in ("bf16-mixed", "32-true"):
         raise ValueError(f"precision must be 'bf16-mixed' or '32-true', got {precision!r}")
     if cpu_offload and data_parallel != "fsdp":
@@ -306,12 +343,16 @@ def estimate(
     attn_bwd = a * q + kernel / chunks  # dO, then the kernels' and the ring's buffers of one head group
     if chunks > 1:  # full-size dQ/dK/dV, and one group's dense copies of dO, q, k, v, out
         attn_bwd += a * (q + 2 * kv) + a * (3 * q + 2 * kv) / chunks
+    scores = 0
+    if device == "cpu":  # the CPU's kernel is the reference: its score matrices
+        ulysses = plan.cp_attention == "ulysses" and cp > 1
+        scores = reference_scores_bytes(s, seq_len, cp, batch_size, documents=documents, ulysses=ulysses) / chunks
     # In the MLP's backward the residual stream's gradient takes two paths (around and
     # through the MLP): their sum is a new tensor. By the attention's backward the MLP's
     # tensors and its saved input (residual_mid) are freed.
     grad_sum = r * d
     layer_live_mlp = (none_layer - block_input + grad_io + grad_sum + mlp_bwd_tokens) * T + mlp_bwd_fixed
-    layer_live_attn = (none_layer - block_input - mlp_part - residual_mid + grad_io + attn_bwd) * T
+    layer_live_attn = (none_layer - block_input - mlp_part - residual_mid + grad_io + attn_bwd) * T + scores
     layer_live = max(layer_live_mlp, layer_live_attn)
     if ckpt == "none":  # the layer's tensors are already counted in the saved ones
         layer_live -= saved_layer * T
@@ -320,7 +361,7 @@ def estimate(
     # ---- offload: the first n layers' saved tensors in host memory. In the backward an
     # offloaded layer's tensors come back while the next one's are prefetched: two layers
     # on the GPU from block n on (one of them the last kept block's) down to block 0.
-    n_off = _offload_layers(plan.offload_activations, s.L)
+    n_off = _offload_layers(plan.offload_activations, s.L) if device == "cuda" else 0  # a no-op on CPU tensors
     per_layer_saved = saved_layer * T
     last_layers = max(s.L - n_off, 2 if n_off else 1)  # at the last layer's backward
     first_layers = 2 if n_off else 1  # late in the backward, with (nearly) every gradient
@@ -440,11 +481,14 @@ def estimate(
     first_step = max(sum(i.values()) - i.get("adamw_states", 0) for n, i in phases if n != "the optimizer step")
     name, items = max(phases, key=lambda p: sum(p[1].values()))
     allocated = sum(items.values())
-    items["allocator_slack"] = int(SLACK_FRACTION * allocated)
-    items["cuda_context"] = CUDA_CONTEXT_BYTES
+    if device == "cpu":  # the step's tensors are the process's own memory
+        host = {"process": CPU_PROCESS_BYTES, **items, "allocator_retained": int(CPU_RETAINED_FRACTION * allocated)}
+        items = {}
+    else:
+        items["allocator_slack"] = int(SLACK_FRACTION * allocated)
+        items["cuda_context"] = CUDA_CONTEXT_BYTES
+        host = {"process": HOST_BASELINE_BYTES}
     gpu = sum(items.values())
-
-    host = {"process": HOST_BASELINE_BYTES}
     if n_off:
         host["offloaded_activations"] = n_off * _pow2(per_layer_saved)  # pinned, power-of-two blocks
     if cpu_offload:
@@ -461,6 +505,20 @@ def estimate(
         phases=totals,
         first_step_allocated_bytes=int(first_step),
     )
+
+
+def reference_scores_bytes(s: _Shape, seq_len: int, cp: int, batch_size: int, *, documents: bool, ulysses: bool) -> int:
+    """The reference kernel's (``backend="torch"``, ``longctx.kernels.reference``) largest
+    moment: it materialises each call's (query rows x key rows) scores for every query head in
+    the compute dtype (fp32), and its backward holds ``REFERENCE_SCORE_COPIES`` of them at once
+    (probabilities, dP, dP - delta, dS; measured: 4.0 x, the forward 3 x). A call is one
+    sequence's diagonal block under the ring (S/P rows; the off-diagonal steps are half
+    blocks), the whole sequence over H/P heads under Ulysses, and with documents
+    (``longctx.document_ring``) every sequence of the shard at once (B x S/P rows)."""
+    rows = seq_len if ulysses else -(-seq_len // cp)
+    heads = s.hq // cp if ulysses else s.hq
+    pairs = (batch_size * rows) ** 2 if documents else batch_size * rows**2
+    return REFERENCE_SCORE_COPIES * 4 * heads * pairs
 
 
 def float8_cast_bytes(s: _Shape, T: int, *, tiled: bool) -> int:

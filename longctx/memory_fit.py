@@ -14,7 +14,7 @@ import dataclasses
 import os
 from typing import Any, Optional
 
-from .memory import GiB, MemoryEstimate, as_plan, estimate, model_shape
+from .memory import CPU_PROCESS_BYTES, GiB, MemoryEstimate, as_plan, estimate, model_shape
 
 
 def max_seq_len(
@@ -72,11 +72,40 @@ def host_memory_bytes() -> int:
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
-        with open("/proc/meminfo") as f:
+        total = _meminfo("MemTotal")
+        if total is None:
+            raise RuntimeError("cannot read the machine's memory size") from None
+        return total
+
+
+def host_available_bytes() -> int:
+    """The memory a run starting in this process can have: what the kernel reports available
+    (``MemAvailable``: free plus reclaimable) and what this process already holds (its
+    resident set, which the memory model's ``CPU_PROCESS_BYTES`` counts). Where the kernel
+    reports no ``MemAvailable``: the physical memory."""
+    available = _meminfo("MemAvailable")
+    return host_memory_bytes() if available is None else available + (_status_bytes("VmRSS") or 0)
+
+
+def _meminfo(key: str) -> Optional[int]:
+    return _proc_bytes("/proc/meminfo", key)
+
+
+def _status_bytes(key: str) -> Optional[int]:
+    return _proc_bytes("/proc/self/status", key)
+
+
+def _proc_bytes(path: str, key: str) -> Optional[int]:
+    """A ``KEY: N kB`` entry of a /proc file in bytes, or None where there is none."""
+    try:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read the machine's memory size")
+                name, _, value = line.partition(":")
+                if name == key:
+                    return int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _changes(before, after) -> str:
@@ -209,10 +238,14 @@ def check_fits(
     host_total: Optional[int] = None,
     host_ranks: int = 1,
     hf_modules: bool = False,
+    device: str = "cuda",
+    documents: bool = False,
 ) -> MemoryEstimate:
     """Estimate, then raise ``PredictedOutOfMemory`` (a ValueError: one line, naming what to change) when the
     prediction exceeds ``gpu_total`` bytes per GPU or ``host_total`` bytes of host memory
-    shared by ``host_ranks`` ranks. A total of None is not checked (e.g. no GPU)."""
+    shared by ``host_ranks`` ranks. A total of None is not checked (e.g. no GPU). A CPU run
+    (``device="cpu"``) that does not fit is named as sized for GPUs, with the shorter sequence
+    and the larger CP size predicted to fit this host (``_cpu_fix``)."""
     plan = as_plan(plan)
     kw = dict(
         cp=cp,
@@ -223,18 +256,67 @@ def check_fits(
         precision=precision,
         attention_kernel=attention_kernel,
         hf_modules=hf_modules,
+        device=device,
+        documents=documents,
     )
     est = estimate(config, seq_len, plan=plan, **kw)
-    per_rank_host = None if host_total is None else host_total // max(host_ranks, 1)
+    host_ranks = max(host_ranks, 1)
+    per_rank_host = None if host_total is None else host_total // host_ranks
     too_big = []
     if gpu_total is not None and est.gpu_bytes > gpu_total:
         too_big.append(f"GPU {est.gpu_bytes / GiB:.1f} GiB > {gpu_total / GiB:.1f} GiB")
     if per_rank_host is not None and est.host_bytes > per_rank_host:
-        too_big.append(f"host {est.host_bytes / GiB:.1f} GiB > {per_rank_host / GiB:.1f} GiB per rank")
+        too_big.append(
+            f"host {est.host_bytes / GiB:.1f} GiB > {per_rank_host / GiB:.1f} GiB per rank "
+            f"({host_total / GiB:.1f} GiB available here over {host_ranks} rank{'s' if host_ranks > 1 else ''})"
+        )
     if too_big:
-        fix = _fix(config, seq_len, kw, plan, gpu_total if gpu_total is not None else float("inf"), per_rank_host)
+        if device == "cpu":
+            fix = _cpu_fix(config, seq_len, kw, plan, host_total, host_ranks)
+        else:
+            fix = _fix(config, seq_len, kw, plan, gpu_total if gpu_total is not None else float("inf"), per_rank_host)
         raise PredictedOutOfMemory(
             f"predicted not to fit: {seq_len:,} tokens at cp={cp} need {' and '.join(too_big)} "
-            f"(peak at {est.phase}); {fix}, or pass memory_check=False to try anyway"
+            f"(peak at {est.phase}); {fix}, or pass memory_check=False (train.py --model.memory_check false) "
+            "to try anyway"
         )
     return est
+
+
+def _cpu_fix(config, seq_len: int, kw: dict, plan, host_total: int, host_ranks: int) -> str:
+    """What makes a CPU run fit this host's ``host_total`` bytes shared by ``host_ranks`` ranks:
+    the longest of ``seq_len`` / 2, / 4, ... predicted to fit at this CP size, and the smallest
+    CP size up to 8x this one (as many more processes on this host) that fits the whole sequence."""
+
+    def per_rank(n: int, cp: int) -> Optional[int]:
+        """Predicted host bytes per rank where ``n`` tokens over ``cp`` ranks fit, else None."""
+        ranks = host_ranks * cp // kw["cp"]
+        if n % (2 * cp) or n < 2 * cp:
+            return None
+        host = estimate(config, n, plan=plan, **{**kw, "cp": cp}).host_bytes
+        return host if host <= host_total // ranks else None
+
+    ways = []
+    shorter = seq_len // 2
+    while shorter >= 2 * kw["cp"] and per_rank(shorter, kw["cp"]) is None:
+        shorter //= 2
+    fits = per_rank(shorter, kw["cp"]) if shorter >= 2 * kw["cp"] else None
+    if fits is not None:
+        ways.append(f"seq_len {shorter:,} (train.py --seq-len {shorter}: {fits / GiB:.1f} GiB per rank predicted)")
+    for cp in (2 * kw["cp"], 4 * kw["cp"], 8 * kw["cp"]):
+        fits = per_rank(seq_len, cp)
+        if fits is not None:
+            ways.append(
+                f"a context-parallel size of {cp} (train.py --context-parallel {cp}: {fits / GiB:.1f} GiB per "
+                "rank predicted)"
+            )
+            break
+    if not ways:  # nothing of this model fits here at this many ranks
+        per_rank_budget = host_total // host_ranks
+        alone = CPU_PROCESS_BYTES > per_rank_budget
+        ways.append(
+            f"fewer ranks (each process takes {CPU_PROCESS_BYTES / GiB:.2f} GiB before any tensor)"
+            if alone
+            else "a smaller model (nothing shorter fits this one here)"
+        )
+    return f"a run this size is for GPUs (--accelerator gpu); on this CPU use {' or '.join(ways)}"

@@ -64,7 +64,7 @@ class World:
 
 @dataclass(frozen=True)
 class ParallelChoices:
-    """How the world splits the work and which kernels run it (every value resolved)."""
+    """How the world splits the work, which kernels run it and in what precision (every value resolved)."""
 
     data_parallel: str  # "fsdp", "ddp" or "none" (no longctx strategy)
     cp: int
@@ -79,6 +79,7 @@ class ParallelChoices:
     balance_documents: bool
     document_exchange: str  # "ring" or "gather" (longctx.documents.plan_documents)
     rope_positions: str  # "document" (restart per document) or "global"
+    precision: str  # the Trainer's (train.py: given, else bf16-mixed on a GPU, 32-true on a CPU)
 
 
 @dataclass(frozen=True)
@@ -121,12 +122,13 @@ class RunPlan:
 
     def config_entries(self) -> dict:
         """Dotted config keys (train.py's sections) -> the values that reproduce this plan:
-        the model's ``parallel`` section, its document balance and RoPE positions and, under
-        the longctx strategy, its data-parallel mode."""
+        the model's ``parallel`` section, its document balance and RoPE positions, the
+        Trainer's precision and, under the longctx strategy, its data-parallel mode."""
         entries: dict = {
             "model.parallel": self.model_plan().to_dict(),
             "model.load_balance": self.parallel.balance_documents,
             "model.rope_positions": self.parallel.rope_positions,
+            "trainer.precision": self.parallel.precision,
         }
         if self.parallel.data_parallel != "none":
             entries["strategy.data_parallel"] = self.parallel.data_parallel
@@ -266,13 +268,20 @@ def resolve_run(
     memory_kw = None
     if memory_check and seq_len and batch_size and head_dim is not None:
         memory_kw = _memory_kw(
-            mode, world, plan, precision=precision, batch_size=batch_size, documents=documents, hf_modules=hf_modules
+            mode,
+            world,
+            plan,
+            precision=precision,
+            batch_size=batch_size,
+            documents=documents,
+            hf_modules=hf_modules,
+            device=device,
         )
         try:
             memory.estimate(config, seq_len, plan=_decided(plan), **memory_kw)
         except (ValueError, AttributeError, TypeError):
             memory_kw = None  # a model shape the memory model cannot read: no prediction, no check
-    gpu_total = gpu_total if device.type == "cuda" else None  # a CPU's memory is not planned
+    gpu_total = gpu_total if device.type == "cuda" else None  # a CPU's memory is checked, not planned
     default = asked.activation_checkpointing is None
     plan, estimate, notes = _plan_memory(
         config, seq_len, plan, world, memory_kw, default=default, gpu_total=gpu_total, host_total=host_total
@@ -294,6 +303,7 @@ def resolve_run(
         ),
         document_exchange=plan.document_exchange,
         rope_positions=resolve_rope_positions(rope_positions, documents=documents),
+        precision=str(precision),
     )
     if plan.float8 and plan.mlp_tile_size is not None:
         notes += (
@@ -346,7 +356,12 @@ def _plan_memory(config, seq_len, plan, world: World, memory_kw, *, default: boo
             notes = (
                 f"memory: activation_checkpointing {auto} -> full (no GPU memory to check a lighter mode against)",
             )
-    if memory_kw is not None:
+    if memory_kw is not None and memory_kw["device"] == "cpu" and host_total is not None:
+        # A CPU run's step is host memory: checked (never escalated: the CPU runs the plain model).
+        estimate = memory_fit.check_fits(
+            config, seq_len, plan=plan, **memory_kw, host_total=host_total, host_ranks=world.local_ranks
+        )
+    elif memory_kw is not None:
         estimate = memory.estimate(config, seq_len, plan=plan, **memory_kw)
     if fits_checked:
         fitted = memory_fit.fitting_plan(config, seq_len, plan=plan, gpu_total=gpu_total, host_total=host, **memory_kw)
@@ -385,9 +400,12 @@ def _memory_kw(
     batch_size: int,
     documents: bool,
     hf_modules: bool = False,
+    device: Any,
 ) -> dict:
-    """``longctx.memory.estimate``'s arguments for a resolved plan: the memory model counts the
-    kernel the layers run (the document-masked one with documents)."""
+    """``longctx.memory.estimate``'s arguments for a resolved plan on ``device``: the memory model
+    counts the kernel the layers run (the document-masked one with documents)."""
+    import torch
+
     from . import memory
 
     kernel = plan.document_backend if documents else plan.attention_backend
@@ -400,6 +418,8 @@ def _memory_kw(
         precision="32-true" if str(precision)[:2] in ("32", "64") else "bf16-mixed",
         attention_kernel="auto" if kernel in (None, "auto") else memory.kernel_family(kernel),
         hf_modules=hf_modules,
+        device="cuda" if torch.device(device).type == "cuda" else "cpu",
+        documents=documents,
     )
 
 
@@ -411,13 +431,14 @@ def check_memory(
     batch_size: int,
     precision: str,
     documents: bool,
+    device: Any,
     local_ranks: int = 1,
     gpu_total: Optional[int] = None,
     host_total: Optional[int] = None,
     hf_modules: bool = False,
 ):
-    """The memory model's prediction for a resolved ``run`` (which it does not change): for data
-    whose shapes were unknown when the plan was made, checked on the first batch. Raises
+    """The memory model's prediction for a resolved ``run`` (which it does not change) on
+    ``device``: for data whose shapes were unknown when the plan was made, checked on the first batch. Raises
     ``PredictedOutOfMemory`` (one line, naming the change) where it exceeds ``gpu_total`` /
     ``host_total`` (None: not checked); None where the model's shape cannot be read."""
     from . import memory, memory_fit
@@ -440,6 +461,7 @@ def check_memory(
         batch_size=batch_size,
         documents=documents,
         hf_modules=hf_modules,
+        device=device,
     )
     try:
         memory.estimate(config, seq_len, plan=plan, **kw)

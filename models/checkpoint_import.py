@@ -349,6 +349,17 @@ SIZE_FIELDS = (
 )
 
 
+def pretrained_config(path: PathLike, **overrides: Any) -> GPTConfig:
+    """The config of the ``GPT`` that ``load_pretrained(path, **overrides)`` builds, read
+    without its tensors (a checkpoint's header or ``config.json``; a run's saved hyperparameters)."""
+    if is_run_checkpoint(path):
+        hparams = (torch_load_data(resolve_run_checkpoint(path)) or {}).get("hyper_parameters") or {}
+        config = GPTConfig.from_dict(dict(hparams["model"]))
+    else:
+        config = checkpoint_config(path)
+    return with_overrides(config, overrides, source=str(path))
+
+
 def load_pretrained(path: PathLike, **overrides: Any) -> GPT:
     """Build a ``GPT`` from a checkpoint; ``overrides`` replace config fields (not sizes).
 

@@ -14,8 +14,9 @@ the strategy shards every batch. What this module adds:
   ``lr``, ``tokens_per_s`` (the wall rate, from one optimizer step to the next), ``mfu`` (GPU;
   against the dense bf16 peak, FP8 runs (``ParallelPlan(float8=True)``) too, so the two compare),
   ``step_s`` (the step's forward and backward; the first step's includes the kernels'
-  compiles), ``outside_s`` (the rest of the wall time between steps), peak memory (GPU: ``max_memory_allocated``
-  of the fullest rank); ``val_loss`` / ``val_ppl``
+  compiles), ``outside_s`` (the rest of the wall time between steps), peak memory of the fullest rank (GPU:
+  ``max_memory_allocated``, ``peak_mem_gib``; CPU: the resident-set high-water mark, ``peak_rss_gib``,
+  what ``longctx.memory.estimate(device="cpu").host_bytes`` predicts); ``val_loss`` / ``val_ppl``
   token-weighted over all ranks (torchmetrics).
 
 Non-finite losses/gradients are not handled here: ``longctx.lightning.health.NonFiniteGuard`` (a
@@ -342,40 +343,53 @@ class CausalLMModule(L.LightningModule):
                 print(self.run_plan.estimate.summary(), flush=True)
 
     def _resolve_run(self, *, memory_check: bool):
-        from longctx.run_plan import World, resolve_run
-
         trainer = self._trainer
-        strategy = getattr(trainer, "strategy", None)
-        device = getattr(strategy, "root_device", None) or torch.device("cpu")
-        world = getattr(strategy, "run_world", None)
-        if world is None:  # not the longctx strategy: one CP rank, data parallelism is not ours
-            cp = _cp_size(trainer) if trainer is not None else 1
-            world = World(
-                cp=cp,
-                dp=max(int(getattr(trainer, "world_size", 1)) // cp, 1),
-                layout=getattr(strategy, "layout", "zigzag"),
-            )
-        # The host holds every local rank's share (pinned offload buffers, offloaded state).
-        world = dataclasses.replace(world, local_ranks=max(int(getattr(trainer, "num_devices", 1)), 1))
         datamodule = getattr(trainer, "datamodule", None)
-        seq_len = self.seq_len or getattr(datamodule, "seq_len", None)
-        batch_size = getattr(datamodule, "batch_size", None)
-        totals = _memory_totals(device)
-        return resolve_run(
+        device = getattr(getattr(trainer, "strategy", None), "root_device", None) or torch.device("cpu")
+        return _run_plan(
             self.config,
-            world,
-            device,
+            trainer,
             requested=self.plan,
-            precision=str(getattr(trainer, "precision", "32-true")),
-            seq_len=int(seq_len) if seq_len else None,
-            batch_size=int(batch_size) if batch_size else None,
-            documents=self.attention == "document",
+            seq_len=self.seq_len or getattr(datamodule, "seq_len", None),
+            batch_size=getattr(datamodule, "batch_size", None),
+            attention=self.attention,
             load_balance=self.load_balance,
             rope_positions=self.rope_positions,
             n_params=sum(p.numel() for p in self.parameters()),
             memory_check=memory_check,
             hf_modules=self.hparams.get("hf_model") is not None,
-            **totals,
+            **_memory_totals(device),
+        )
+
+    @classmethod
+    def check_fit(cls, trainer: "L.Trainer", datamodule: Any, *, host_total: Optional[int], **kwargs: Any) -> Any:
+        """Raise what a fit of this module on ``trainer`` (built, its processes not started) would
+        raise in ``setup`` for ``datamodule``'s ``seq_len`` x ``batch_size``: the memory model's refusal
+        (``longctx.memory_fit.PredictedOutOfMemory``, one line), from the arguments alone, before
+        any data work or model build (train.py calls it; the model's shape read from its config,
+        checkpoint header or Hugging Face ``config.json``). ``host_total``: the host memory the
+        run's ranks on this machine share (None: not checked). Returns the plan such a fit would
+        resolve (None without a memory check, or where the shape cannot be read before the build)."""
+        bound = inspect.signature(cls.__init__).bind(None, **kwargs)
+        bound.apply_defaults()
+        args = bound.arguments
+        config = model_config(args["model"], args["init_from"], args["hf_model"])
+        if not args["memory_check"] or config is None:
+            return None
+        device = trainer.strategy.root_device
+        return _run_plan(
+            config,
+            trainer,
+            requested=ParallelPlan.from_dict(args["parallel"]),
+            seq_len=args["seq_len"] or datamodule.seq_len,
+            batch_size=datamodule.batch_size,
+            attention=args["attention"],
+            load_balance=args["load_balance"],
+            rope_positions=resolve_rope_positions(args["rope_positions"], documents=args["attention"] == "document"),
+            n_params=config.num_params(),
+            memory_check=True,
+            hf_modules=args["hf_model"] is not None,
+            **{**_memory_totals(device), "host_total": host_total},
         )
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -397,6 +411,7 @@ class CausalLMModule(L.LightningModule):
                 batch_size=int(ids.shape[0]),
                 precision=str(self.trainer.precision),
                 documents=self.attention == "document",
+                device=device,
                 local_ranks=max(int(self.trainer.num_devices), 1),
                 hf_modules=self.hparams.get("hf_model") is not None,
                 **totals,
@@ -456,13 +471,12 @@ class CausalLMModule(L.LightningModule):
             self._step_start = None
         if self.device.type == "cuda":
             peak = torch.tensor(float(torch.cuda.max_memory_allocated(self.device)), device=self.device)
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)  # the fullest rank's
-            metrics["peak_mem_gib"] = peak / 2**30
-        else:
-            # ru_maxrss is KiB on Linux: the process's resident-set high-water mark.
-            metrics["peak_rss_gib"] = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
-        # Values are global (identical on all ranks; the peak was all-reduced above): no sync_dist.
+        else:  # ru_maxrss is KiB on Linux: the process's resident-set high-water mark
+            peak = torch.tensor(float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)  # the fullest rank's
+        metrics["peak_mem_gib" if self.device.type == "cuda" else "peak_rss_gib"] = peak / 2**30
+        # Values are global (identical on all ranks; the peaks were all-reduced above): no sync_dist.
         self.log("train_loss", mean, prog_bar=True, on_step=True, on_epoch=False)
         self.log_dict({k: v.float() for k, v in metrics.items()}, on_step=True, on_epoch=False)
         self._step_tokens = 0
@@ -657,12 +671,103 @@ def _document_report(plan) -> str:
 
 
 def _memory_totals(device: torch.device) -> dict:
-    """The GPU's and the host's total memory for the memory model (none off CUDA)."""
+    """The GPU's and the host's total memory for the memory model (the host's only off CUDA)."""
     from longctx.memory_fit import host_memory_bytes
 
     if device.type != "cuda":
-        return {}
+        return dict(host_total=host_memory_bytes())
     return dict(gpu_total=torch.cuda.mem_get_info(device)[1], host_total=host_memory_bytes())
+
+
+def _run_plan(
+    config: GPTConfig,
+    trainer: Optional["L.Trainer"],
+    *,
+    requested: ParallelPlan,
+    seq_len: Optional[int],
+    batch_size: Optional[int],
+    attention: str,
+    load_balance: Optional[bool],
+    rope_positions: str,
+    n_params: int,
+    memory_check: bool,
+    hf_modules: bool,
+    gpu_total: Optional[int] = None,
+    host_total: Optional[int] = None,
+):
+    """The run plan (``longctx.run_plan.resolve_run``) of a module of ``config`` on ``trainer``'s
+    world and device, for data of ``seq_len`` x ``batch_size`` (None: unknown); on a CPU, with
+    a note where the step is of a GPU's size (``CPU_SLOW_FACTOR``)."""
+    from longctx.run_plan import World, resolve_run
+
+    strategy = getattr(trainer, "strategy", None)
+    device = getattr(strategy, "root_device", None) or torch.device("cpu")
+    world = getattr(strategy, "run_world", None)
+    if world is None:  # not the longctx strategy: one CP rank, data parallelism is not ours
+        cp = _cp_size(trainer) if trainer is not None else 1
+        world = World(
+            cp=cp,
+            dp=max(int(getattr(trainer, "world_size", 1)) // cp, 1),
+            layout=getattr(strategy, "layout", "zigzag"),
+        )
+    # The host holds every local rank's share (pinned offload buffers, offloaded state; a CPU's step).
+    world = dataclasses.replace(world, local_ranks=max(int(getattr(trainer, "num_devices", 1)), 1))
+    run = resolve_run(
+        config,
+        world,
+        device,
+        requested=requested,
+        precision=str(getattr(trainer, "precision", "32-true")),
+        seq_len=int(seq_len) if seq_len else None,
+        batch_size=int(batch_size) if batch_size else None,
+        documents=attention == "document",
+        load_balance=load_balance,
+        rope_positions=rope_positions,
+        n_params=n_params,
+        memory_check=memory_check,
+        hf_modules=hf_modules,
+        gpu_total=gpu_total,
+        host_total=host_total,
+    )
+    if device.type == "cpu" and seq_len and batch_size:
+        flops = config.flops_per_token(int(seq_len)) * int(seq_len) * int(batch_size) / world.cp
+        if flops > CPU_SLOW_FACTOR * DEFAULT_RUN_STEP_FLOPS:
+            run = dataclasses.replace(run, notes=(*run.notes, _slow_on_cpu(flops, seq_len, world.cp)))
+    return run
+
+
+# The default run's (configs/tiny-cpu.yaml) training FLOPs per rank and step (a few seconds on
+# two cores; a test keeps the two equal). A CPU run of more than CPU_SLOW_FACTOR times that is
+# said to be sized for GPUs, once, before its first step.
+DEFAULT_RUN_STEP_FLOPS = 1.26e10
+CPU_SLOW_FACTOR = 10
+
+
+def _slow_on_cpu(flops: float, seq_len: int, cp: int) -> str:
+    return (
+        f"warning: this run is sized for GPUs: {flops / 1e12:.2f} TFLOP per rank and step on CPU, "
+        f"{flops / DEFAULT_RUN_STEP_FLOPS:.0f}x the default tiny run's (minutes per step on a few cores); "
+        f"a shorter --seq-len (now {seq_len:,} over {cp} ranks), --batch-size or a smaller --preset scales it "
+        "down, --accelerator gpu runs it where it belongs"
+    )
+
+
+def model_config(model: Any, init_from: Optional[str], hf_model: Optional[str]) -> Optional[GPTConfig]:
+    """The sizes of the model ``CausalLMModule(model, init_from=..., hf_model=...)`` builds, read
+    without building it or reading its tensors: ``model`` (a preset and overrides), a checkpoint's
+    own config, a Hugging Face directory's ``config.json``; None where they cannot be read yet."""
+    import json
+
+    from .checkpoint_import import config_from_hf, pretrained_config
+
+    try:
+        if hf_model is not None:
+            return config_from_hf(json.loads((Path(hf_model) / "config.json").read_text()))
+        if init_from is not None:
+            return pretrained_config(init_from, **dict(model or {}))
+        return model if isinstance(model, GPTConfig) else GPTConfig.from_dict(dict(model or {}))
+    except (ValueError, KeyError, OSError, TypeError):
+        return None
 
 
 def _cp_size(trainer: "L.Trainer") -> int:

@@ -360,10 +360,26 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
                 self.trainer = self.instantiate_trainer()
                 with refused_as("model", cfg.model.as_dict()):
                     CausalLMModule.check_arguments(**cfg.model.as_dict(), device=self.trainer.strategy.root_device)
+                self._check_memory()
                 if launch_rank() == 0:
                     self.run_lock = lock_run_dir(self.out)
                 else:  # every rank writes there (sharded checkpoints): each one refuses alike
                     make_run_dir(self.out)
+
+        def _check_memory(self) -> None:
+            """The memory model's refusal of the run (``CausalLMModule.check_fit``), before any data
+            work: on this rank's GPU and in the memory this host has available now, shared by its
+            ranks (checked by the launching process, before it starts the others)."""
+            from longctx.memory_fit import host_available_bytes
+
+            from .launcher import LAUNCHER_PID_ENV
+
+            CausalLMModule.check_fit(
+                self.trainer,
+                self.datamodule,
+                host_total=None if LAUNCHER_PID_ENV in os.environ else host_available_bytes(),
+                **self.config.model.as_dict(),
+            )
 
         @staticmethod
         def _instantiator(section: str, given: Any = dict, then: Any = None):

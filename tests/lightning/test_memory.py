@@ -291,14 +291,14 @@ def test_auto_checkpointing_takes_the_least_recompute_that_fits(monkeypatch, cap
     from longctx.models.lit_module import CausalLMModule
     from longctx.parallel import ParallelDims
 
-    def run(parallel, gpu=None):
+    def run(parallel, gpu=None, seq_len=1 << 18):
         if gpu is not None:
             monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (gpu, gpu))
         module = CausalLMModule(dict(preset="tiny", vocab_size=256), parallel=parallel, attention="causal")
         device = torch.device("cuda" if gpu is not None else "cpu")
         module._trainer = SimpleNamespace(
             strategy=SimpleNamespace(root_device=device, cp_size=1, parallel_dims=ParallelDims()),
-            datamodule=SimpleNamespace(seq_len=1 << 18, batch_size=1),
+            datamodule=SimpleNamespace(seq_len=seq_len, batch_size=1),
             precision="bf16-mixed" if gpu is not None else "32-true",
             world_size=1,
             num_devices=1,
@@ -325,7 +325,8 @@ def test_auto_checkpointing_takes_the_least_recompute_that_fits(monkeypatch, cap
         assert module.hparams["parallel"]["activation_checkpointing"] == expected
         assert {block.activation_checkpointing for block in module.model.blocks} == {expected}
         assert run(module.hparams["parallel"], gpu).run_plan == module.run_plan
-    assert run({"activation_checkpointing": "auto"}).plan.activation_checkpointing == "full"  # CPU: unchecked
+    # CPU: no lighter mode checked (at a length that fits the host, which a CPU run is checked against)
+    assert run({"activation_checkpointing": "auto"}, seq_len=1 << 12).plan.activation_checkpointing == "full"
     assert "auto -> full (no GPU memory to check" in capsys.readouterr().out
 
 
@@ -500,6 +501,10 @@ def test_device_memory_full_commands_pass_train_checks_and_tabulate(tmp_path, mo
         resolved.config.model.parallel.document_backend = "fa4"
         if resolved.config.model.parallel.activation_checkpointing == "auto":  # what an H200 decides
             resolved.config.model.parallel.activation_checkpointing = "selective"
+        if resolved.config.model.parallel.fuse_pointwise is None:  # a GPU's default, as its config.yaml records it
+            resolved.config.model.parallel.fuse_pointwise = True
+        if resolved.config.trainer.precision is None:
+            resolved.config.trainer.precision = "bf16-mixed"
         run.mkdir(parents=True)
         (run / "config.yaml").write_text(resolved.dump())
         (run.parent / "train.log").write_text("run plan: parallel(data_parallel=fsdp, cp=2, dp=1)\n")

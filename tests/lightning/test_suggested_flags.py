@@ -55,6 +55,9 @@ VALUES = {
     "--eval-every": ["50"],
     "--eval.lengths": ["[256]"],
     "--eval.depths": ["[0, 1]"],
+    "--seq-len": ["1024"],
+    "--batch-size": ["1"],
+    "--model.memory_check": ["false"],
 }
 
 
