@@ -77,9 +77,12 @@ def test_permutation_keeps_every_document_in_order(world_size, per_chunk):
         for causal in (False, True):  # the causal one (balance_documents') last
             perm = balance_permutation(ids, world_size, causal=causal)
             assert perm.dtype == torch.int64 and torch.equal(perm.sort().values, torch.arange(seq)), (seed, pattern)
-            for doc in ids.unique():
-                at = perm[ids[perm] == doc]  # original positions of the document, in balanced order
-                assert bool((at[1:] > at[:-1]).all()), (seed, pattern, int(doc))
+            # Per document, its original positions in balanced order (a stable sort by id
+            # keeps that order) must increase: one vectorised check of every document.
+            by_doc = torch.sort(ids[perm], stable=True)
+            at, same_doc = perm[by_doc.indices], by_doc.values[1:] == by_doc.values[:-1]
+            out_of_order = same_doc & (at[1:] <= at[:-1])
+            assert not out_of_order.any(), (seed, pattern, by_doc.values[1:][out_of_order].unique().tolist())
         # balance_documents permutes the ids with everything else (no renumbering).
         batch = balance_documents({"document_ids": ids[None].int()}, world_size=world_size)
         assert batch["document_ids"].dtype == torch.int32
@@ -297,13 +300,16 @@ def test_module_hook_balances_where_it_applies():
 # ------------------------------------------------------------------ exactness over gloo
 
 
-def _attend_full(attention, q, k, v, dout, ids, group):
+def _attend_full(attention, q, k, v, dout, ids, group, backward=True):
     """Shard full (B, S, ...) inputs over ``group``, run document-masked ``attention`` (ring or
-    Ulysses) forward and backward, and gather out, dq, dk, dv back to full sequences."""
+    Ulysses) forward and backward, and gather out, dq, dk, dv back to full sequences
+    (``backward=False``: out alone)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     shard = lambda t: shard_sequence(t, 1, rank=rank, world_size=world)  # noqa: E731
     ql, kl, vl = (shard(t).detach().requires_grad_() for t in (q, k, v))
     out = attention(ql, kl, vl, group=group, document_ids=shard(ids), backend="torch")
+    if not backward:
+        return [unshard_sequence(out.detach(), 1, group=group)]
     out.backward(shard(dout))
     return [unshard_sequence(t.detach(), 1, group=group) for t in (out, ql.grad, kl.grad, vl.grad)]
 
@@ -315,12 +321,16 @@ def _balanced_vs_unbalanced(rank, world, seed):
     errors, nan_rows = [], []
     for group in (dist.group.WORLD, pairs[rank // 2]):
         world_size = dist.get_world_size(group)
+        # Every rank of a group gathers the same full results: its first rank compares them
+        # (rank 0 for P = 4, ranks 0 and 2 for the pairs), so only it computes the reference.
+        checks = dist.get_rank(group) == 0
         g = torch.Generator().manual_seed(seed + world_size)  # the same on every rank of a group
         seq = 2 * world_size * 200  # documents long enough (>= balance.DUST) to be placed, not poured
         ids = torch.stack([random_ids("runs", seq, g), random_ids("repeated", seq, g)])
         q, k, v, dout = (torch.randn(2, seq, h, 8, generator=g) for h in (8, 4, 4, 8))
-        want = reference(q, k, v, dout, True, 8**-0.5, ids)
-        want = [want[0], *want[2:]]
+        if checks:
+            want = reference(q, k, v, dout, True, 8**-0.5, ids)
+            want = [want[0], *want[2:]]
         batch = dict(document_ids=ids, q=q, k=k, v=v, dout=dout, index=torch.arange(seq).expand(2, seq))
         balanced = balance_documents(batch, world_size=world_size)
         inverse = balanced["index"].argsort(1)
@@ -329,20 +339,21 @@ def _balanced_vs_unbalanced(rank, world, seed):
             plain = _attend_full(attention, q, k, v, dout, ids, group)
             got = _attend_full(attention, *(balanced[key] for key in ("q", "k", "v", "dout", "document_ids")), group)
             got = [torch.stack([t[b, inverse[b]] for b in range(2)]) for t in got]
-            for name, a, b, w in zip(("out", "dq", "dk", "dv"), got, plain, want):
+            for name, a, b, w in zip(("out", "dq", "dk", "dv"), got, plain, want if checks else ()):
                 errors.append((world_size, attention.__name__, name, "vs float64", rel_err(a, w)))
                 errors.append((world_size, attention.__name__, name, "vs unbalanced", rel_err(a, b)))
         # NaN in one V row shows in every later query of its document, as unbalanced (the
         # torch backend's dense p @ v spreads it further, differently per block layout).
+        # The outputs are what is checked: no backward.
         row = int(torch.randint(0, seq, (1,), generator=g))
         bad_v = v.clone()
         bad_v[0, row, 0] = float("nan")
         balanced = balance_documents(dict(batch, v=bad_v), world_size=world_size)
         out_bal = _attend_full(
-            ring_attention, *(balanced[key] for key in ("q", "k", "v", "dout", "document_ids")), group
+            ring_attention, *(balanced[key] for key in ("q", "k", "v", "dout", "document_ids")), group, backward=False
         )[0]
         out_bal = out_bal[0, balanced["index"][0].argsort()]
-        out_plain = _attend_full(ring_attention, q, k, bad_v, dout, ids, group)[0][0]
+        out_plain = _attend_full(ring_attention, q, k, bad_v, dout, ids, group, backward=False)[0][0]
         expected = (ids[0] == ids[0, row]) & (torch.arange(seq) >= row)
         nan_rows.append(tuple(bool(out.isnan().any(-1).any(-1)[expected].all()) for out in (out_bal, out_plain)))
     return errors, nan_rows
@@ -351,9 +362,9 @@ def _balanced_vs_unbalanced(rank, world, seed):
 def test_ring_on_balanced_batch_equals_unbalanced_over_gloo():
     seed = random.randrange(1 << 30)  # fresh inputs every run; printed on failure
     per_rank = run_distributed(_balanced_vs_unbalanced, 4, seed)
-    for rank in (0, 2):  # P = 4 (both), and each pair's own P = 2 run
+    for rank in (0, 2):  # P = 4 (rank 0 compares), and each pair's own P = 2 run
         errors, nan_rows = per_rank[rank]
-        assert len(errors) == 2 * 2 * 2 * 4
+        assert len(errors) == (2 if rank == 0 else 1) * 2 * 2 * 4
         bad = [f"P={p} {impl} {name} {what}: {err:.2e}" for p, impl, name, what, err in errors if not err < 1e-5]
         assert not bad, f"seed={seed} rank {rank}:\n" + "\n".join(bad)
         assert nan_rows == [(True, True), (True, True)], (seed, nan_rows)
@@ -361,7 +372,8 @@ def test_ring_on_balanced_batch_equals_unbalanced_over_gloo():
 
 # ------------------------------------------------------------------ training, CP=2 vs 1
 
-TRAIN_SEQ = 1024  # the 600-token document exceeds a rank's two chunks at P = 2: cut head-tail
+TRAIN_SEQ = 512  # chunks of 128 at P = 2
+LONG = 300  # exceeds a rank's two chunks (256) at P = 2: cut head-tail; the short ones are poured
 
 
 def _document_samples() -> list[dict]:
@@ -372,10 +384,10 @@ def _document_samples() -> list[dict]:
     out = []
     for _ in range(N_SAMPLES):
         tokens = torch.randint(0, VOCAB, (TRAIN_SEQ + 1,), generator=g)
-        long_start = int(torch.randint(0, 300, (1,), generator=g))
+        long_start = int(torch.randint(0, TRAIN_SEQ - LONG, (1,), generator=g))
         short = torch.randint(1, 60, (TRAIN_SEQ,), generator=g)
         docs = torch.repeat_interleave(torch.arange(TRAIN_SEQ), short)[:TRAIN_SEQ]
-        docs[long_start : long_start + 600] = -1
+        docs[long_start : long_start + LONG] = -1
         docs = torch.cumsum(torch.cat([torch.ones(1, dtype=torch.long), docs[1:] != docs[:-1]]), 0)
         labels = tokens[1:].clone()
         labels[torch.rand(TRAIN_SEQ, generator=g) < 0.2] = -100
@@ -399,8 +411,11 @@ def _train_cp2(rank, world):
         return out
 
     prepare.balance_documents = counting
-    strategy = ContextParallelStrategy(context_parallel_size=2, data_parallel="ddp")
-    info = _fit(strategy, world, DataLoader(_document_samples(), batch_size=GLOBAL_BATCH), 1, load_balance=True)
+    try:
+        strategy = ContextParallelStrategy(context_parallel_size=2, data_parallel="ddp")
+        info = _fit(strategy, world, DataLoader(_document_samples(), batch_size=GLOBAL_BATCH), 1, load_balance=True)
+    finally:  # the harness's processes run later tests too
+        prepare.balance_documents = real
     return dict(info, balanced=balanced)
 
 
