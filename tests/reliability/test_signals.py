@@ -170,7 +170,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path, env):
         _cleanup(proc)
     log = _log(out)
     assert rc == 128 + signal.SIGTERM, f"rc {rc}:\n{log[-4000:]}"
-    assert elapsed < 20, f"took {elapsed:.1f}s to stop:\n{log[-4000:]}"
+    assert elapsed < 30, f"took {elapsed:.1f}s to stop:\n{log[-4000:]}"
     assert not left, f"rank 1 (pid {left}) still running after rank 0 exited"
     assert "stopped by SIGTERM" in log, log[-4000:]
     assert " failed" not in log, log[-4000:]  # a signal is not a rank's failure
