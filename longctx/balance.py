@@ -46,6 +46,9 @@ from .sharding import is_sharded
 TOLERANCE = 1.05
 # Documents shorter than this are poured into the room left instead of being placed.
 DUST = 128
+# Shares of the documents (the shortest) kept back to fill each rank exactly when every
+# document stays whole; each is tried (subset sums need enough short documents to choose from).
+WHOLE_RESERVES = (0.6, 0.5, 0.4, 0.3, 0.2)
 
 
 def _documents(ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -181,6 +184,98 @@ def _arrange(lengths: list, world_size: int, chunk: int, causal: bool, split: se
     return chunks, cut, whole
 
 
+def _exact_subset(sizes: list, target: int):
+    """Indices into ``sizes`` of a subset summing exactly to ``target``, or None (subset-sum
+    over a bitset: bit t of ``reach[i]`` says the first i sizes can make t)."""
+    mask = (1 << (target + 1)) - 1
+    reach = [1]
+    for size in sizes:
+        reach.append((reach[-1] | (reach[-1] << size)) & mask)
+    if not reach[-1] >> target & 1:
+        return None
+    chosen, t = [], target
+    for i in range(len(sizes), 0, -1):
+        if not reach[i - 1] >> t & 1:  # t needs size i - 1
+            chosen.append(i - 1)
+            t -= sizes[i - 1]
+    return chosen
+
+
+def _exact_fill(candidates: list, lengths: list, room: int):
+    """Documents of ``candidates`` (longest first) whose lengths sum exactly to ``room``, with
+    about the candidates' own mix of lengths (so their work per token is typical): taken
+    from both ends of the list in turn while more than a margin of the room is left, then
+    an exact subset sum of the rest for the margin. None where no subset fills it."""
+    margin = min(room, 4 * max((lengths[d] for d in candidates), default=0))
+    taken, filled = [], 0
+    lo, hi = 0, len(candidates) - 1
+    while lo <= hi and room - filled > margin:
+        d = candidates[lo] if len(taken) % 2 == 0 else candidates[hi]
+        if filled + lengths[d] > room - margin:
+            break
+        taken.append(d)
+        filled += lengths[d]
+        lo, hi = (lo + 1, hi) if len(taken) % 2 == 1 else (lo, hi - 1)
+    rest = candidates[lo : hi + 1]
+    chosen = _exact_subset([lengths[d] for d in rest], room - filled)
+    return None if chosen is None else taken + [rest[i] for i in chosen]
+
+
+def _whole_documents(lengths: list, world_size: int, chunk: int, causal: bool, reserve: float):
+    """Every document whole on one rank, so that no rank needs another's keys: a rank's two
+    chunks hold its documents back to back (the one across their junction is one run of the
+    shard), each rank exactly full, its work within ``TOLERANCE`` of the mean. The longer
+    documents go first, costliest onto the rank that will end least loaded; the shortest
+    (a ``reserve`` share of them) then fill each rank's room exactly (subset sums). Returns
+    the chunks' pieces, or None where the documents do not allow it (one too long or too
+    costly, no exact fill, over the tolerance)."""
+    n, room_per_rank = 2 * world_size, 2 * chunk
+    work_of = [_piece_work(0, L, L, causal) for L in lengths]
+    fair = sum(work_of) / world_size
+    if max(lengths) > room_per_rank or max(work_of) > fair * TOLERANCE:
+        return None
+    by_length = sorted(range(len(lengths)), key=lambda d: -lengths[d])
+    cut = len(by_length) - int(len(by_length) * reserve)
+    large, small = by_length[:cut], by_length[cut:]
+    work, room, docs = [0.0] * world_size, [room_per_rank] * world_size, [[] for _ in range(world_size)]
+    # A rank's room will take short documents' work too: rank by the work it will end with.
+    per_token = sum(work_of[d] for d in small) / max(1, sum(lengths[d] for d in small))
+    for d in sorted(large, key=lambda d: -work_of[d]):
+        fitting = [r for r in range(world_size) if room[r] >= lengths[d]]
+        if not fitting:
+            return None
+        r = min(fitting, key=lambda r: work[r] + (room[r] - lengths[d]) * per_token)
+        docs[r].append(d)
+        room[r] -= lengths[d]
+        work[r] += work_of[d]
+    *fill_first, last = sorted(range(world_size), key=work.__getitem__)  # the busiest takes the rest
+    for r in fill_first:
+        fill = _exact_fill(small, lengths, room[r])
+        if fill is None:
+            return None
+        docs[r] += fill
+        work[r] += sum(work_of[d] for d in fill)
+        taken = set(fill)
+        small = [d for d in small if d not in taken]
+    docs[last] += small
+    work[last] += sum(work_of[d] for d in small)
+    mean = sum(work) / world_size
+    if mean and max(work) / mean > TOLERANCE:
+        return None
+    chunks = [[] for _ in range(n)]
+    for r in range(world_size):
+        filled = 0  # tokens of the rank laid so far: the first `chunk` go to chunk r
+        for d in docs[r]:
+            L = lengths[d]
+            head = min(L, max(0, chunk - filled))
+            if head:
+                chunks[r].append((d, 0, head))
+            if L - head:
+                chunks[n - 1 - r].append((d, head, L - head))
+            filled += L
+    return chunks
+
+
 def _rank_work(chunks: list, lengths: list, world_size: int, causal: bool) -> list:
     work = [0.0] * world_size
     n = len(chunks)
@@ -195,6 +290,16 @@ def _balanced_chunks(lengths: list, world_size: int, chunk: int, causal: bool) -
     busiest rank is over it, the longest document it holds a piece of (not yet cut, at least
     2P tokens) is cut head-tail too; where none is left, the best arrangement seen."""
     n = 2 * world_size
+    # Short documents that can all stay whole: nothing moves between ranks at all.
+    best = None
+    for reserve in WHOLE_RESERVES:
+        whole = _whole_documents(lengths, world_size, chunk, causal, reserve)
+        if whole is not None:
+            work = _rank_work(whole, lengths, world_size, causal)
+            ratio = max(work) * world_size / sum(work) if sum(work) else 1.0
+            best = min(best or (whole, ratio), (whole, ratio), key=lambda arrangement: arrangement[1])
+    if best is not None:
+        return best
     split: set = set()
     best = None
     while True:

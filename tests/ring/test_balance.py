@@ -114,6 +114,26 @@ def test_balances_the_benchmark_mixes(mix):
                 assert plan.moved == 0
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_short_documents_stay_whole_on_their_rank(world_size):
+    """Documents short against a rank's share (mean 1K at 128K tokens): every one lies on one
+    rank (its two chunks back to back), so the plan moves no key/value row and each rank
+    runs one kernel call, within TOLERANCE; the permutation keeps every document's order."""
+    for seed in range(3):
+        lengths = document_lengths("mean1k", MIX_SEQ, seed)
+        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        perm = balance_permutation(ids, world_size)
+        balanced = ids[perm]
+        assert torch.equal(torch.sort(perm).values, torch.arange(MIX_SEQ))
+        for doc in random.Random(seed).sample(range(len(lengths)), 10):
+            where = perm[balanced == doc]
+            assert bool((where[1:] > where[:-1]).all()), (world_size, seed, doc)
+        for rank in range(world_size):
+            plan = plan_documents(balanced, world_size=world_size, rank=rank, exchange="gather")
+            assert plan.moved == 0 and plan.calls == 1, (world_size, seed, rank, plan)
+        assert imbalance(balanced, world_size) <= TOLERANCE, (world_size, seed)
+
+
 def test_balances_the_default_corpus(tmp_path):
     """Every 128K window of the stdlib corpus (bytes as tokens: the same repository-level
     documents, ~4x longer than under the trained tokenizer)."""
