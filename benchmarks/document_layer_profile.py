@@ -1,0 +1,173 @@
+"""Where a document-masked attention layer's time goes at CP size P: host, GPU, or waiting.
+
+    torchrun --nproc-per-node 4 benchmarks/document_layer_profile.py --out DIR   # FA4 installed
+    python benchmarks/document_layer_profile.py --out DIR                         # P = 1
+
+For each mix and (arrangement, exchange) of ``benchmarks/document_attention.py`` at
+131,072 tokens (H = 16, D = 128, bf16, plan prebuilt), every rank runs the layer's
+forward+backward back to back and records:
+
+* ``wall_ms``: CUDA events over the steady loop (the benchmark's figure);
+* ``host_ms``: the host's time to issue one iteration (perf_counter over the loop before
+  the final synchronize; the GPU queue never fills at these sizes, so where ``host_ms`` is
+  close to ``wall_ms`` the layer is host-bound);
+* from ``torch.profiler`` over a few iterations: the GPU's busy time per iteration on the
+  compute stream(s) and on NCCL's (kernel intervals merged), kernel launches per iteration,
+  and the largest CPU-side ops.
+
+Every rank's numbers are gathered; rank 0 writes DIR/document_layer_profile_ws{P}.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+
+from longctx import balance_documents, ring_attention  # noqa: E402
+from longctx.data.document_mixes import document_ids, document_lengths  # noqa: E402
+from longctx.documents import plan_documents  # noqa: E402
+
+
+def merged_us(intervals) -> float:
+    """Total length of the union of (start, end) intervals, us."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def gpu_profile(step, iters: int):
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    compute, nccl, launches = [], [], 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
+            span = (e.time_range.start, e.time_range.end)
+            (nccl if "nccl" in e.name.lower() else compute).append(span)
+        elif e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"):
+            launches += 1
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    return dict(
+        gpu_compute_busy_ms=merged_us(compute) / iters / 1e3,
+        gpu_nccl_busy_ms=merged_us(nccl) / iters / 1e3,
+        launches_per_iter=launches / iters,
+    ), table
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--seq", type=int, default=131072)
+    parser.add_argument("--mixes", nargs="+", default=["mean1k", "docs256", "mean4k", "mean16k", "longtail"])
+    parser.add_argument("--options", nargs="+", default=["balanced:gather", "balanced:ring", "packed:gather"])
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cprofile", default="mean1k", help="the mix whose first option runs under cProfile")
+    args = parser.parse_args()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    rank = dist.get_rank() if world > 1 else 0
+    group = dist.group.WORLD if world > 1 else None
+    S, H, D = args.seq, 16, 128
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    q, k, v, dout = (
+        torch.randn(1, S // world, H, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(i < 3)
+        for i in range(4)
+    )
+    report = dict(world_size=world, gpu=torch.cuda.get_device_name(), torch=torch.__version__, S=S, H=H, D=D, rows=[])
+    tables = []
+    options = args.options if world > 1 else ["packed:ring"]
+    for mix in args.mixes:
+        ids = document_ids(document_lengths(mix, S, seed=args.seed), device="cuda")[None]
+        for option in options:
+            arrangement, exchange = option.split(":")
+            batch = {"document_ids": ids}
+            if arrangement == "balanced":
+                batch = balance_documents(batch, world_size=world)
+            plan = plan_documents(batch["document_ids"], world_size=world, rank=rank, exchange=exchange)
+
+            def step():
+                q.grad = k.grad = v.grad = None
+                out = ring_attention(q, k, v, group=group, causal=True, layout="zigzag", document_ids=plan)
+                out.backward(dout)
+
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            if group is not None:
+                dist.barrier()
+            start = time.perf_counter()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(args.reps):
+                step()
+            end.record()
+            host_ms = (time.perf_counter() - start) * 1e3 / args.reps
+            torch.cuda.synchronize()
+            wall_ms = begin.elapsed_time(end) / args.reps
+            if group is not None:
+                dist.barrier()
+            gpu, table = gpu_profile(step, 5)
+            if mix == args.cprofile and option == options[0]:  # every rank runs it (collectives)
+                torch.cuda.synchronize()
+                profiler = cProfile.Profile()
+                profiler.enable()
+                for _ in range(20):
+                    step()
+                profiler.disable()
+                torch.cuda.synchronize()
+                text = io.StringIO()
+                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(45)
+                tables.append(f"==== cProfile {mix} {option} rank 0, 20 iterations\n{text.getvalue()}\n")
+            mine = dict(rank=rank, host_ms=host_ms, wall_ms=wall_ms, calls=plan.calls, **gpu)
+            everyone = [None] * world
+            if group is not None:
+                dist.all_gather_object(everyone, mine)
+            else:
+                everyone = [mine]
+            row = dict(mix=mix, option=option, imbalance=plan.imbalance, moved=plan.moved, ranks=everyone)
+            row["wall_ms_max"] = max(r["wall_ms"] for r in everyone)
+            row["host_ms_max"] = max(r["host_ms"] for r in everyone)
+            row["gpu_compute_busy_ms_max"] = max(r["gpu_compute_busy_ms"] for r in everyone)
+            report["rows"].append(row)
+            tables.append(f"==== {mix} {option} rank {rank}\n{table}\n")
+            if rank == 0:
+                brief = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "ranks"}
+                print(json.dumps(brief), flush=True)
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"document_layer_profile_ws{world}.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        with open(os.path.join(args.out, f"document_layer_profile_ws{world}.txt"), "w") as f:
+            f.write("".join(tables))
+    if group is not None:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
