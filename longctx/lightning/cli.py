@@ -79,8 +79,8 @@ def cli_class(description: str, short_flags: dict[str, str], default_config: Pat
     from torch.nn.parallel import DistributedDataParallel
 
     from longctx.data import LongDocumentDataModule
-    from longctx.models.eval_callback import LongContextEvaluation
-    from longctx.models.lit_module import CausalLMModule
+    from longctx.lightning.eval_callback import LongContextEvaluation
+    from longctx.lightning.module import CausalLMModule
 
     from .health import NonFiniteGuard
     from .strategy import ContextParallelStrategy

@@ -45,14 +45,13 @@ from longctx.documents import plan_documents
 from longctx.exchange_cost import choose_plan
 from longctx.hardware import peak_flops
 from longctx.loss import TokenWeightedAccumulator
+from longctx.models.checkpoint_import import check_checkpoint_spec, check_run_checkpoint_sizes, load_pretrained
+from longctx.models.config import GPTConfig
+from longctx.models.gpt import GPT
 from longctx.parallel import ParallelDims, ParallelPlan, parallelize
 from longctx.run_plan import balances_documents, resolve_rope_positions
 from longctx.sharding import document_position_ids, is_sharded
 from longctx.validation import ArgumentValueError, check_choice, check_number
-
-from .checkpoint_import import check_checkpoint_spec, check_run_checkpoint_sizes, load_pretrained
-from .config import GPTConfig
-from .gpt import GPT
 
 Attention = Literal["document", "causal"]
 RopePositions = Literal["document", "global"]
@@ -179,7 +178,7 @@ class CausalLMModule(L.LightningModule):
         model = dict(model or {})
         self.plan = ParallelPlan.from_dict(parallel)
         if hf_model is not None:
-            from .hf_lm import HFCausalLM
+            from longctx.models.hf_lm import HFCausalLM
 
             self.model = HFCausalLM.from_pretrained(hf_model, cp_attention=self.plan.cp_attention)
         elif init_from is not None:
@@ -758,7 +757,7 @@ def model_config(model: Any, init_from: Optional[str], hf_model: Optional[str]) 
     own config, a Hugging Face directory's ``config.json``; None where they cannot be read yet."""
     import json
 
-    from .checkpoint_import import config_from_hf, pretrained_config
+    from longctx.models.checkpoint_import import config_from_hf, pretrained_config
 
     try:
         if hf_model is not None:
