@@ -27,7 +27,6 @@ accumulation rescale below leaves alone.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 import resource
@@ -52,6 +51,8 @@ from longctx.parallel import ParallelDims, ParallelPlan, parallelize
 from longctx.run_plan import balances_documents, resolve_rope_positions
 from longctx.sharding import document_position_ids, is_sharded
 from longctx.validation import ArgumentValueError, check_choice, check_number
+
+from .planning import check_batch_memory, cp_size, memory_totals, model_config, plan_run
 
 Attention = Literal["document", "causal"]
 RopePositions = Literal["document", "global"]
@@ -237,7 +238,7 @@ class CausalLMModule(L.LightningModule):
         if self._trainer is None or self.run_plan is None:
             return None
         strategy = self._trainer.strategy
-        cp = _cp_size(self._trainer)
+        cp = cp_size(self._trainer)
         return BatchPreparation(
             cp_size=cp,
             cp_rank=int(getattr(strategy, "cp_rank", 0)) if cp > 1 else 0,
@@ -276,7 +277,7 @@ class CausalLMModule(L.LightningModule):
     def _document_plan(self, document_ids: torch.Tensor):
         """This rank's plan of a full batch that reached the device unprepared."""
         strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
-        cp = _cp_size(self._trainer) if self._trainer is not None else 1
+        cp = cp_size(self._trainer) if self._trainer is not None else 1
         rank = int(getattr(strategy, "cp_rank", 0)) if cp > 1 else 0
         layout = getattr(strategy, "layout", "zigzag")
         exchange = (
@@ -308,7 +309,7 @@ class CausalLMModule(L.LightningModule):
         """(CP size, layout) to balance ``batch`` for (the run plan's ``balance_documents``), None for none."""
         if self._trainer is None:
             return None
-        cp, layout = _cp_size(self._trainer), getattr(self._trainer.strategy, "layout", "zigzag")
+        cp, layout = cp_size(self._trainer), getattr(self._trainer.strategy, "layout", "zigzag")
         if self.run_plan is not None:
             balance = self.run_plan.parallel.balance_documents
         else:  # the hook called outside a fit: the same rule
@@ -345,7 +346,7 @@ class CausalLMModule(L.LightningModule):
         trainer = self._trainer
         datamodule = getattr(trainer, "datamodule", None)
         device = getattr(getattr(trainer, "strategy", None), "root_device", None) or torch.device("cpu")
-        return _run_plan(
+        return plan_run(
             self.config,
             trainer,
             requested=self.plan,
@@ -357,7 +358,7 @@ class CausalLMModule(L.LightningModule):
             n_params=sum(p.numel() for p in self.parameters()),
             memory_check=memory_check,
             hf_modules=self.hparams.get("hf_model") is not None,
-            **_memory_totals(device),
+            **memory_totals(device),
         )
 
     @classmethod
@@ -376,7 +377,7 @@ class CausalLMModule(L.LightningModule):
         if not args["memory_check"] or config is None:
             return None
         device = trainer.strategy.root_device
-        return _run_plan(
+        return plan_run(
             config,
             trainer,
             requested=ParallelPlan.from_dict(args["parallel"]),
@@ -388,7 +389,7 @@ class CausalLMModule(L.LightningModule):
             n_params=config.num_params(),
             memory_check=True,
             hf_modules=args["hf_model"] is not None,
-            **{**_memory_totals(device), "host_total": host_total},
+            **{**memory_totals(device), "host_total": host_total},
         )
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -397,26 +398,15 @@ class CausalLMModule(L.LightningModule):
         # Data whose sequence length was unknown before the fit: the memory is checked (not
         # planned: the model is built) on the first batch.
         if self._check_first_batch and isinstance(batch, Mapping) and "input_ids" in batch:
-            from longctx.run_plan import check_memory
-
             self._check_first_batch = False
-            ids = batch["input_ids"]  # sharded by now
-            device = self.trainer.strategy.root_device
-            totals = _memory_totals(device)
-            est = check_memory(
+            check_batch_memory(
                 self.config,
                 self.run_plan,
-                int(ids.shape[1]) * _cp_size(self.trainer),
-                batch_size=int(ids.shape[0]),
-                precision=str(self.trainer.precision),
+                self.trainer,
+                batch,
                 documents=self.attention == "document",
-                device=device,
-                local_ranks=max(int(self.trainer.num_devices), 1),
                 hf_modules=self.hparams.get("hf_model") is not None,
-                **totals,
             )
-            if est is not None and self.trainer.global_rank == 0:
-                print(est.summary(), flush=True)
 
     def _loss(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         docs = None
@@ -432,12 +422,12 @@ class CausalLMModule(L.LightningModule):
         # Visible pairs: the plan's (every rank of this CP group), scaled to the data-parallel
         # replicas as the tokens are; without documents those of causal attention.
         plan = batch.get("document_plan")
-        replicas = self.trainer.world_size // _cp_size(self.trainer)
-        rows, length = batch["input_ids"].shape[0], batch["input_ids"].shape[1] * _cp_size(self.trainer)
+        replicas = self.trainer.world_size // cp_size(self.trainer)
+        rows, length = batch["input_ids"].shape[0], batch["input_ids"].shape[1] * cp_size(self.trainer)
         pairs = float(plan.pairs.sum()) if plan is not None else rows * length * length / 2
         self._step_pairs += pairs * replicas
         if self.seq_len is None:
-            self.seq_len = batch["input_ids"].shape[1] * _cp_size(self.trainer)
+            self.seq_len = batch["input_ids"].shape[1] * cp_size(self.trainer)
         return out.loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -667,107 +657,3 @@ def _document_report(plan) -> str:
         f"{plan.moved / ring_rows:.1%} of the plain ring's"
         + (" (every document whole on one rank: the ranks run data-parallel here)" if plan.moved == 0 else "")
     )
-
-
-def _memory_totals(device: torch.device) -> dict:
-    """The GPU's and the host's total memory for the memory model (the host's only off CUDA)."""
-    from longctx.memory_fit import host_memory_bytes
-
-    if device.type != "cuda":
-        return dict(host_total=host_memory_bytes())
-    return dict(gpu_total=torch.cuda.mem_get_info(device)[1], host_total=host_memory_bytes())
-
-
-def _run_plan(
-    config: GPTConfig,
-    trainer: Optional["L.Trainer"],
-    *,
-    requested: ParallelPlan,
-    seq_len: Optional[int],
-    batch_size: Optional[int],
-    attention: str,
-    load_balance: Optional[bool],
-    rope_positions: str,
-    n_params: int,
-    memory_check: bool,
-    hf_modules: bool,
-    gpu_total: Optional[int] = None,
-    host_total: Optional[int] = None,
-):
-    """The run plan (``longctx.run_plan.resolve_run``) of a module of ``config`` on ``trainer``'s
-    world and device, for data of ``seq_len`` x ``batch_size`` (None: unknown); on a CPU, with
-    a note where the step is of a GPU's size (``CPU_SLOW_FACTOR``)."""
-    from longctx.run_plan import World, resolve_run
-
-    strategy = getattr(trainer, "strategy", None)
-    device = getattr(strategy, "root_device", None) or torch.device("cpu")
-    world = getattr(strategy, "run_world", None)
-    if world is None:  # not the longctx strategy: one CP rank, data parallelism is not ours
-        cp = _cp_size(trainer) if trainer is not None else 1
-        world = World(
-            cp=cp,
-            dp=max(int(getattr(trainer, "world_size", 1)) // cp, 1),
-            layout=getattr(strategy, "layout", "zigzag"),
-        )
-    # The host holds every local rank's share (pinned offload buffers, offloaded state; a CPU's step).
-    world = dataclasses.replace(world, local_ranks=max(int(getattr(trainer, "num_devices", 1)), 1))
-    run = resolve_run(
-        config,
-        world,
-        device,
-        requested=requested,
-        precision=str(getattr(trainer, "precision", "32-true")),
-        seq_len=int(seq_len) if seq_len else None,
-        batch_size=int(batch_size) if batch_size else None,
-        documents=attention == "document",
-        load_balance=load_balance,
-        rope_positions=rope_positions,
-        n_params=n_params,
-        memory_check=memory_check,
-        hf_modules=hf_modules,
-        gpu_total=gpu_total,
-        host_total=host_total,
-    )
-    if device.type == "cpu" and seq_len and batch_size:
-        flops = config.flops_per_token(int(seq_len)) * int(seq_len) * int(batch_size) / world.cp
-        if flops > CPU_SLOW_FACTOR * DEFAULT_RUN_STEP_FLOPS:
-            run = dataclasses.replace(run, notes=(*run.notes, _slow_on_cpu(flops, seq_len, world.cp)))
-    return run
-
-
-# The default run's (configs/tiny-cpu.yaml) training FLOPs per rank and step (a few seconds on
-# two cores; a test keeps the two equal). A CPU run of more than CPU_SLOW_FACTOR times that is
-# said to be sized for GPUs, once, before its first step.
-DEFAULT_RUN_STEP_FLOPS = 1.26e10
-CPU_SLOW_FACTOR = 10
-
-
-def _slow_on_cpu(flops: float, seq_len: int, cp: int) -> str:
-    return (
-        f"warning: this run is sized for GPUs: {flops / 1e12:.2f} TFLOP per rank and step on CPU, "
-        f"{flops / DEFAULT_RUN_STEP_FLOPS:.0f}x the default tiny run's (minutes per step on a few cores); "
-        f"a shorter --seq-len (now {seq_len:,} over {cp} ranks), --batch-size or a smaller --preset scales it "
-        "down, --accelerator gpu runs it where it belongs"
-    )
-
-
-def model_config(model: Any, init_from: Optional[str], hf_model: Optional[str]) -> Optional[GPTConfig]:
-    """The sizes of the model ``CausalLMModule(model, init_from=..., hf_model=...)`` builds, read
-    without building it or reading its tensors: ``model`` (a preset and overrides), a checkpoint's
-    own config, a Hugging Face directory's ``config.json``; None where they cannot be read yet."""
-    import json
-
-    from longctx.models.checkpoint_import import config_from_hf, pretrained_config
-
-    try:
-        if hf_model is not None:
-            return config_from_hf(json.loads((Path(hf_model) / "config.json").read_text()))
-        if init_from is not None:
-            return pretrained_config(init_from, **dict(model or {}))
-        return model if isinstance(model, GPTConfig) else GPTConfig.from_dict(dict(model or {}))
-    except (ValueError, KeyError, OSError, TypeError):
-        return None
-
-
-def _cp_size(trainer: "L.Trainer") -> int:
-    return int(getattr(trainer.strategy, "cp_size", 1))

@@ -168,7 +168,8 @@ def test_a_gpu_sized_run_that_fits_a_cpu_is_said_to_be_slow_once(train, tmp_path
     warning that it is sized for GPUs (printed with the plan before step 1); the tiny default
     run's plan carries none. The default run's FLOPs are the ones the warning compares with."""
     import longctx.memory_fit
-    from longctx.lightning.module import DEFAULT_RUN_STEP_FLOPS, CausalLMModule
+    from longctx.lightning.module import CausalLMModule
+    from longctx.lightning.planning import DEFAULT_RUN_STEP_FLOPS
 
     monkeypatch.setattr(longctx.memory_fit, "host_available_bytes", lambda: 64 * GiB)
     monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
