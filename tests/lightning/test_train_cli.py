@@ -163,7 +163,7 @@ def _train_module():
 
 def test_print_config_loads_back(tmp_path, capsys):
     """--print_config: the whole resolved config, which --config reads back to the same options."""
-    from longctx.lightning.cli import flatten
+    from longctx.lightning.cli_settings import flatten
 
     train = _train_module()
     argv = [
