@@ -80,7 +80,7 @@ def resolve_config(argv: list[str]):
 def prepare(argv: list[str], *, instantiate: bool = True, device_checks: bool = True):
     """The ``TrainCLI``: parsed, and (``instantiate``) every object built before any data
     work, each refusal one ValueError/FileNotFoundError/ArgumentError (see
-    longctx.lightning.cli)."""
+    longctx.lightning.train_cli)."""
     cli = cli_class(__doc__.split("\n\n")[0], SHORT_FLAGS, DEFAULT_CONFIG)
     return cli(argv, instantiate=instantiate, device_checks=device_checks)
 

@@ -13,7 +13,7 @@ each section so a time-out keeps what finished):
             which went through FA4 varlen and which fell back to Triton (ids FA4's runs cannot
             express).
   ring      the zigzag ring emulated on one GPU, the unsharded result vs float64 (P=2 and 4):
-            without documents every rank's blocks (longctx.ring._ring_blocks, the same slices
+            without documents every rank's blocks (longctx.ring.ring_blocks, the same slices
             and skips), fp32 merges, the backward from the merged out/lse, dK/dV summed onto
             their owner; with documents every rank's DocumentPlan (longctx.documents.
             plan_documents): its local calls, then each step's exchange call over the rows
@@ -46,7 +46,7 @@ from attention import bench_ms, gpu_tag, poison_allocator  # noqa: E402
 
 from longctx import shard_sequence  # noqa: E402
 from longctx.data.document_mixes import document_id_pattern  # noqa: E402
-from longctx.document_ring import _call_forward, backward_calls, forward_calls  # noqa: E402
+from longctx.document_ring import backward_calls, call_forward, forward_calls  # noqa: E402
 from longctx.documents import plan_documents  # noqa: E402
 from longctx.kernels import (  # noqa: E402
     attention_backward,
@@ -56,7 +56,7 @@ from longctx.kernels import (  # noqa: E402
 )
 from longctx.kernels.merge import merge_partials_  # noqa: E402
 from longctx.kernels.rows import rows_of  # noqa: E402
-from longctx.ring import _ring_blocks  # noqa: E402
+from longctx.ring import ring_blocks  # noqa: E402
 
 K = 1024
 DEV = "cuda"
@@ -215,7 +215,7 @@ def emulated_ring(q, k, v, dout, ids, world, backend):
     """Unsharded (out, dq, dk, dv) of a zigzag ring of `world` ranks, every rank's work run
     here (on q's device) one rank after another, as the library does it.
 
-    Without documents (``ids`` None): the plain ring's blocks (``longctx.ring._ring_blocks``:
+    Without documents (``ids`` None): the plain ring's blocks (``longctx.ring.ring_blocks``:
     the same slices and skips), fp32 merges, the backward from the merged out/lse, dK/dV
     summed onto the rank that owns the K/V shard. With documents: every rank's
     ``longctx.documents.plan_documents`` plan - its local calls over its own shard, then at
@@ -237,7 +237,7 @@ def emulated_ring(q, k, v, dout, ids, world, backend):
 
 
 def _emulated_plain_ring(local, dtype, world, s_local, backend):
-    plans = [_ring_blocks(r, world, "zigzag", True, s_local) for r in range(world)]
+    plans = [ring_blocks(r, world, "zigzag", True, s_local) for r in range(world)]
     outs, lses = [], []
     for r in range(world):
         out = lse = None
@@ -305,7 +305,7 @@ def _emulated_document_ring(local, ids, world, backend, scale):
         for step in range(1, world):
             call = plans[r].exchanges[step - 1].call
             if call is not None:
-                out, lse = _call_forward(
+                out, lse = call_forward(
                     call, fl[r]["q"], message(r, step, "k"), message(r, step, "v"), out, lse, scale, name
                 )
         outs.append(out.to(fl[r]["q"].dtype))
@@ -378,7 +378,7 @@ def rank_blocks(q, k, v, dout, world, rank, backend):
 
         return run
 
-    return [make(step, blk) for step, blk in enumerate(_ring_blocks(rank, world, "zigzag", True, s_local))]
+    return [make(step, blk) for step, blk in enumerate(ring_blocks(rank, world, "zigzag", True, s_local))]
 
 
 def section_ring(report):

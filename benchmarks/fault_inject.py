@@ -67,7 +67,7 @@ def _sha1(tensors) -> str:
 def _install(fault: dict) -> None:
     from torch.distributed.tensor import DTensor
 
-    from longctx.models.lit_module import CausalLMModule
+    from longctx.lightning.module import CausalLMModule
 
     state = {"step": 0}  # the global step the running batch will complete
     kind, target, at = fault.get("kind"), fault.get("rank"), fault.get("step")

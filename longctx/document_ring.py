@@ -74,7 +74,7 @@ class _Accumulator:
         return value.to(self.like.dtype)
 
 
-def _call_forward(call: BlockCall, q, k, v, out, lse, scale, backend, only: bool = False):
+def call_forward(call: BlockCall, q, k, v, out, lse, scale, backend, only: bool = False):
     """Runs ``call`` and merges it into ``(out, lse)``; ``only``: the plan's one call, whose
     output is final as the kernel writes it (no fp32 accumulator, no casts)."""
     out_b, lse_b = attention_forward(
@@ -125,7 +125,7 @@ def forward_calls(q, k, v, calls: list, scale, backend: str, only: bool = False)
     and nothing else to merge), the kernel's own output."""
     out = lse = None
     for call in calls:
-        out, lse = _call_forward(call, q, k, v, out, lse, scale, backend, only and len(calls) == 1)
+        out, lse = call_forward(call, q, k, v, out, lse, scale, backend, only and len(calls) == 1)
     return out, lse
 
 
@@ -164,7 +164,7 @@ def _ring_forward(q, k, v, plan: DocumentPlan, comm, scale, backend, keep: bool)
         pending = _post_kv(plan, comm, step + 1, k, v) if step + 1 < world else None
         call = plan.exchanges[step - 1].call
         if call is not None:
-            out, lse = _call_forward(call, q, recv[0], recv[1], out, lse, scale, backend)
+            out, lse = call_forward(call, q, recv[0], recv[1], out, lse, scale, backend)
         if keep:
             kept.append(recv if recv is not None else k.new_empty(0))
     return out.to(q.dtype).view(*shape[:3], -1), lse, kept
@@ -250,7 +250,7 @@ def _gather_forward(q, k, v, plan: DocumentPlan, group, scale, backend, keep: bo
         work.wait()
         if ex.call is not None:
             k_g, v_g = _gathered_keys(ex, recv)
-            out, lse = _call_forward(ex.call, q, k_g, v_g, out, lse, scale, backend)
+            out, lse = call_forward(ex.call, q, k_g, v_g, out, lse, scale, backend)
         if keep:
             kept.append(recv)
     return out.to(q.dtype).view(*shape[:3], -1), lse, kept

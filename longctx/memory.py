@@ -251,19 +251,9 @@ def estimate(
     ``documents``: document-masked attention, whose calls span the shard's rows of every
     sequence at once (it matters to the reference kernel's scores only).
     """
-    for name, value in (("seq_len", seq_len), ("cp", cp), ("dp", dp), ("batch_size", batch_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if data_parallel not in ("fsdp", "ddp", "none"):
-        raise ValueError(f"data_parallel must be 'fsdp', 'ddp' or 'none', got {data_parallel!r}")
-    if attention_kernel not in ("auto", *KERNEL_FAMILIES):
-        raise ValueError(f"attention_kernel must be 'auto' or one of {KERNEL_FAMILIES}, got {attention_kernel!r}")
-    if device not in ("cuda", "cpu"):
-        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-    if precision not in ("bf16-mixed", "32-true"):
-        raise ValueError(f"precision must be 'bf16-mixed' or '32-true', got {precision!r}")
-    if cpu_offload and data_parallel != "fsdp":
-        raise ValueError("cpu_offload needs data_parallel='fsdp'")
+    _check_estimate_arguments(
+        seq_len, cp, dp, batch_size, data_parallel, attention_kernel, device, precision, cpu_offload
+    )
     plan = as_plan(plan).defaults_for(None)  # settings left to a run that none resolved: the plain model
     if plan.activation_checkpointing == "auto":
         raise ValueError(
@@ -279,7 +269,7 @@ def estimate(
     fsdp = data_parallel == "fsdp"
     a = 2 if mixed else 4
     r = 2 if (mixed and fsdp) else 4
-    d, q, kv, F, V, hq = s.d, s.q, s.kv, s.F, s.V, s.hq
+    d, V = s.d, s.V
     fused = bool(plan.fuse_pointwise) and not hf_modules
     tile = plan.mlp_tile_size
     tiled = tile is not None and tile < T
@@ -287,7 +277,101 @@ def estimate(
     N = s.params()
     Nl = s.layer_params()
     shard = world if fsdp else 1
+    z = _Sizes(s, plan, cp, world, T, mixed, fsdp, a, r, fused, tile, tiled, ckpt, hf_modules, shard)
+    saved_layer, layer_live = _layer_bytes(
+        z, attention_kernel, seq_len=seq_len, batch_size=batch_size, device=device, documents=documents
+    )
+    casts = float8_cast_bytes(s, T, tiled=tiled) if plan.float8 else 0
 
+    # ---- offload: the first n layers' saved tensors in host memory. In the backward an
+    # offloaded layer's tensors come back while the next one's are prefetched: two layers
+    # on the GPU from block n on (one of them the last kept block's) down to block 0.
+    n_off = _offload_layers(plan.offload_activations, s.L) if device == "cuda" else 0  # a no-op on CPU tensors
+    per_layer_saved = saved_layer * T
+    last_layers = max(s.L - n_off, 2 if n_off else 1)  # at the last layer's backward
+    first_layers = 2 if n_off else 1  # late in the backward, with (nearly) every gradient
+
+    # ---- loss: one chunk's fp32 logits, their log-softmax, gradients; hidden + its grad
+    c = min(plan.loss_chunk_size, T)
+    head_grad_tmp = (a + 4) * V * d if mixed else 4 * V * d
+    loss_chunk = 12 * V * c + a * V * c + head_grad_tmp
+    hidden = 2 * r * d * T  # the last block's output and its gradient (the final norm runs per loss chunk)
+    if hf_modules:  # transformers' final norm runs before the loss and keeps its own two (see norm)
+        hidden += (4 + a) * d * T
+
+    st = _static_bytes(z, N, Nl, data_parallel=data_parallel, cpu_offload=cpu_offload)
+    phases = _phases(
+        z,
+        st,
+        n_off=n_off,
+        per_layer_saved=per_layer_saved,
+        last_layers=last_layers,
+        first_layers=first_layers,
+        loss_chunk=loss_chunk,
+        hidden=hidden,
+        layer_live=layer_live,
+        casts=casts,
+        cpu_offload=cpu_offload,
+    )
+    return _memory_estimate(
+        phases, st, device=device, n_off=n_off, per_layer_saved=per_layer_saved, cpu_offload=cpu_offload, T=T, N=N
+    )
+
+
+def _check_estimate_arguments(
+    seq_len: int,
+    cp: int,
+    dp: int,
+    batch_size: int,
+    data_parallel: str,
+    attention_kernel: str,
+    device: str,
+    precision: str,
+    cpu_offload: bool,
+) -> None:
+    for name, value in (("seq_len", seq_len), ("cp", cp), ("dp", dp), ("batch_size", batch_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if data_parallel not in ("fsdp", "ddp", "none"):
+        raise ValueError(f"data_parallel must be 'fsdp', 'ddp' or 'none', got {data_parallel!r}")
+    if attention_kernel not in ("auto", *KERNEL_FAMILIES):
+        raise ValueError(f"attention_kernel must be 'auto' or one of {KERNEL_FAMILIES}, got {attention_kernel!r}")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    if precision not in ("bf16-mixed", "32-true"):
+        raise ValueError(f"precision must be 'bf16-mixed' or '32-true', got {precision!r}")
+    if cpu_offload and data_parallel != "fsdp":
+        raise ValueError("cpu_offload needs data_parallel='fsdp'")
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """What the parts of ``estimate`` share: the model's shape, the plan, the run's sizes and the
+    bytes per element (``a``: the compute dtype's; ``r``: the residual stream's and saved inputs')."""
+
+    s: _Shape
+    plan: Any
+    cp: int
+    world: int
+    T: int
+    mixed: bool
+    fsdp: bool
+    a: int
+    r: int
+    fused: bool
+    tile: Any
+    tiled: bool
+    ckpt: str
+    hf_modules: bool
+    shard: int
+
+
+def _layer_bytes(z: _Sizes, attention_kernel: str, *, seq_len: int, batch_size: int, device: str, documents: bool):
+    """One layer: the bytes it saves for the backward per token, and the most its backward holds
+    at once beyond the saved tensors (recompute, gradients, the kernels' buffers)."""
+    s, plan, cp, T, a, r = z.s, z.plan, z.cp, z.T, z.a, z.r
+    mixed, fused, tile, tiled, ckpt, hf_modules = z.mixed, z.fused, z.tile, z.tiled, z.ckpt, z.hf_modules
+    d, q, kv, F, hq = s.d, s.q, s.kv, s.F, s.hq
     # ---- one layer's tensors saved for the backward when nothing is checkpointed (per token)
     norm = 4 if not fused else 0  # RMSNorm saves its input (alive anyway) and an fp32 rstd
     if hf_modules:  # transformers' LlamaRMSNorm: the fp32 copy of its input and the normalised
@@ -356,24 +440,31 @@ def estimate(
     layer_live = max(layer_live_mlp, layer_live_attn)
     if ckpt == "none":  # the layer's tensors are already counted in the saved ones
         layer_live -= saved_layer * T
-    casts = float8_cast_bytes(s, T, tiled=tiled) if plan.float8 else 0
+    return saved_layer, layer_live
 
-    # ---- offload: the first n layers' saved tensors in host memory. In the backward an
-    # offloaded layer's tensors come back while the next one's are prefetched: two layers
-    # on the GPU from block n on (one of them the last kept block's) down to block 0.
-    n_off = _offload_layers(plan.offload_activations, s.L) if device == "cuda" else 0  # a no-op on CPU tensors
-    per_layer_saved = saved_layer * T
-    last_layers = max(s.L - n_off, 2 if n_off else 1)  # at the last layer's backward
-    first_layers = 2 if n_off else 1  # late in the backward, with (nearly) every gradient
 
-    # ---- loss: one chunk's fp32 logits, their log-softmax, gradients; hidden + its grad
-    c = min(plan.loss_chunk_size, T)
-    head_grad_tmp = (a + 4) * V * d if mixed else 4 * V * d
-    loss_chunk = 12 * V * c + a * V * c + head_grad_tmp
-    hidden = 2 * r * d * T  # the last block's output and its gradient (the final norm runs per loss chunk)
-    if hf_modules:  # transformers' final norm runs before the loss and keeps its own two (see norm)
-        hidden += (4 + a) * d * T
+@dataclass(frozen=True)
+class _StaticBytes:
+    """Parameters, gradients and AdamW states, the bf16 working weights of each phase."""
 
+    params_b: int
+    grads_b: int
+    adam_b: int
+    root: int
+    own_embedding: bool
+    work_fwd_end: int
+    work_bwd: int
+    work_first: int
+    gpu_static: dict
+    gpu_head_grad: int
+    gpu_grads_all: int
+    gpu_grads_first: int
+
+
+def _static_bytes(z: _Sizes, N: int, Nl: int, *, data_parallel: str, cpu_offload: bool) -> _StaticBytes:
+    s, world, mixed, fsdp, ckpt, shard = z.s, z.world, z.mixed, z.fsdp, z.ckpt, z.shard
+    d, V = s.d, s.V
+    root = 0  # the root's unsharded weights: FSDP2 in mixed precision only
     # ---- static
     params_b = 4 * N // shard
     grads_b = 4 * N // shard
@@ -410,7 +501,54 @@ def estimate(
         gpu_grads_first = (4 * (s.L - 1) * Nl // shard + gpu_head_grad) if fsdp else grads_b
     if ddp_buckets:
         gpu_static["ddp_buckets"] = ddp_buckets
+    return _StaticBytes(
+        params_b,
+        grads_b,
+        adam_b,
+        root,
+        own_embedding,
+        work_fwd_end,
+        work_bwd,
+        work_first,
+        gpu_static,
+        gpu_head_grad,
+        gpu_grads_all,
+        gpu_grads_first,
+    )
 
+
+def _phases(
+    z: _Sizes,
+    st: _StaticBytes,
+    *,
+    n_off: int,
+    per_layer_saved: int,
+    last_layers: int,
+    first_layers: int,
+    loss_chunk: int,
+    hidden: int,
+    layer_live: int,
+    casts: int,
+    cpu_offload: bool,
+) -> list:
+    """The step's phases, each (name, its GPU items): the loss backward, the last and the first
+    layer's backward, the embedding's (FSDP2, untied), the optimizer step."""
+    s, T, r, d, V, mixed, fsdp, shard = z.s, z.T, z.r, z.s.d, z.s.V, z.mixed, z.fsdp, z.shard
+    N = s.params()
+    gpu_static, gpu_head_grad, gpu_grads_all, gpu_grads_first = (
+        st.gpu_static,
+        st.gpu_head_grad,
+        st.gpu_grads_all,
+        st.gpu_grads_first,
+    )
+    work_fwd_end, work_bwd, work_first, root, own_embedding, grads_b = (
+        st.work_fwd_end,
+        st.work_bwd,
+        st.work_first,
+        st.root,
+        st.own_embedding,
+        st.grads_b,
+    )
     saved_gpu_layers = s.L - n_off
 
     def phase(name, saved_layers, grads, working, transient_name, transient, extra=None):
@@ -477,6 +615,14 @@ def estimate(
     for _, items in phases[3:]:  # after block 0's backward: no activations
         items.pop("saved_block_inputs", None)
         items.pop("rope_tables", None)
+    return phases
+
+
+def _memory_estimate(
+    phases: list, st: _StaticBytes, *, device: str, n_off: int, per_layer_saved: int, cpu_offload: bool, T: int, N: int
+) -> MemoryEstimate:
+    """The estimate of the fullest phase: its GPU items (allocator slack, CUDA context) and the host's."""
+    params_b, grads_b, adam_b = st.params_b, st.grads_b, st.adam_b
     totals = {n: sum(i.values()) for n, i in phases}
     first_step = max(sum(i.values()) - i.get("adamw_states", 0) for n, i in phases if n != "the optimizer step")
     name, items = max(phases, key=lambda p: sum(p[1].values()))

@@ -69,7 +69,7 @@ def _block_for_step(rank: int, step: int, world_size: int, layout: str, causal: 
     return slice(half, None), ALL, False
 
 
-def _ring_blocks(rank: int, world_size: int, layout: str, causal: bool, s_local: int) -> list:
+def ring_blocks(rank: int, world_size: int, layout: str, causal: bool, s_local: int) -> list:
     """``(rows, cols, causal mask)`` computed at every step (None: skip)."""
     return [_block_for_step(rank, step, world_size, layout, causal, s_local) for step in range(world_size)]
 
@@ -481,5 +481,5 @@ def ring_attention(
                 )
     if world == 1:
         return _LocalAttention.apply(q, k, v, causal, softmax_scale, backend, head_chunks)
-    blocks = _ring_blocks(dist.get_rank(group), world, layout, causal, q.shape[1])
+    blocks = ring_blocks(dist.get_rank(group), world, layout, causal, q.shape[1])
     return _RingAttention.apply(q, k, v, group, causal, softmax_scale, backend, blocks, head_chunks)

@@ -1,7 +1,6 @@
 """longctx.models: a Llama-style GPT with ring attention, checkpoint import/export, GGUF tokenizer.
 
-The training module (``lit_module``) lives here too but is imported on its own so that
-using the model does not require Lightning.
+Torch only: the LightningModule that trains it is ``longctx.lightning.module.CausalLMModule``.
 """
 
 from .checkpoint_import import find_smollm2_gguf, load_checkpoint, load_pretrained, resolve_checkpoint_path

@@ -39,20 +39,20 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from .checkpoint_verify import (
-    _DCP_METADATA_NAME,
-    _MANIFEST_FORMAT,
+    DCP_METADATA_NAME,
+    MANIFEST_FORMAT,
     MANIFEST_NAME,
     METADATA_NAME,
     CorruptCheckpointError,
     PathLike,
-    _read_dcp_metadata,
-    _read_manifest,
-    _SafeConsolidatePlanner,
-    _SafeFileSystemReader,
-    _SafeLoadPlanner,
-    _sharded_problem,
-    _size_and_crc32,
+    SafeConsolidatePlanner,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
     checkpoint_problem,
+    read_dcp_metadata,
+    read_manifest,
+    sharded_problem,
+    size_and_crc32,
 )
 
 # Leftovers of interrupted saves: ``.NAME.tmp-PID`` (being written), ``.NAME.old-PID``
@@ -257,7 +257,7 @@ def save_sharded_checkpoint(
         sums, error = {}, None
         try:
             for name in names[rank::world]:
-                size, crc = _size_and_crc32(tmp / name)
+                size, crc = size_and_crc32(tmp / name)
                 sums[name] = {"size": size, "crc32": crc}
         except OSError as exc:
             error = f"rank {rank}: {exc}"
@@ -269,7 +269,7 @@ def save_sharded_checkpoint(
                     raise OSError(errors[0])
                 files = {name: entry for share, _ in shares for name, entry in share.items()}
                 files[METADATA_NAME] = _write_synced(tmp / METADATA_NAME, metadata_bytes)
-                manifest = {"format": _MANIFEST_FORMAT, "global_step": step, "world_size": world, "files": files}
+                manifest = {"format": MANIFEST_FORMAT, "global_step": step, "world_size": world, "files": files}
                 _write_synced(tmp / MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
                 _fsync_dir(tmp)
                 _replace(tmp, path)
@@ -337,14 +337,14 @@ def load_sharded_checkpoint(
     """
     path = Path(path)
     rank, world = _rank_and_world(group)
-    problems = [p for p in _from_all(_sharded_problem(path, rank, world), group) if p]
+    problems = [p for p in _from_all(sharded_problem(path, rank, world), group) if p]
     if problems:
         raise CorruptCheckpointError(f"sharded checkpoint {path} failed verification: {problems[0]}")
-    _read_dcp_metadata(path)  # a clear error here, instead of inside DCP's fallbacks
+    read_dcp_metadata(path)  # a clear error here, instead of inside DCP's fallbacks
     dcp.load(
         state,
-        storage_reader=_SafeFileSystemReader(path),
-        planner=_SafeLoadPlanner(),
+        storage_reader=SafeFileSystemReader(path),
+        planner=SafeLoadPlanner(),
         process_group=group,
         no_dist=world == 1,
     )
@@ -403,13 +403,13 @@ def consolidate_checkpoint(
     safetensors. Needs memory for the whole state on one machine.
     """
     sharded_path, out_file = Path(sharded_path), Path(out_file)
-    problem = _sharded_problem(sharded_path)
+    problem = sharded_problem(sharded_path)
     if problem is not None:
         raise CorruptCheckpointError(f"sharded checkpoint {sharded_path} failed verification: {problem}")
-    _read_dcp_metadata(sharded_path)
+    read_dcp_metadata(sharded_path)
     full: dict[str, Any] = {}
     _load_state_dict(
-        full, storage_reader=_SafeFileSystemReader(sharded_path), planner=_SafeConsolidatePlanner(), no_dist=True
+        full, storage_reader=SafeFileSystemReader(sharded_path), planner=SafeConsolidatePlanner(), no_dist=True
     )
     out_file.parent.mkdir(parents=True, exist_ok=True)
     if safetensors_model_key is None:
@@ -435,7 +435,7 @@ def _looks_like_checkpoint(path: Path) -> bool:
     if path.is_file():
         return path.suffix == ".ckpt"
     return path.is_dir() and (
-        (path / MANIFEST_NAME).exists() or (path / _DCP_METADATA_NAME).exists() or path.suffix == ".ckpt"
+        (path / MANIFEST_NAME).exists() or (path / DCP_METADATA_NAME).exists() or path.suffix == ".ckpt"
     )
 
 
@@ -443,7 +443,7 @@ def checkpoint_step(path: PathLike) -> int:
     """The training step a checkpoint was saved at (its ``global_step``; -1 when absent)."""
     path = Path(path)
     if path.is_dir():
-        return _read_manifest(path)["global_step"]
+        return read_manifest(path)["global_step"]
     # mmap: only the small pickle is read, not the tensors.
     ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     step = ckpt.get("global_step", -1) if isinstance(ckpt, dict) else -1

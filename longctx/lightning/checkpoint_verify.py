@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 
 MANIFEST_NAME = "manifest.json"
 METADATA_NAME = "metadata.pt"  # rank 0's ``metadata`` dict (trainer progress, hparams, step)
-_MANIFEST_FORMAT = "longctx-sharded-checkpoint"
-_DCP_METADATA_NAME = ".metadata"
+MANIFEST_FORMAT = "longctx-sharded-checkpoint"
+DCP_METADATA_NAME = ".metadata"
 _CHUNK = 1 << 23
 
 PathLike = Union[str, Path]
@@ -33,7 +33,7 @@ class CorruptCheckpointError(RuntimeError):
     """A checkpoint failed its integrity check; the message names the bad file."""
 
 
-def _size_and_crc32(path: Path) -> tuple[int, int]:
+def size_and_crc32(path: Path) -> tuple[int, int]:
     size, crc = 0, 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -55,7 +55,7 @@ def _file_problem(path: Path) -> Optional[str]:
     return None
 
 
-def _read_manifest(path: Path) -> dict:
+def read_manifest(path: Path) -> dict:
     manifest_file = path / MANIFEST_NAME
     try:
         manifest = json.loads(manifest_file.read_text())
@@ -65,30 +65,30 @@ def _read_manifest(path: Path) -> dict:
         raise CorruptCheckpointError(f"{manifest_file} is unreadable ({exc})") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if (
-        manifest.get("format") != _MANIFEST_FORMAT
+        manifest.get("format") != MANIFEST_FORMAT
         or not isinstance(files, dict)
         or not isinstance(manifest.get("global_step"), int)
     ):
-        raise CorruptCheckpointError(f"{manifest_file} is not a {_MANIFEST_FORMAT} manifest")
+        raise CorruptCheckpointError(f"{manifest_file} is not a {MANIFEST_FORMAT} manifest")
     for name in files:  # flat names only: a manifest must not point outside its folder
         if Path(name).name != name or name in (".", ".."):
             raise CorruptCheckpointError(f"{manifest_file} lists a file outside the folder: {name!r}")
-    for required in (_DCP_METADATA_NAME, METADATA_NAME):
+    for required in (DCP_METADATA_NAME, METADATA_NAME):
         if required not in files:
             raise CorruptCheckpointError(f"{manifest_file} does not list {required}")
     return manifest
 
 
-def _sharded_problem(path: Path, rank: int = 0, world_size: int = 1) -> Optional[str]:
+def sharded_problem(path: Path, rank: int = 0, world_size: int = 1) -> Optional[str]:
     """The first problem with ``path``'s files (this rank's share of them), or None."""
     try:
-        files = _read_manifest(path)["files"]
+        files = read_manifest(path)["files"]
     except CorruptCheckpointError as exc:
         return str(exc)
     for name in sorted(files)[rank::world_size]:
         expected, file = files[name], path / name
         try:
-            size, crc = _size_and_crc32(file)
+            size, crc = size_and_crc32(file)
         except OSError as exc:
             return f"{file} is unreadable ({exc})"
         if size != expected.get("size"):
@@ -105,7 +105,7 @@ def checkpoint_problem(path: PathLike) -> Optional[str]:
     """
     path = Path(path)
     if path.is_dir():
-        return _sharded_problem(path)
+        return sharded_problem(path)
     return _file_problem(path)
 
 
@@ -150,8 +150,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refers to {module}.{name}, which is not a checkpoint metadata type")
 
 
-def _read_dcp_metadata(path: Path) -> Any:
-    file = path / _DCP_METADATA_NAME
+def read_dcp_metadata(path: Path) -> Any:
+    file = path / DCP_METADATA_NAME
     try:
         with open(file, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -162,10 +162,10 @@ def _read_dcp_metadata(path: Path) -> Any:
     return metadata
 
 
-class _SafeFileSystemReader(dcp.FileSystemReader):
+class SafeFileSystemReader(dcp.FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         # Only the global metadata file: we always write it (no per-rank fallback).
-        metadata = _read_dcp_metadata(Path(self.path))
+        metadata = read_dcp_metadata(Path(self.path))
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
@@ -182,11 +182,11 @@ class _WeightsOnlyBytes:
             self.state_dict[fqn] = obj
 
 
-class _SafeLoadPlanner(_WeightsOnlyBytes, dcp.DefaultLoadPlanner):
+class SafeLoadPlanner(_WeightsOnlyBytes, dcp.DefaultLoadPlanner):
     pass
 
 
 # Fills an empty dict from the checkpoint's own metadata (what torch's dcp_to_torch_save
 # uses: the public dcp.load only fills the keys it is given).
-class _SafeConsolidatePlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
+class SafeConsolidatePlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
     pass

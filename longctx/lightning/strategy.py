@@ -89,7 +89,7 @@ DataParallel = Literal["auto", "fsdp", "ddp"]
 DATA_PARALLEL = get_args(DataParallel)
 
 
-def _check_divisible(world_size: int, cp_size: int, devices: Optional[int] = None, nodes: Optional[int] = None) -> None:
+def check_divisible(world_size: int, cp_size: int, devices: Optional[int] = None, nodes: Optional[int] = None) -> None:
     if world_size % cp_size != 0:
         how = f" ({devices} devices x {nodes} nodes)" if devices is not None else ""
         raise ArgumentValueError(
@@ -269,7 +269,7 @@ class ContextParallelStrategy(ModelParallelStrategy):
         # Runs in the Trainer constructor, before any process is launched: a bad CP size
         # fails here once, in the launching process, instead of in every worker.
         if self._cp_size_arg is not None and self.parallel_devices is not None:
-            _check_divisible(self.num_nodes * self.num_processes, self._cp_size_arg, self.num_processes, self.num_nodes)
+            check_divisible(self.num_nodes * self.num_processes, self._cp_size_arg, self.num_processes, self.num_nodes)
         exit_with_launcher()  # in a process rank 0 launched: never outlive it
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = ReapingScriptLauncher(
@@ -311,7 +311,7 @@ class ContextParallelStrategy(ModelParallelStrategy):
         world, cp = self.world_size, self.cp_size
         if dist.get_world_size() != world:
             raise RuntimeError(f"the process group has {dist.get_world_size()} ranks but the strategy expects {world}")
-        _check_divisible(world, cp)
+        check_divisible(world, cp)
         # CP groups are created by hand (not init_device_mesh) so they get our timeout and a
         # communicator of their own: gradient reductions on the default group never queue
         # behind (or among) the ring's transfers. Every rank creates every group, in order.

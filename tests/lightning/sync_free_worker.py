@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from longctx import ContextParallelStrategy
-from longctx.models.lit_module import CausalLMModule
+from longctx.lightning.module import CausalLMModule
 
 SEQ, STEPS, WARM_UP = 4096, 6, 2
 

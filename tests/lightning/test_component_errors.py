@@ -11,10 +11,10 @@ from test_train_errors import _error, cache, train  # noqa: F401 (fixtures)
 from longctx.data import LongDocumentDataModule
 from longctx.layouts import check_seq_len
 from longctx.lightning import ContextParallelStrategy, NonFiniteGuard
-from longctx.lightning.cli import refused_as
+from longctx.lightning.eval_callback import LongContextEvaluation
+from longctx.lightning.module import CausalLMModule
+from longctx.lightning.train_cli import refused_as
 from longctx.lightning.training import RunOptions
-from longctx.models.eval_callback import LongContextEvaluation
-from longctx.models.lit_module import CausalLMModule
 from longctx.validation import ArgumentValueError
 
 # (class, its arguments, the option train.py says it of, the command line giving that value)

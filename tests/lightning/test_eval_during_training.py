@@ -1,4 +1,4 @@
-"""train.py --eval-every N: the long-context evaluation (longctx.models.eval_callback) during
+"""train.py --eval-every N: the long-context evaluation (longctx.lightning.eval_callback) during
 training, over the run's CP group.
 
 * end to end on CPU, CP=2 over gloo, the tiny preset: passkey and loss-by-position columns in
@@ -139,7 +139,7 @@ def test_lengths_that_cannot_run_are_one_line(eval_run, cache_env, tmp_path, mon
     """In-process (the corpus and tokenizer cached by the run above): rc 2, one line, no
     process started; the same text as the callback raises from Python."""
     from longctx.data import LongDocumentDataModule
-    from longctx.models.eval_callback import LongContextEvaluation
+    from longctx.lightning.eval_callback import LongContextEvaluation
 
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)

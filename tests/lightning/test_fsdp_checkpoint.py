@@ -28,7 +28,7 @@ def _fit(max_steps: int, ckpt_dir: str, resume: str | None = None, save_every: i
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.distributed.tensor import DTensor
 
-    from longctx.models.lit_module import CausalLMModule
+    from longctx.lightning.module import CausalLMModule
 
     torch.manual_seed(0)
     module = CausalLMModule(MODEL, parallel=PLAN, lr=3e-3, warmup_steps=1, decay_steps=4)

@@ -49,7 +49,7 @@ def _samples() -> list[dict]:
 def _fit(strategy, devices: int, hf_dir: str) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from longctx.models.lit_module import CausalLMModule
+    from longctx.lightning.module import CausalLMModule
 
     torch.manual_seed(0)
     module = CausalLMModule(hf_model=hf_dir, parallel=PLAN, lr=3e-3, warmup_steps=1, decay_steps=STEPS)

@@ -168,7 +168,8 @@ def test_a_gpu_sized_run_that_fits_a_cpu_is_said_to_be_slow_once(train, tmp_path
     warning that it is sized for GPUs (printed with the plan before step 1); the tiny default
     run's plan carries none. The default run's FLOPs are the ones the warning compares with."""
     import longctx.memory_fit
-    from longctx.models.lit_module import DEFAULT_RUN_STEP_FLOPS, CausalLMModule
+    from longctx.lightning.module import CausalLMModule
+    from longctx.lightning.planning import DEFAULT_RUN_STEP_FLOPS
 
     monkeypatch.setattr(longctx.memory_fit, "host_available_bytes", lambda: 64 * GiB)
     monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
@@ -193,7 +194,7 @@ def test_cpu_runs_take_32_bit_and_no_fusion_unless_asked(train, tmp_path, monkey
     records the precision for config.yaml; a flag (or a config the user passes) that asks for
     bf16 or fusion is kept."""
     import longctx.memory_fit
-    from longctx.models.lit_module import CausalLMModule
+    from longctx.lightning.module import CausalLMModule
 
     for path in sorted((REPO / "configs").glob("*.yaml")):
         cfg = train.resolve_config(["--config", str(path)]).config
@@ -223,8 +224,8 @@ def test_a_gpu_run_is_checked_before_data_work_too(monkeypatch):
     """``CausalLMModule.check_fit`` (what train.py calls before any data work) refuses a run that
     does not fit the GPU (its size faked: no GPU needed) as ``setup`` would, from the arguments
     alone; with ``memory_check=False`` it checks nothing."""
+    from longctx.lightning.module import CausalLMModule
     from longctx.memory_fit import PredictedOutOfMemory
-    from longctx.models.lit_module import CausalLMModule
     from longctx.run_plan import World
 
     gpu = 2**30

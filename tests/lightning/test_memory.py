@@ -110,7 +110,7 @@ def test_lightning_module_prints_the_prediction_before_the_first_step(capsys, mo
     import lightning as L
     import torch
 
-    from longctx.models.lit_module import CausalLMModule
+    from longctx.lightning.module import CausalLMModule
 
     data = [{"input_ids": t[:-1], "labels": t[1:]} for t in torch.randint(0, 256, (2, 65))]
     loader = torch.utils.data.DataLoader(data, batch_size=1)
@@ -245,7 +245,7 @@ def test_the_fitting_plan_is_decided_before_the_model_is_built(monkeypatch, caps
 
     import torch
 
-    from longctx.models.lit_module import CausalLMModule
+    from longctx.lightning.module import CausalLMModule
     from longctx.parallel import ParallelDims
 
     gpu = 9 * 2**30  # a small "GPU": the 1M-token tiny run fits only with the MLP tiled
@@ -288,7 +288,7 @@ def test_auto_checkpointing_takes_the_least_recompute_that_fits(monkeypatch, cap
 
     import torch
 
-    from longctx.models.lit_module import CausalLMModule
+    from longctx.lightning.module import CausalLMModule
     from longctx.parallel import ParallelDims
 
     def run(parallel, gpu=None, seq_len=1 << 18):
@@ -362,7 +362,7 @@ def test_gradients_are_freed_right_after_the_optimizer_step(tmp_path):
     import torch
     from lightning.pytorch.loggers import CSVLogger
 
-    from longctx.models.lit_module import CausalLMModule
+    from longctx.lightning.module import CausalLMModule
 
     class Recording(CausalLMModule):
         def training_step(self, batch, batch_idx):

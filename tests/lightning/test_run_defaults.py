@@ -167,7 +167,7 @@ def test_float8_on_cpu_is_one_line_and_exit_code_2_through_train_py(train, capsy
     own words, said of the option), exit code 2, before any data work."""
     from test_train_errors import _error
 
-    from longctx.models.lit_module import CausalLMModule
+    from longctx.lightning.module import CausalLMModule
 
     with pytest.raises(ValueError) as refused:
         CausalLMModule.check_arguments(parallel={"float8": True}, device="cpu")

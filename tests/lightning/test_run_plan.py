@@ -44,7 +44,7 @@ class _Data(L.LightningDataModule):
 
 
 def _fit(strategy_kw: dict, module_kw: dict, capsys):
-    from longctx.models.lit_module import CausalLMModule
+    from longctx.lightning.module import CausalLMModule
 
     torch.manual_seed(0)
     module = CausalLMModule(MODEL, warmup_steps=1, **module_kw)

@@ -52,7 +52,7 @@ class _Record(L.Callback):
 
 
 def _fit(strategy, devices: int, loader: DataLoader, accumulate: int, **module_kw) -> dict:
-    from longctx.models.lit_module import CausalLMModule
+    from longctx.lightning.module import CausalLMModule
 
     torch.manual_seed(0)
     module = CausalLMModule(MODEL, parallel=PLAN, **OPTIM, **module_kw)

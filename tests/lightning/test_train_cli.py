@@ -163,7 +163,7 @@ def _train_module():
 
 def test_print_config_loads_back(tmp_path, capsys):
     """--print_config: the whole resolved config, which --config reads back to the same options."""
-    from longctx.lightning.cli import flatten
+    from longctx.lightning.cli_settings import flatten
 
     train = _train_module()
     argv = [
@@ -202,7 +202,7 @@ def test_option_from_a_class_signature_reaches_the_module():
     """Options without a short flag come from the classes' signatures: defaults are theirs."""
     import inspect
 
-    from longctx.models.lit_module import CausalLMModule
+    from longctx.lightning.module import CausalLMModule
 
     train = _train_module()
     cfg = train.resolve_config(["--model.weight_decay", "0.05", "--model.betas", "[0.8, 0.9]"]).config
@@ -215,7 +215,7 @@ def test_option_from_a_class_signature_reaches_the_module():
 
 @pytest.mark.slow
 def test_checkpoint_of_another_shape_is_refused(full_run):
-    from longctx.models.lit_module import CausalLMModule
+    from longctx.lightning.module import CausalLMModule
 
     out, _ = full_run
     ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
@@ -227,7 +227,7 @@ def test_checkpoint_of_another_shape_is_refused(full_run):
 
 
 def test_lr_schedule():
-    from longctx.models.lit_module import lr_lambda
+    from longctx.lightning.module import lr_lambda
 
     f = lr_lambda(warmup_steps=2, decay_steps=10, min_lr_ratio=0.1)
     values = [f(s) for s in range(12)]
@@ -244,8 +244,8 @@ def test_every_shipped_config_resolves(path):
     train = _train_module()
     from longctx.layouts import check_seq_len
     from longctx.lightning import ContextParallelStrategy, NonFiniteGuard
+    from longctx.lightning.module import CausalLMModule
     from longctx.lightning.training import RunOptions
-    from longctx.models.lit_module import CausalLMModule
 
     cfg = train.resolve_config(["--config", str(path)]).config
     # Every value valid, as each class checks it (GPU presence and the world size aside).

@@ -264,7 +264,7 @@ def test_callback_logs_passkey_and_loss_by_position_beside_the_loss(tmp_path):
     from torch.utils.data import DataLoader
 
     from longctx.data.packing import PackedSequenceDataset
-    from longctx.models.eval_callback import LongContextEvaluation
+    from longctx.lightning.eval_callback import LongContextEvaluation
 
     class Data(L.LightningDataModule):
         seq_len = 256
@@ -338,7 +338,7 @@ def test_callback_logs_passkey_and_loss_by_position_beside_the_loss(tmp_path):
 def test_callback_lengths_come_from_the_training_length_or_are_checked():
     """Derived: the training length, its half and quarter, rounded down to what the CP layout
     splits, those with room for the filler. Given: each checked, one line naming the list."""
-    from longctx.models.eval_callback import LongContextEvaluation
+    from longctx.lightning.eval_callback import LongContextEvaluation
     from longctx.validation import ArgumentValueError
 
     tok = CharTokenizer()  # the needle, question and answer: 104 characters

@@ -274,7 +274,7 @@ def test_module_hook_balances_where_it_applies():
     from test_strategy import MODEL
 
     from longctx import document_position_ids
-    from longctx.models.lit_module import CausalLMModule
+    from longctx.lightning.module import CausalLMModule
 
     with pytest.raises(ValueError, match="load_balance=True needs attention='document'"):
         CausalLMModule(MODEL, attention="causal", load_balance=True)

@@ -10,14 +10,13 @@ the strategy shards every batch. What this module adds:
   mean over the whole global batch (dp x cp ranks x accumulated micro-batches);
 * AdamW (weight decay on matrices only) with linear warmup + cosine decay, per step; the
   gradients freed right after each optimizer step (not through the next forward);
-* logging: ``train_loss`` (the true global mean, identical on every rank), ``train_ppl``,
-  ``lr``, ``tokens_per_s`` (the wall rate, from one optimizer step to the next), ``mfu`` (GPU;
-  against the dense bf16 peak, FP8 runs (``ParallelPlan(float8=True)``) too, so the two compare),
-  ``step_s`` (the step's forward and backward; the first step's includes the kernels'
-  compiles), ``outside_s`` (the rest of the wall time between steps), peak memory of the fullest rank (GPU:
-  ``max_memory_allocated``, ``peak_mem_gib``; CPU: the resident-set high-water mark, ``peak_rss_gib``,
-  what ``longctx.memory.estimate(device="cpu").host_bytes`` predicts); ``val_loss`` / ``val_ppl``
+* logging: ``train_loss`` (the true global mean, identical on every rank), the step's other
+  figures (``step_metrics.StepMetrics``: ``train_ppl``, ``lr``, ``tokens_per_s``, ``mfu``,
+  ``step_s``, ``outside_s``, the fullest rank's peak memory); ``val_loss`` / ``val_ppl``
   token-weighted over all ranks (torchmetrics).
+
+Beside it: ``planning`` (the run plan from the Trainer's world, before the model is built) and
+``batches.DocumentBatches`` (document positions, balance and plan of each batch).
 
 Non-finite losses/gradients are not handled here: ``longctx.lightning.health.NonFiniteGuard`` (a
 callback, which train.py adds) decides skip/stop on all ranks at once. It runs before this
@@ -27,10 +26,8 @@ accumulation rescale below leaves alone.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
-import resource
 import time
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union, get_args
@@ -39,20 +36,18 @@ import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
-from longctx.balance import balance_documents
-from longctx.data.prepare import BatchPreparation, PreparedBatch
-from longctx.documents import plan_documents
-from longctx.exchange_cost import choose_plan
-from longctx.hardware import peak_flops
+from longctx.data.prepare import BatchPreparation
 from longctx.loss import TokenWeightedAccumulator
+from longctx.models.checkpoint_import import check_checkpoint_spec, check_run_checkpoint_sizes, load_pretrained
+from longctx.models.config import GPTConfig
+from longctx.models.gpt import GPT
 from longctx.parallel import ParallelDims, ParallelPlan, parallelize
-from longctx.run_plan import balances_documents, resolve_rope_positions
-from longctx.sharding import document_position_ids, is_sharded
+from longctx.run_plan import resolve_rope_positions
 from longctx.validation import ArgumentValueError, check_choice, check_number
 
-from .checkpoint_import import check_checkpoint_spec, check_run_checkpoint_sizes, load_pretrained
-from .config import GPTConfig
-from .gpt import GPT
+from .batches import DocumentBatches
+from .planning import check_batch_memory, cp_size, memory_totals, model_config, plan_run
+from .step_metrics import StepMetrics
 
 Attention = Literal["document", "causal"]
 RopePositions = Literal["document", "global"]
@@ -179,7 +174,7 @@ class CausalLMModule(L.LightningModule):
         model = dict(model or {})
         self.plan = ParallelPlan.from_dict(parallel)
         if hf_model is not None:
-            from .hf_lm import HFCausalLM
+            from longctx.models.hf_lm import HFCausalLM
 
             self.model = HFCausalLM.from_pretrained(hf_model, cp_attention=self.plan.cp_attention)
         elif init_from is not None:
@@ -196,15 +191,18 @@ class CausalLMModule(L.LightningModule):
         self.memory_check = memory_check
         self.run_plan = None  # longctx.run_plan.RunPlan: resolved in setup, before configure_model
         self._check_first_batch = False
-        self._documents_reported = False
+        self.document_batches = DocumentBatches(
+            attention=attention,
+            rope_positions=self.rope_positions,
+            load_balance=load_balance,
+            heads=self.config.n_head,
+            kv_heads=self.config.n_kv_head,
+            head_dim=self.config.head_dim,
+        )
         self.acc = TokenWeightedAccumulator()
         # nan_strategy="disable": a NaN validation loss must show, not be dropped with a warning.
         self.val_loss = MeanMetric(nan_strategy="disable")
-        self._val_started: Optional[float] = None
-        self._step_tokens = 0
-        self._step_pairs = 0.0  # visible (query, key) pairs of the step's tokens, for MFU
-        self._last_step_end: Optional[float] = None
-        self._step_start: Optional[float] = None  # the step's first micro-batch began (step_s)
+        self.step_metrics = StepMetrics()
 
     @classmethod
     def check_arguments(cls, *, device: Optional[Any] = None, **kwargs: Any) -> None:
@@ -231,99 +229,13 @@ class CausalLMModule(L.LightningModule):
         return self.model(input_ids, position_ids)
 
     def batch_preparation(self) -> Optional[BatchPreparation]:
-        """What the data pipeline does to each full batch for this rank (document positions,
-        balance, shard, document plan), or None where nothing is to be done there. The
-        strategy installs it in the DataLoaders' collate, so it runs on the host while the
-        GPUs compute the previous step, and a step reads nothing back from the device."""
-        if self._trainer is None or self.run_plan is None:
-            return None
-        strategy = self._trainer.strategy
-        cp = _cp_size(self._trainer)
-        return BatchPreparation(
-            cp_size=cp,
-            cp_rank=int(getattr(strategy, "cp_rank", 0)) if cp > 1 else 0,
-            layout=getattr(strategy, "layout", "zigzag"),
-            rope_positions=self.rope_positions,
-            balance=bool(self.run_plan.parallel.balance_documents),
-            plan=self.attention == "document",
-            exchange=self.run_plan.parallel.document_exchange,
-            **self._attention_shape(),
-        )
-
-    def _attention_shape(self) -> dict:
-        """Heads and head dim of the model's attention (what ``longctx.exchange_cost`` prices)."""
-        cfg = self.config
-        return dict(heads=cfg.n_head, kv_heads=cfg.n_kv_head, head_dim=cfg.head_dim)
+        """What the data pipeline does to each full batch for this rank, or None where nothing
+        is to be done there (``DocumentBatches.preparation``); the strategy installs it in the
+        DataLoaders' collate."""
+        return self.document_batches.preparation(self._trainer, self.run_plan)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        if isinstance(batch, PreparedBatch):  # made ready in the data pipeline
-            plan = batch.get("document_plan")
-            if plan is not None and not self._documents_reported:
-                self._first_plan(plan)
-            return batch
-        # Still the full sequences here (the strategy shards after this hook): positions that
-        # restart per document need the whole sequence, and so does the load balance.
-        if not (isinstance(batch, Mapping) and "document_ids" in batch):
-            return batch
-        balance_over = self._balance_over(batch)
-        if self.rope_positions == "document":
-            batch = {**batch, "position_ids": document_position_ids(batch["document_ids"])}
-        if balance_over is not None:
-            batch = balance_documents(batch, world_size=balance_over[0], layout=balance_over[1])
-        if self.attention == "document" and not is_sharded(batch):
-            batch = {**batch, "document_plan": self._document_plan(batch["document_ids"])}
-        return batch
-
-    def _document_plan(self, document_ids: torch.Tensor):
-        """This rank's plan of a full batch that reached the device unprepared."""
-        strategy = getattr(self._trainer, "strategy", None) if self._trainer is not None else None
-        cp = _cp_size(self._trainer) if self._trainer is not None else 1
-        rank = int(getattr(strategy, "cp_rank", 0)) if cp > 1 else 0
-        layout = getattr(strategy, "layout", "zigzag")
-        exchange = (
-            self.run_plan.parallel.document_exchange
-            if self.run_plan is not None
-            else self.plan.defaults_for(None).document_exchange
-        )
-        where = dict(world_size=cp, rank=rank, layout=layout, device=document_ids.device)
-        if exchange == "auto":
-            _, plan = choose_plan({"as given": document_ids}, **where, **self._attention_shape())
-        else:
-            plan = plan_documents(document_ids, causal=True, exchange=exchange, **where)
-        if not self._documents_reported:
-            self._first_plan(plan)
-        return plan
-
-    def _first_plan(self, plan) -> None:
-        """The first batch's plan: checked against the CP group's (one tiny all-gather: every
-        rank must plan the same batch; later batches come from the same sampler) and reported."""
-        self._documents_reported = True
-        if self._trainer is None:
-            return
-        if plan.world_size > 1:
-            plan.check_group(self._trainer.strategy.cp_group)
-        if self.trainer.global_rank == 0:
-            print(_document_report(plan), flush=True)
-
-    def _balance_over(self, batch: Mapping[str, Any]) -> Optional[tuple[int, str]]:
-        """(CP size, layout) to balance ``batch`` for (the run plan's ``balance_documents``), None for none."""
-        if self._trainer is None:
-            return None
-        cp, layout = _cp_size(self._trainer), getattr(self._trainer.strategy, "layout", "zigzag")
-        if self.run_plan is not None:
-            balance = self.run_plan.parallel.balance_documents
-        else:  # the hook called outside a fit: the same rule
-            balance = balances_documents(
-                self.load_balance,
-                documents=self.attention == "document",
-                cp=cp,
-                layout=layout,
-                cp_attention=self.plan.cp_attention,
-            )
-        # A batch the user sharded already cannot be reordered; only an explicit True insists (and raises).
-        if not balance or (self.load_balance is None and is_sharded(batch)):
-            return None
-        return cp, layout
+        return self.document_batches.after_transfer(batch, self._trainer, self.run_plan, self.plan)
 
     def setup(self, stage: str) -> None:
         # Before configure_model: every "auto" of the run resolved once (longctx.run_plan), on the
@@ -346,7 +258,7 @@ class CausalLMModule(L.LightningModule):
         trainer = self._trainer
         datamodule = getattr(trainer, "datamodule", None)
         device = getattr(getattr(trainer, "strategy", None), "root_device", None) or torch.device("cpu")
-        return _run_plan(
+        return plan_run(
             self.config,
             trainer,
             requested=self.plan,
@@ -358,7 +270,7 @@ class CausalLMModule(L.LightningModule):
             n_params=sum(p.numel() for p in self.parameters()),
             memory_check=memory_check,
             hf_modules=self.hparams.get("hf_model") is not None,
-            **_memory_totals(device),
+            **memory_totals(device),
         )
 
     @classmethod
@@ -377,7 +289,7 @@ class CausalLMModule(L.LightningModule):
         if not args["memory_check"] or config is None:
             return None
         device = trainer.strategy.root_device
-        return _run_plan(
+        return plan_run(
             config,
             trainer,
             requested=ParallelPlan.from_dict(args["parallel"]),
@@ -389,35 +301,23 @@ class CausalLMModule(L.LightningModule):
             n_params=config.num_params(),
             memory_check=True,
             hf_modules=args["hf_model"] is not None,
-            **{**_memory_totals(device), "host_total": host_total},
+            **{**memory_totals(device), "host_total": host_total},
         )
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._step_start is None:
-            self._step_start = time.perf_counter()
+        self.step_metrics.micro_batch_started()
         # Data whose sequence length was unknown before the fit: the memory is checked (not
         # planned: the model is built) on the first batch.
         if self._check_first_batch and isinstance(batch, Mapping) and "input_ids" in batch:
-            from longctx.run_plan import check_memory
-
             self._check_first_batch = False
-            ids = batch["input_ids"]  # sharded by now
-            device = self.trainer.strategy.root_device
-            totals = _memory_totals(device)
-            est = check_memory(
+            check_batch_memory(
                 self.config,
                 self.run_plan,
-                int(ids.shape[1]) * _cp_size(self.trainer),
-                batch_size=int(ids.shape[0]),
-                precision=str(self.trainer.precision),
+                self.trainer,
+                batch,
                 documents=self.attention == "document",
-                device=device,
-                local_ranks=max(int(self.trainer.num_devices), 1),
                 hf_modules=self.hparams.get("hf_model") is not None,
-                **totals,
             )
-            if est is not None and self.trainer.global_rank == 0:
-                print(est.summary(), flush=True)
 
     def _loss(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         docs = None
@@ -428,60 +328,30 @@ class CausalLMModule(L.LightningModule):
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss_sum, n_tokens = self._loss(batch)
         out = self.acc.add(loss_sum, n_tokens, accumulate=self.trainer.accumulate_grad_batches)
-        # Every rank holds B x S/cp tokens, so the world holds (tokens here) x world in total.
-        self._step_tokens += batch["input_ids"].numel() * self.trainer.world_size
-        # Visible pairs: the plan's (every rank of this CP group), scaled to the data-parallel
-        # replicas as the tokens are; without documents those of causal attention.
-        plan = batch.get("document_plan")
-        replicas = self.trainer.world_size // _cp_size(self.trainer)
-        rows, length = batch["input_ids"].shape[0], batch["input_ids"].shape[1] * _cp_size(self.trainer)
-        pairs = float(plan.pairs.sum()) if plan is not None else rows * length * length / 2
-        self._step_pairs += pairs * replicas
+        self.step_metrics.count(
+            batch["input_ids"], batch.get("document_plan"), world_size=self.trainer.world_size, cp=cp_size(self.trainer)
+        )
         if self.seq_len is None:
-            self.seq_len = batch["input_ids"].shape[1] * _cp_size(self.trainer)
+            self.seq_len = batch["input_ids"].shape[1] * cp_size(self.trainer)
         return out.loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # After all micro-batches' backwards (and DDP's all-reduce), before clipping.
         mean, _ = self.acc.finish(self.parameters())
-        now = time.perf_counter()
-        metrics = {
-            "train_ppl": torch.exp(mean.clamp(max=50.0)),
-            "lr": torch.tensor(optimizer.param_groups[0]["lr"]),
-            "tokens": torch.tensor(float(self._step_tokens)),
-        }
-        if self._last_step_end is None:
+        first_step = self.step_metrics.first_step
+        metrics = self.step_metrics.finish(
+            mean,
+            lr=optimizer.param_groups[0]["lr"],
+            device=self.device,
+            config=self.config,
+            seq_len=self.seq_len,
+            world_size=self.trainer.world_size,
+        )
+        if first_step:
             self._report_kernel_compile()
-        else:
-            tps = self._step_tokens / max(now - self._last_step_end, 1e-9)
-            metrics["tokens_per_s"] = torch.tensor(tps)
-            # The dense bf16 peak, FP8 runs too: their MFU stays comparable with bf16 runs (FP8
-            # tensor cores peak twice as high; this figure says how much faster the step is).
-            peak = peak_flops(self.device)
-            if peak is not None and self.seq_len:
-                keys = self._step_pairs / self._step_tokens if self._step_tokens else None
-                flops = self.config.flops_per_token(self.seq_len, keys_per_token=keys) * tps
-                metrics["mfu"] = torch.tensor(flops / (peak * self.trainer.world_size))
-        if self._step_start is not None:
-            metrics["step_s"] = torch.tensor(now - self._step_start)
-            if self._last_step_end is not None:
-                # The wall time of the step that forward and backward do not account for: data,
-                # host work and waits between steps, the previous optimizer step, logging.
-                metrics["outside_s"] = torch.tensor(max(self._step_start - self._last_step_end, 0.0))
-            self._step_start = None
-        if self.device.type == "cuda":
-            peak = torch.tensor(float(torch.cuda.max_memory_allocated(self.device)), device=self.device)
-        else:  # ru_maxrss is KiB on Linux: the process's resident-set high-water mark
-            peak = torch.tensor(float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)  # the fullest rank's
-        metrics["peak_mem_gib" if self.device.type == "cuda" else "peak_rss_gib"] = peak / 2**30
-        # Values are global (identical on all ranks; the peaks were all-reduced above): no sync_dist.
+        # Values are global (identical on all ranks; the peaks were all-reduced): no sync_dist.
         self.log("train_loss", mean, prog_bar=True, on_step=True, on_epoch=False)
         self.log_dict({k: v.float() for k, v in metrics.items()}, on_step=True, on_epoch=False)
-        self._step_tokens = 0
-        self._step_pairs = 0.0  # visible (query, key) pairs of the step's tokens, for MFU
-        self._last_step_end = now
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
@@ -543,12 +413,10 @@ class CausalLMModule(L.LightningModule):
         self.val_loss.update(loss_sum.detach() / n.clamp(min=1.0), weight=n)
 
     def on_validation_epoch_start(self) -> None:
-        self._val_started = time.perf_counter()
+        self.step_metrics.validation_started()
 
     def on_validation_epoch_end(self) -> None:
-        if self._last_step_end is not None and self._val_started is not None:
-            # Validation time is not training time: keep it out of the next tokens_per_s.
-            self._last_step_end += time.perf_counter() - self._val_started
+        self.step_metrics.validation_ended()
         if self.val_loss.update_count == 0:
             return
         loss = self.val_loss.compute()
@@ -649,126 +517,3 @@ def _check_arguments(args: Mapping[str, Any]) -> None:
         check_run_checkpoint_sizes(init_from, model)  # a train.py checkpoint's sizes, before any data work
     elif not isinstance(model, GPTConfig):
         GPTConfig.from_dict(dict(model or {}))  # unknown keys and bad sizes
-
-
-def _document_report(plan) -> str:
-    """One line: the batch's documents over the CP ranks (work balance, K/V moved)."""
-    docs = plan.documents
-    if plan.world_size == 1:
-        return f"documents: {docs} in the first batch, one rank (no context parallelism)"
-    if plan.one_document:
-        return (
-            f"documents: {docs} in the first batch over CP={plan.world_size}: every sequence is one "
-            "document, so it runs as plain causal attention (the ring, no mask)"
-        )
-    ring_rows = plan.world_size * (plan.world_size - 1) * plan.batch * plan.local_len
-    return (
-        f"documents: {docs} in the first batch over CP={plan.world_size}: busiest rank "
-        f"{plan.imbalance:.3f}x the mean visible pairs; K/V rows exchanged per layer "
-        f"{plan.moved / ring_rows:.1%} of the plain ring's"
-        + (" (every document whole on one rank: the ranks run data-parallel here)" if plan.moved == 0 else "")
-    )
-
-
-def _memory_totals(device: torch.device) -> dict:
-    """The GPU's and the host's total memory for the memory model (the host's only off CUDA)."""
-    from longctx.memory_fit import host_memory_bytes
-
-    if device.type != "cuda":
-        return dict(host_total=host_memory_bytes())
-    return dict(gpu_total=torch.cuda.mem_get_info(device)[1], host_total=host_memory_bytes())
-
-
-def _run_plan(
-    config: GPTConfig,
-    trainer: Optional["L.Trainer"],
-    *,
-    requested: ParallelPlan,
-    seq_len: Optional[int],
-    batch_size: Optional[int],
-    attention: str,
-    load_balance: Optional[bool],
-    rope_positions: str,
-    n_params: int,
-    memory_check: bool,
-    hf_modules: bool,
-    gpu_total: Optional[int] = None,
-    host_total: Optional[int] = None,
-):
-    """The run plan (``longctx.run_plan.resolve_run``) of a module of ``config`` on ``trainer``'s
-    world and device, for data of ``seq_len`` x ``batch_size`` (None: unknown); on a CPU, with
-    a note where the step is of a GPU's size (``CPU_SLOW_FACTOR``)."""
-    from longctx.run_plan import World, resolve_run
-
-    strategy = getattr(trainer, "strategy", None)
-    device = getattr(strategy, "root_device", None) or torch.device("cpu")
-    world = getattr(strategy, "run_world", None)
-    if world is None:  # not the longctx strategy: one CP rank, data parallelism is not ours
-        cp = _cp_size(trainer) if trainer is not None else 1
-        world = World(
-            cp=cp,
-            dp=max(int(getattr(trainer, "world_size", 1)) // cp, 1),
-            layout=getattr(strategy, "layout", "zigzag"),
-        )
-    # The host holds every local rank's share (pinned offload buffers, offloaded state; a CPU's step).
-    world = dataclasses.replace(world, local_ranks=max(int(getattr(trainer, "num_devices", 1)), 1))
-    run = resolve_run(
-        config,
-        world,
-        device,
-        requested=requested,
-        precision=str(getattr(trainer, "precision", "32-true")),
-        seq_len=int(seq_len) if seq_len else None,
-        batch_size=int(batch_size) if batch_size else None,
-        documents=attention == "document",
-        load_balance=load_balance,
-        rope_positions=rope_positions,
-        n_params=n_params,
-        memory_check=memory_check,
-        hf_modules=hf_modules,
-        gpu_total=gpu_total,
-        host_total=host_total,
-    )
-    if device.type == "cpu" and seq_len and batch_size:
-        flops = config.flops_per_token(int(seq_len)) * int(seq_len) * int(batch_size) / world.cp
-        if flops > CPU_SLOW_FACTOR * DEFAULT_RUN_STEP_FLOPS:
-            run = dataclasses.replace(run, notes=(*run.notes, _slow_on_cpu(flops, seq_len, world.cp)))
-    return run
-
-
-# The default run's (configs/tiny-cpu.yaml) training FLOPs per rank and step (a few seconds on
-# two cores; a test keeps the two equal). A CPU run of more than CPU_SLOW_FACTOR times that is
-# said to be sized for GPUs, once, before its first step.
-DEFAULT_RUN_STEP_FLOPS = 1.26e10
-CPU_SLOW_FACTOR = 10
-
-
-def _slow_on_cpu(flops: float, seq_len: int, cp: int) -> str:
-    return (
-        f"warning: this run is sized for GPUs: {flops / 1e12:.2f} TFLOP per rank and step on CPU, "
-        f"{flops / DEFAULT_RUN_STEP_FLOPS:.0f}x the default tiny run's (minutes per step on a few cores); "
-        f"a shorter --seq-len (now {seq_len:,} over {cp} ranks), --batch-size or a smaller --preset scales it "
-        "down, --accelerator gpu runs it where it belongs"
-    )
-
-
-def model_config(model: Any, init_from: Optional[str], hf_model: Optional[str]) -> Optional[GPTConfig]:
-    """The sizes of the model ``CausalLMModule(model, init_from=..., hf_model=...)`` builds, read
-    without building it or reading its tensors: ``model`` (a preset and overrides), a checkpoint's
-    own config, a Hugging Face directory's ``config.json``; None where they cannot be read yet."""
-    import json
-
-    from .checkpoint_import import config_from_hf, pretrained_config
-
-    try:
-        if hf_model is not None:
-            return config_from_hf(json.loads((Path(hf_model) / "config.json").read_text()))
-        if init_from is not None:
-            return pretrained_config(init_from, **dict(model or {}))
-        return model if isinstance(model, GPTConfig) else GPTConfig.from_dict(dict(model or {}))
-    except (ValueError, KeyError, OSError, TypeError):
-        return None
-
-
-def _cp_size(trainer: "L.Trainer") -> int:
-    return int(getattr(trainer.strategy, "cp_size", 1))

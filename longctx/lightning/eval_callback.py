@@ -1,7 +1,7 @@
 """The long-context evaluation during training: a Lightning callback.
 
 Every ``every_n_steps`` optimizer steps, ``LongContextEvaluation`` runs passkey retrieval
-(``passkey.py``) at the training length and below, and the loss by position (``evaluation.py``)
+(``longctx.models.passkey``) at the training length and below, and the loss by position (``longctx.models.evaluation``)
 of a few windows of the training length from the validation stream, on the model as it is,
 over the run's own CP group (the prompts sharded and run with ring attention as the training
 batches are). It logs to the Trainer's loggers, in the row of the step whose update gave the
@@ -16,7 +16,7 @@ Trainer's ``log_every_n_steps``:
 With ``output_dir`` each evaluation is also written whole, ``output_dir/step000100.json``
 (the passkey table lengths x depths with its samples, the loss buckets).
 
-    from longctx.models.eval_callback import LongContextEvaluation
+    from longctx.lightning.eval_callback import LongContextEvaluation
     trainer = L.Trainer(..., callbacks=[LongContextEvaluation(every_n_steps=100)])
 
 train.py installs it with ``--eval-every N`` (its section ``eval``: ``--eval.lengths``,
@@ -44,11 +44,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from longctx.layouts import check_seq_len, required_multiple
+from longctx.models.evaluation import evaluate
+from longctx.models.gpt import GPT
+from longctx.models.passkey import check_passkey_length, passkey_overhead, passkey_table
 from longctx.validation import ArgumentValueError, check_number
-
-from .evaluation import evaluate
-from .gpt import GPT
-from .passkey import check_passkey_length, passkey_overhead, passkey_table
 
 
 class LongContextEvaluation(L.Callback):
