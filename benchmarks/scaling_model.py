@@ -620,14 +620,14 @@ def fit(
         solution[known] /= norms[known]
         return solution, known
 
-    # Start from the GPUs alone (every time a GPU timeline), then let the host bind where it
-    # is longer, from several host starts (slow, as measured, fast): the paths found depend on it.
+    # Start from ``START`` and from the GPUs alone (every time a GPU timeline), each with
+    # several host starts (as START, slower, faster): the critical paths found depend on it.
     base = prior_free.copy() if prior_free is not None else np.array([START[name] for name in FREE])
     host = np.isin(FREE, HOST_TERMS)
     gpu_only = solve(base, host=False)[0]
     best = None
-    for scale in (1.0, 3.0, 0.3):
-        free = np.where(host, base * scale, gpu_only)
+    for kernel, scale in [(k, x) for k in (base, gpu_only) for x in (1.0, 3.0, 0.3)]:
+        free = np.where(host, base * scale, kernel)
         seen = []
         for _ in range(iterations):
             solution, known = solve(free)
