@@ -1,53 +1,77 @@
-"""A scaling model of document-masked ring attention: fwd+bwd time of one layer call at CP size P.
+"""A scaling model of document-masked context-parallel attention: fwd+bwd time of one layer
+call at CP size P, for either exchange (``ring``: P - 1 point-to-point steps; ``gather``: one
+all-to-all and one call per direction).
+
+Refit from measurements (one command; rerun it whenever the measured JSONs are redone, in
+the same format) and predict P = 8, 16 at 131,072 and 1,048,576 tokens:
 
     python benchmarks/scaling_model.py \\
-        --measured benchmarks/results/document_attention_ring_ws2_rows_h200x2.json \\
+        --measured benchmarks/results/document_attention_ring_ws2_h200x4.json \\
+                   benchmarks/results/document_attention_ring_ws4_h200x4.json \\
         --link benchmarks/results/ring_ws2_h200_finish.json \\
-        --predict 8 --out benchmarks/results/scaling_model_h200x2.json
+        --host-overhead benchmarks/results/fa4_host_overhead_h200.json \\
+        --predict 8 16 --predict-seq 131072 1048576 \\
+        --out benchmarks/results/scaling_model_h200x4_v2.json
+
+(``--rates FILE`` predicts with a written fit instead of fitting; ``--no-loo`` skips the
+leave-one-mix-out refits.)
 
 What it counts comes from the host: every rank's ``DocumentPlan`` (``plan_documents(ids,
-world_size=P, rank=r)``, reduced to ``RankWork`` by ``rank_work``). What it costs comes from
-a rates JSON per machine, which ``fit`` derives from measured times. Per kernel call
-(phase f = forward or b = backward, kind = causal diagonal call or full off-diagonal call):
+world_size=P, rank=r, exchange=...)``, reduced to ``RankWork`` by ``rank_work``). What it
+costs comes from a rates JSON per machine, which ``fit`` derives from measured times.
 
-    t_call = pairs * c_kind,f + rows * c_row,f + c_call,f
+GPU, per kernel call (phase f = forward or b = backward):
 
-``pairs``: visible (query, key) pairs of the call; ``rows``: its query rows plus key rows
-(what grows with the rows and not the pairs: tile waste at segment edges, the vendor
-kernels' pre/post-processing, merges and gathers); ``c_call``: launches and fixed work. A
-message of n rows over a link: ``n * bytes_per_row * c_byte + c_message`` (K/V rows
-forward, dK/dV rows going home in the backward; a rank's send and receive of one step run
-at once, so the larger of the two counts).
+    t_call = tiles * c_tile + segments * c_seg + rows * c_row + c_call
 
-Overlap, as ``longctx.document_ring`` runs it. Each rank has a compute stream and a link
-(its NCCL stream, one message at a time in posting order). Forward: step s + 1's K/V leave a
-rank when it starts step s (posted before that step's compute, gathered after the previous
-one), step 0 is the local calls; rank r starts step s once its step s - 1 is done and its
-step-s message has completed (a send completes when the peer has posted its receive too).
-Backward: the steps in the same order, the dK/dV of step s sent home right after its
-compute, the local step last, then the wait for the gradients coming home; where the
-forward's messages are not kept (they exceed one shard), K/V travel again as in the forward,
-step 1's exposed. The layer's time is the last rank's finish: where every rank exchanges at
-every step this is the lock-step ring, each step as long as the busiest rank's max(compute,
-transfer); ranks that share nothing run on without waiting. P = 1 is the local calls alone.
-The host launches every call (FA4's Python path costs ~0.5 ms a call): the time is at least
-the busiest rank's ``c_host_layer + 2 * calls * c_host_call``, where launch times are given
-(``--host``: ``benchmarks/document_profile.py`` output); without them the host is taken to
-keep ahead of the GPUs.
+``tiles``: the 128 x 128 (query, key) tiles the varlen kernel visits (a causal segment's
+diagonal tiles counted whole: the work FlashAttention-4 does, not the visible pairs);
+``segments``: its varlen segments; ``rows``: query plus key rows (the kernels' per-row pre-
+and post-processing); ``c_call``: the launches and fixed work of one call. Around the calls,
+where a rank runs more than one call or exchanges anything, the passes over rows (merges of
+partial outputs, the fp32 accumulators, the stacks of rows sent, the gather's index_select /
+index_add, the dK/dV added back home) cost ``c_pass`` per row each: forward the calls' query
+rows and the rows stacked to send; backward the calls' query + key rows and the rows coming
+home (twice where a row went to several ranks). A rank whose plan is one call and moves
+nothing takes the one-call path: no passes. A message of n rows over a link: ``n *
+bytes_per_row * c_byte + c_message`` (K/V rows forward, dK/dV home in the backward; a
+rank's send and receive of one step run at once, so the larger counts); an all-to-all is
+one message per rank, started when every rank has posted it (a collective), each rank's
+part as long as its larger side.
 
-The time is piecewise linear in the costs, so ``fit`` is least squares over relative errors
-(non-negative; ``scipy.optimize.nnls``) with the critical path re-found after each solve
-until it no longer changes. Forward and backward costs are not separable from fwd+bwd
-times: the fit ties every backward cost to ``bwd_over_fwd`` times its forward cost (2.5:
-the FLOP ratio of attention's backward to its forward). The link is nearly always hidden at
-P = 2, so its two costs come from the plain ring's communication-only times
-(``benchmarks/ring.py`` ``breakdown``: ``--link``); a cost nothing measured determines is
-left at the prior's value (``--prior``) or zero and listed as ``undetermined``.
+Overlap, as ``longctx.document_ring`` runs it. Ring: step s + 1's K/V are stacked and leave
+a rank when it starts step s (after waiting for step s's), step 0 is the local calls; the
+backward runs the steps in the same order, dK/dV of step s sent home right after its call,
+the local step last, then the wait for the gradients coming home; where the forward's
+messages are not kept (they exceed one shard) K/V travel again as in the forward. Gather:
+the all-to-all is posted before the local calls and waited for before the one gather call;
+backward: the gather call first (after a second all-to-all where not kept), its dK/dV
+summed per received row and sent home by a reverse all-to-all that runs while the local
+calls' backward does. The GPU time is the last rank's finish.
 
-The CLI rebuilds the benchmark's mixes (``benchmarks/document_attention.py``, seeded) at each
-measured sequence length for P = 1, 2, 4 and the ``--predict`` sizes, fits, and prints every
-measured point's error and the predicted grid, with what bounds each prediction (``gpu``:
-host launches free; ``host``; ``free_messages``: the per-message cost dropped).
+Host: every call goes through Python (FlashAttention-4's entry points, our seam, merges and
+accumulators: ~0.35 ms a call fwd+bwd on an H200 host, ``fa4_host_overhead_h200.json``), and
+the timed loop queues ahead of the GPUs, so a layer takes at least the busiest rank's
+``c_host_layer + 2 * calls * c_host_call + messages * c_host_message`` (messages: the ring
+steps a rank posts anything in, forward and backward, or the gather's all-to-alls). The
+time is the larger of the GPU timeline and that host time.
+
+Fit: the time is piecewise linear in the costs, so ``fit`` is least squares over relative
+errors (non-negative; ``scipy.optimize.nnls``) with the critical path (and which of GPU and
+host binds) re-found after each solve until it no longer changes. Forward and backward
+costs are not separable from fwd+bwd times: every backward cost is tied to ``bwd_over_fwd``
+times its forward cost (2.5: attention's backward FLOPs over its forward's). The link's two
+costs come from the plain ring's communication-only times (``--link``); the host's from the
+measured times and the host measurement of one layer (``--host-overhead``: ``ours_layer_fwd_bwd``
+of ``benchmarks/fa4_host_overhead.py``, one call: ``c_host_layer + 2 c_host_call``). A cost
+nothing measured determines is left at the prior's value (``--prior``) or zero and listed as
+``undetermined``. ``leave_one_out`` refits without each mix in turn and predicts it.
+
+The CLI rebuilds the benchmark's mixes (``benchmarks/document_attention.py``, seeded) for
+every measured point (P = 1; each P > 1 file's four arrangement x exchange options; P = 1
+rows of several files averaged), fits, prints every point's error, the leave-one-mix-out
+errors and the predicted grid (both arrangements and exchanges, the fastest marked, with
+what bounds it: ``gpu`` = host free, ``host``).
 """
 
 from __future__ import annotations
@@ -66,27 +90,35 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [p for p in (os.path.dirname(HERE), HERE) if p not in sys.path]  # checkout, sibling scripts
 
-# Seconds per unit: per visible pair (causal diagonal / full off-diagonal calls), per row of
-# a call, per call, forward and backward; per byte over a link and per message.
-PARAMS = (
-    "causal_fwd",
-    "causal_bwd",
-    "full_fwd",
-    "full_bwd",
-    "row_fwd",
-    "row_bwd",
-    "call_fwd",
-    "call_bwd",
-    "byte",
-    "message",
-    "host_call",
-    "host_layer",
-)
+TILE = 128  # FlashAttention-4's (query, key) tile at head dim 128 on Hopper
+# What a kernel-side cost is per, forward and backward (tied by ``bwd_over_fwd`` in the fit).
+KERNEL_TERMS = ("tile", "seg", "row", "call", "pass")
+LINK_TERMS = ("byte", "message", "a2a_byte")
+HOST_TERMS = ("host_layer", "host_call", "host_message", "host_multi", "host_group")
+# Seconds per unit: per tile, segment, row and call of a kernel call; per row of a pass
+# around the calls; per byte over a link and per message; the host's per layer, per call
+# (each direction) and per message posted.
+PARAMS = tuple(f"{t}_{p}" for t in KERNEL_TERMS for p in ("fwd", "bwd")) + LINK_TERMS + HOST_TERMS
 _I = {name: i for i, name in enumerate(PARAMS)}
-# What the fit solves for: one cost per kernel term (backward tied to forward), the link's and the host's.
-FREE = ("causal", "full", "row", "call", "byte", "message", "host_call", "host_layer")
+FREE = KERNEL_TERMS + LINK_TERMS + HOST_TERMS  # what the fit solves for
 BWD_OVER_FWD = 2.5  # attention's backward FLOPs over its forward's (FlashAttention's count)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "bf16": 2, "fp16": 2, "float32": 4, "fp32": 4}
+# Where the fit starts (seconds per unit; H200-like), before the critical paths are re-found.
+START = dict(
+    tile=0.2e-6,
+    seg=0.3e-6,
+    row=3e-9,
+    call=20e-6,
+    byte=2.4e-12,
+    message=30e-6,
+    host_layer=1e-3,
+    host_call=0.15e-3,
+    host_message=50e-6,
+    host_multi=0.3e-3,
+    host_group=0.3e-3,
+    a2a_byte=2.4e-12,
+)
+START["pass"] = 2e-9
 
 
 # ----------------------------------------------------------------------------- what a rank does
@@ -94,11 +126,19 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "bf16": 2, "fp16": 2, "float32": 4, 
 
 @dataclass(frozen=True)
 class Call:
-    """One kernel call: causal (the diagonal) or full, its visible pairs, query + key rows."""
+    """One kernel call: causal (the diagonal) or full, its visible pairs, query + key rows,
+    varlen segments, ``TILE`` x ``TILE`` tiles visited, query rows (default: half the rows)."""
 
     causal: bool
     pairs: float
     rows: int
+    segments: int = 1
+    tiles: float = 0.0
+    q_rows: Optional[int] = None
+
+    @property
+    def queries(self) -> int:
+        return self.rows // 2 if self.q_rows is None else self.q_rows
 
 
 @dataclass(frozen=True)
@@ -111,26 +151,71 @@ class Step:
 
 
 @dataclass(frozen=True)
+class Gather:
+    """A rank's gather exchange: rows it sends (all destinations) and receives, rows its
+    call reads through an index (``key_rows``, 0: the buffer as it is), sent rows summed
+    before adding home (``home_slot``, 0: none repeat), and the call (None: sees nothing)."""
+
+    n_send: int
+    n_recv: int
+    key_rows: int
+    home_slot: int
+    call: Optional[Call]
+
+
+@dataclass(frozen=True)
 class RankWork:
     """A rank's share of one layer call, as its ``DocumentPlan`` has it. ``keep``: the
-    forward's messages are kept for the backward (the group's decision, the same on every rank)."""
+    forward's messages are kept for the backward (the group's decision, the same on every
+    rank); ``gather``: the gather exchange (None: the ring's ``steps``, or nothing moves)."""
 
     local: tuple
     steps: tuple
     keep: bool = True
+    gather: Optional[Gather] = None
+    exchange: str = "ring"
 
     @property
     def calls(self) -> int:
         """Kernel calls of the forward (the backward makes as many)."""
-        return len(self.local) + sum(s.call is not None for s in self.steps)
+        extra = self.gather is not None and self.gather.call is not None
+        return len(self.local) + sum(s.call is not None for s in self.steps) + int(extra)
 
     @property
     def pairs(self) -> float:
-        return sum(c.pairs for c in self.local) + sum(s.call.pairs for s in self.steps if s.call is not None)
+        calls = list(self.local) + [s.call for s in self.steps if s.call is not None]
+        if self.gather is not None and self.gather.call is not None:
+            calls.append(self.gather.call)
+        return sum(c.pairs for c in calls)
+
+    @property
+    def one_call(self) -> bool:
+        """The one-call path: one kernel call, nothing sent or received (no merges)."""
+        moves = any(s.n_send or s.n_recv for s in self.steps) or self.gather is not None
+        return self.calls == 1 and not moves
+
+    @property
+    def messages(self) -> int:
+        """Exchanges this rank posts in a forward and backward (host work)."""
+        again = 1 if self.keep else 2
+        if self.exchange == "gather":
+            return (1 + again) if self.gather is not None else 0
+        posted = sum(bool(s.n_send or s.n_recv) for s in self.steps)
+        return posted * (1 + again)
 
 
 def _call(block) -> Call:
-    return Call(bool(block.causal), float(block.pairs), int(block.q_ids.shape[1] + block.k_ids.shape[1]))
+    seg = block.segments
+    q = np.diff(seg.cu_seqlens_q.detach().cpu().numpy().astype(np.int64))
+    k = np.diff(seg.cu_seqlens_k.detach().cpu().numpy().astype(np.int64))
+    qt, kt = -(-q // TILE), -(-k // TILE)
+    tiles = float(np.sum(qt * (qt + 1) // 2) if block.causal else np.sum(qt * kt))
+    n_q, n_k = int(block.q_ids.shape[1]), int(block.k_ids.shape[1])
+    return Call(bool(block.causal), float(block.pairs), n_q + n_k, len(q), tiles, n_q)
+
+
+def _count(t) -> int:
+    return 0 if t is None else int(t.numel())
 
 
 def rank_work(plan) -> RankWork:
@@ -139,13 +224,37 @@ def rank_work(plan) -> RankWork:
     steps = tuple(
         Step(int(ex.n_send), int(ex.n_recv), None if ex.call is None else _call(ex.call)) for ex in plan.exchanges
     )
-    return RankWork(tuple(_call(c) for c in plan.local_calls), steps, keep)
+    exchange = getattr(plan, "exchange", "ring")
+    gather = None
+    g = getattr(plan, "gather", None)
+    if g is not None:
+        gather = Gather(
+            int(g.n_send),
+            int(g.n_recv),
+            _count(g.key_rows),
+            _count(g.home_slot),
+            None if g.call is None else _call(g.call),
+        )
+    return RankWork(tuple(_call(c) for c in plan.local_calls), steps, keep, gather, exchange)
 
 
 def _works(plans) -> list:
     works = [p if isinstance(p, RankWork) else rank_work(p) for p in plans]
     world = len(works)
-    if not works or any(len(w.steps) != world - 1 for w in works):
+    if not works:
+        raise ValueError("need one plan per rank, in rank order (got none)")
+    if len({w.exchange for w in works}) != 1:
+        raise ValueError("plans disagree on the exchange")
+    if works[0].exchange == "gather":
+        if len({w.gather is None for w in works}) != 1:
+            raise ValueError("plans disagree: some ranks gather, some do not")
+        if any(w.steps for w in works):
+            raise ValueError("a gather plan has no ring steps")
+        if world > 1 and works[0].gather is not None:
+            if sum(w.gather.n_send for w in works) != sum(w.gather.n_recv for w in works):
+                raise ValueError("plans disagree: rows sent and received in the all-to-all differ")
+        return works
+    if any(len(w.steps) != world - 1 for w in works):
         raise ValueError(
             f"need one plan per rank, in rank order (got {world} with steps {[len(w.steps) for w in works]})"
         )
@@ -175,23 +284,19 @@ class Rates:
         return np.array([float(self.costs.get(name, 0.0)) for name in PARAMS])
 
     def to_json(self) -> dict:
-        def per_s(cost):
-            return None if cost <= 0 else 1.0 / cost
-
         c = self.costs
         return dict(
             machine=self.machine,
             kv_bytes_per_row=self.kv_bytes_per_row,
             grad_bytes_per_row=self.grad_bytes_per_row,
+            tile=TILE,
             costs_s={name: float(c[name]) for name in PARAMS},
             rates={
-                **{f"{k}_{p}_pairs_per_s": per_s(c[f"{k}_{p}"]) for k in ("causal", "full") for p in ("fwd", "bwd")},
-                **{f"row_{p}_us": c[f"row_{p}"] * 1e6 for p in ("fwd", "bwd")},
-                **{f"call_{p}_us": c[f"call_{p}"] * 1e6 for p in ("fwd", "bwd")},
-                "link_bytes_per_s": per_s(c["byte"]),
+                **{f"{t}_{p}_us": c[f"{t}_{p}"] * 1e6 for t in KERNEL_TERMS for p in ("fwd", "bwd")},
+                "link_bytes_per_s": None if c["byte"] <= 0 else 1.0 / c["byte"],
                 "message_us": c["message"] * 1e6,
-                "host_call_us": c["host_call"] * 1e6,
-                "host_layer_us": c["host_layer"] * 1e6,
+                "all_to_all_bytes_per_s": None if c["a2a_byte"] <= 0 else 1.0 / c["a2a_byte"],
+                **{f"{t}_us": c[t] * 1e6 for t in HOST_TERMS},
             },
             fit=self.fit,
         )
@@ -199,6 +304,9 @@ class Rates:
     @classmethod
     def from_json(cls, data: dict) -> "Rates":
         data = data.get("rates_json", data)  # a scaling_model output file holds its rates there
+        missing = [name for name in PARAMS if name not in data["costs_s"]]
+        if missing:
+            raise ValueError(f"rates JSON lacks {missing}: written by an older scaling_model.py, refit it")
         return cls(
             costs={name: float(data["costs_s"][name]) for name in PARAMS},
             kv_bytes_per_row=float(data["kv_bytes_per_row"]),
@@ -220,19 +328,38 @@ def _zero() -> np.ndarray:
     return np.zeros(len(PARAMS))
 
 
-def host_time(calls: int) -> np.ndarray:
-    """The host's time to launch a rank's forward and backward of ``calls`` kernel calls each."""
+def host_time(calls: int, messages: int = 0, multi: Optional[bool] = None, group: bool = False) -> np.ndarray:
+    """The host's time to queue a rank's forward and backward of ``calls`` kernel calls
+    each and ``messages`` exchanges posted; ``multi``: the several-call path (merges and
+    accumulators; default: more than one call); ``group``: the distributed path (P > 1)."""
     t = _zero()
-    t[_I["host_layer"]], t[_I["host_call"]] = 1, 2 * calls
+    t[_I["host_layer"]], t[_I["host_call"]], t[_I["host_message"]] = 1, 2 * calls, messages
+    t[_I["host_multi"]] = float(calls > 1 if multi is None else multi)
+    t[_I["host_group"]] = float(group)
     return t
 
 
-def _call_time(call: Call, phase: str) -> np.ndarray:
+def _call_time(call: Call, phase: str, passes: bool = False) -> np.ndarray:
+    """A call's kernel time; ``passes``: with the merge / accumulator passes around it
+    (forward its query rows, backward its query and key rows)."""
     t = _zero()
-    t[_I[f"{'causal' if call.causal else 'full'}_{phase}"]] += call.pairs
+    t[_I[f"tile_{phase}"]] += call.tiles
+    t[_I[f"seg_{phase}"]] += call.segments
     t[_I[f"row_{phase}"]] += call.rows
     t[_I[f"call_{phase}"]] += 1
+    if passes:
+        t[_I[f"pass_{phase}"]] += call.queries if phase == "fwd" else call.rows
     return t
+
+
+def _passes(rows: float, phase: str) -> np.ndarray:
+    t = _zero()
+    t[_I[f"pass_{phase}"]] = rows
+    return t
+
+
+def _calls_time(calls, phase: str, passes: bool) -> np.ndarray:
+    return sum((_call_time(c, phase, passes) for c in calls), _zero())
 
 
 class _Timeline:
@@ -243,9 +370,22 @@ class _Timeline:
         self.works, self.cost, self.kv_bytes, self.grad_bytes = works, cost, kv_bytes, grad_bytes
         self.world = len(works)
         self.link_free = [_zero() for _ in works]
+        self.passes = [not w.one_call for w in works]
 
     def later(self, a: np.ndarray, b: Optional[np.ndarray]) -> np.ndarray:
         return a if b is None or a @ self.cost >= b @ self.cost else b
+
+    def latest(self, times) -> np.ndarray:
+        out = None
+        for t in times:
+            out = t if out is None else self.later(out, t)
+        return out
+
+    def _move(self, rows: float, row_bytes: float, byte: str = "byte") -> np.ndarray:
+        move = _zero()
+        move[_I[byte]] = rows * row_bytes
+        move[_I["message"]] = 1
+        return move
 
     def transfer(self, offset: int, ready: list, out_rows: list, in_rows: list, row_bytes: float) -> list:
         """Every rank r sends ``out_rows[r]`` to r + offset and receives ``in_rows[r]`` from
@@ -261,11 +401,21 @@ class _Timeline:
                 begin = self.later(begin, start[(r - offset) % P])
             if out_rows[r]:
                 begin = self.later(begin, start[(r + offset) % P])
-            move = _zero()
-            move[_I["byte"]] = max(out_rows[r], in_rows[r]) * row_bytes
-            move[_I["message"]] = 1
-            done[r] = self.link_free[r] = begin + move
+            done[r] = self.link_free[r] = begin + self._move(max(out_rows[r], in_rows[r]), row_bytes)
         return done
+
+    def all_to_all(self, ready: list, out_rows: list, in_rows: list, row_bytes: float) -> list:
+        """A collective: it starts once every rank has posted it (and its link is free); each
+        rank's part completes after its larger side."""
+        begin = self.latest(self.later(ready[r], self.link_free[r]) for r in range(self.world))
+        done = [begin + self._move(max(out_rows[r], in_rows[r]), row_bytes, "a2a_byte") for r in range(self.world)]
+        self.link_free = list(done)
+        return done
+
+    # -- the ring
+
+    def _stack(self, step: int, phase: str) -> list:
+        return [_passes(w.steps[step - 1].n_send if self.passes[r] else 0, phase) for r, w in enumerate(self.works)]
 
     def _kv(self, step: int, ready: list) -> list:
         return self.transfer(
@@ -278,28 +428,35 @@ class _Timeline:
 
     def _step_call(self, r: int, step: int, phase: str) -> np.ndarray:
         call = self.works[r].steps[step - 1].call
-        return _zero() if call is None else _call_time(call, phase)
+        return _zero() if call is None else _call_time(call, phase, self.passes[r])
 
-    def run(self) -> np.ndarray:
-        """Coefficients of the layer's fwd+bwd time (the last rank's finish)."""
+    def _ring(self) -> list:
         P, works = self.world, self.works
         clock = [_zero() for _ in works]
-        # Forward: step 1's K/V leave at once, while the local calls run.
+        # Forward: step 1's K/V stacked and sent at once, while the local calls run.
+        if P > 1:
+            clock = [c + s for c, s in zip(clock, self._stack(1, "fwd"))]
         arriving = self._kv(1, clock) if P > 1 else None
-        clock = [clock[r] + sum((_call_time(c, "fwd") for c in w.local), _zero()) for r, w in enumerate(works)]
+        clock = [clock[r] + _calls_time(w.local, "fwd", self.passes[r]) for r, w in enumerate(works)]
         for step in range(1, P):
             start = [self.later(clock[r], arriving[r]) for r in range(P)]
-            arriving = self._kv(step + 1, start) if step + 1 < P else None
+            if step + 1 < P:
+                start = [s + x for s, x in zip(start, self._stack(step + 1, "fwd"))]
+                arriving = self._kv(step + 1, start)
             clock = [start[r] + self._step_call(r, step, "fwd") for r in range(P)]
         # Backward: steps first (K/V kept, or exchanged again), dK/dV home after each, local last.
         keep = all(w.keep for w in works)
-        arriving = self._kv(1, clock) if P > 1 and not keep else None
+        if P > 1 and not keep:
+            clock = [c + s for c, s in zip(clock, self._stack(1, "fwd"))]
+            arriving = self._kv(1, clock)
         home = [[] for _ in works]
         for step in range(1, P):
             start = clock
             if not keep:
                 start = [self.later(clock[r], arriving[r]) for r in range(P)]
-                arriving = self._kv(step + 1, start) if step + 1 < P else None
+                if step + 1 < P:
+                    start = [s + x for s, x in zip(start, self._stack(step + 1, "fwd"))]
+                    arriving = self._kv(step + 1, start)
             clock = [start[r] + self._step_call(r, step, "bwd") for r in range(P)]
             back = self.transfer(
                 -step,
@@ -311,18 +468,65 @@ class _Timeline:
             for r in range(P):
                 if back[r] is not None:
                     home[r].append(back[r])
-        finish = _zero()
+        ends = []
         for r, w in enumerate(works):
-            end = clock[r] + sum((_call_time(c, "bwd") for c in w.local), _zero())
-            for t in home[r]:
-                end = self.later(end, t)
-            finish = self.later(self.later(finish, end), host_time(w.calls))
-        return finish
+            end = clock[r] + _calls_time(w.local, "bwd", self.passes[r])
+            end = self.latest([end, *home[r]])
+            if self.passes[r]:
+                end = end + _passes(sum(s.n_send for s in w.steps), "bwd")  # dK/dV added home
+            ends.append(end)
+        return ends
+
+    # -- the gather
+
+    def _gather(self) -> list:
+        P, works = self.world, self.works
+        gs = [w.gather for w in works]
+        if gs[0] is None:  # nothing moves anywhere: the local calls alone
+            return [
+                _calls_time(w.local, "fwd", self.passes[r]) + _calls_time(w.local, "bwd", self.passes[r])
+                for r, w in enumerate(works)
+            ]
+        sends, recvs = [g.n_send for g in gs], [g.n_recv for g in gs]
+
+        def gather_call(r, phase):
+            g = gs[r]
+            if g.call is None:
+                return _zero()
+            index = _passes(g.key_rows, phase)  # index_select forward, the per-row sum backward
+            if phase == "bwd" and not g.key_rows:
+                index = _passes(g.n_recv, phase)  # the cast into the message home
+            return _call_time(g.call, phase, True) + index
+
+        stacked = [_passes(n, "fwd") for n in sends]
+        arriving = self.all_to_all(stacked, sends, recvs, self.kv_bytes)
+        clock = [stacked[r] + _calls_time(w.local, "fwd", True) for r, w in enumerate(works)]
+        clock = [self.later(clock[r], arriving[r]) + gather_call(r, "fwd") for r in range(P)]
+        if not all(w.keep for w in works):  # the rows travel again
+            clock = [c + s for c, s in zip(clock, stacked)]
+            arriving = self.all_to_all(clock, sends, recvs, self.kv_bytes)
+            clock = [self.later(clock[r], arriving[r]) for r in range(P)]
+        clock = [clock[r] + gather_call(r, "bwd") for r in range(P)]
+        back = self.all_to_all(clock, recvs, sends, self.grad_bytes)
+        ends = []
+        for r, w in enumerate(works):
+            end = self.later(clock[r] + _calls_time(w.local, "bwd", True), back[r])
+            ends.append(end + _passes(gs[r].n_send + gs[r].home_slot, "bwd"))
+        return ends
+
+    def run(self, host: bool = True) -> np.ndarray:
+        """Coefficients of the layer's fwd+bwd time: the last rank's finish, or the busiest
+        rank's host time where that is longer (``host=False``: the GPUs alone)."""
+        gather = self.works[0].exchange == "gather" and self.world > 1
+        ends = self._gather() if gather else self._ring()
+        if host:
+            ends += [host_time(w.calls, w.messages, not w.one_call, self.world > 1) for w in self.works]
+        return self.latest(ends)
 
 
-def coefficients(plans, cost: np.ndarray, kv_bytes: float, grad_bytes: float) -> np.ndarray:
+def coefficients(plans, cost: np.ndarray, kv_bytes: float, grad_bytes: float, host: bool = True) -> np.ndarray:
     """The critical path's units of each of ``PARAMS`` (time = coefficients @ costs)."""
-    return _Timeline(_works(plans), np.asarray(cost, dtype=np.float64), kv_bytes, grad_bytes).run()
+    return _Timeline(_works(plans), np.asarray(cost, dtype=np.float64), kv_bytes, grad_bytes).run(host)
 
 
 def predict(plans, rates: Rates) -> float:
@@ -332,20 +536,18 @@ def predict(plans, rates: Rates) -> float:
 
 
 def bounds(plans, rates: Rates) -> dict:
-    """What sets the predicted time: ``gpu`` (the devices' timeline, host launches free),
-    ``host`` (the busiest rank's launch time), ``free_messages`` (the GPU timeline with
-    messages costing their bytes only: how much the per-message cost weighs), in seconds."""
+    """What sets the predicted time, in seconds: ``gpu`` (the devices' timeline, host free),
+    ``host`` (the busiest rank's host time), ``free_messages`` (the GPU timeline with messages
+    costing their bytes only: how much the per-message cost weighs)."""
     works = _works(plans)
     cost = rates.vector()
-    gpu = cost.copy()
-    gpu[[_I["host_call"], _I["host_layer"]]] = 0.0
-    free = gpu.copy()
+    free = cost.copy()
     free[_I["message"]] = 0.0
     b = rates.kv_bytes_per_row, rates.grad_bytes_per_row
     return dict(
-        gpu=float(coefficients(works, gpu, *b) @ gpu),
-        host=max(float(host_time(w.calls) @ cost) for w in works),
-        free_messages=float(coefficients(works, free, *b) @ free),
+        gpu=float(coefficients(works, cost, *b, host=False) @ cost),
+        host=max(float(host_time(w.calls, w.messages, not w.one_call, len(works) > 1) @ cost) for w in works),
+        free_messages=float(coefficients(works, free, *b, host=False) @ free),
     )
 
 
@@ -368,11 +570,11 @@ def _tie(bwd_over_fwd: float) -> np.ndarray:
     """(len(PARAMS), len(FREE)): costs = tie @ free (backward = bwd_over_fwd x forward)."""
     tie = np.zeros((len(PARAMS), len(FREE)))
     for j, name in enumerate(FREE):
-        if name in ("byte", "message", "host_call", "host_layer"):
-            tie[_I[name], j] = 1.0
-        else:
+        if name in KERNEL_TERMS:
             tie[_I[f"{name}_fwd"], j] = 1.0
             tie[_I[f"{name}_bwd"], j] = bwd_over_fwd
+        else:
+            tie[_I[name], j] = 1.0
     return tie
 
 
@@ -384,7 +586,7 @@ def fit(
     bwd_over_fwd: float = BWD_OVER_FWD,
     prior: Optional[Rates] = None,
     machine: str = "",
-    iterations: int = 50,
+    iterations: int = 60,
     without: Sequence[str] = (),
 ) -> Rates:
     """Costs minimising the squared relative errors over ``measurements`` (non-negative),
@@ -401,36 +603,45 @@ def fit(
         raise ValueError("measured times must be positive")
     prior_free = np.linalg.lstsq(tie, prior.vector(), rcond=None)[0] if prior is not None else None
 
-    def design(free: np.ndarray) -> np.ndarray:
+    def design(free: np.ndarray, host: bool = True) -> np.ndarray:
         cost = tie @ free
         rows = []
         for m, w in zip(measurements, works):
-            units = m.units if w is None else _Timeline(w, cost, kv_bytes_per_row, grad_bytes_per_row).run()
+            units = m.units if w is None else _Timeline(w, cost, kv_bytes_per_row, grad_bytes_per_row).run(host)
             rows.append(units @ tie)
         return np.array(rows) / seconds[:, None]
 
-    # Start where every kernel term carries an equal share of the compute-only times.
-    free = np.zeros(len(FREE)) if prior_free is None else prior_free.copy()
-    if prior_free is None:
-        a = design(np.ones(len(FREE)))
-        for j, name in enumerate(FREE[:4]):
-            total = a[:, j].mean()
-            free[j] = 0.25 / total if total > 0 else 0.0
-    best = None
-    for _ in range(iterations):
-        a = design(free)
+    def solve(free: np.ndarray, host: bool = True):
+        a = design(free, host)
         norms = np.linalg.norm(a, axis=0)
-        known = (norms > 1e-12 * norms.max()) & ~np.isin(FREE, list(without))
-        solution = np.zeros(len(FREE))
-        solution[known] = nnls(a[:, known] / norms[known], np.ones(len(seconds)))[0] / norms[known]
-        solution[~known] = 0.0 if prior_free is None else prior_free[~known]
-        residual = float(np.linalg.norm(design(solution) @ solution - 1.0))
-        if best is None or residual < best[0]:
-            best = (residual, solution, known)
-        if np.allclose(solution, free, rtol=1e-9, atol=0):
-            break
-        free = solution
+        known = (norms > 1e-12 * max(norms.max(), 1e-300)) & ~np.isin(FREE, list(without))
+        solution = free.copy()  # what this path does not see keeps its value for the next
+        solution[known] = nnls(a[:, known] / norms[known], np.ones(len(seconds)), maxiter=50 * len(FREE))[0]
+        solution[known] /= norms[known]
+        return solution, known
+
+    # Start from ``START`` and from the GPUs alone (every time a GPU timeline), each with
+    # several host starts (as START, slower, faster): the critical paths found depend on it.
+    base = prior_free.copy() if prior_free is not None else np.array([START[name] for name in FREE])
+    host = np.isin(FREE, HOST_TERMS)
+    gpu_only = solve(base, host=False)[0]
+    best = None
+    for kernel, scale in [(k, x) for k in (base, gpu_only) for x in (1.0, 3.0, 0.3)]:
+        free = np.where(host, base * scale, kernel)
+        seen = []
+        for _ in range(iterations):
+            solution, known = solve(free)
+            residual = float(np.linalg.norm(design(solution) @ solution - 1.0))
+            if best is None or residual < best[0]:
+                best = (residual, solution, known)
+            if any(np.allclose(solution, x, rtol=1e-9, atol=0) for x in seen):
+                break  # a fixed point, or a cycle of critical paths: the best of it is kept
+            seen.append(solution)
+            free = solution
     residual, free, known = best
+    free = free.copy()
+    free[~known] = 0.0 if prior_free is None else prior_free[~known]
+    residual = float(np.linalg.norm(design(free) @ free - 1.0))
     undetermined = [name for name, k in zip(FREE, known) if not k]
     return Rates(
         costs=dict(zip(PARAMS, (tie @ free).tolist())),
@@ -439,6 +650,7 @@ def fit(
         machine=machine,
         fit=dict(
             points=len(measurements),
+            parameters=int(known.sum()),
             bwd_over_fwd=bwd_over_fwd,
             rms_relative_error=residual / np.sqrt(len(measurements)),
             undetermined=undetermined,
@@ -454,14 +666,54 @@ def measured_seconds(m: Measured, rates: Rates) -> float:
     return predict(m.plans, rates)
 
 
+def leave_one_out(measurements: Sequence[Measured], key: str = "mix", **fit_args) -> list:
+    """For each value of ``label[key]`` among the plan points: fit without its points (the
+    link and host points stay) and predict them. Returns [{key, ..., error}] per point."""
+    groups = list(dict.fromkeys(m.label.get(key) for m in measurements if m.plans is not None))
+    out = []
+    for g in groups:
+        held = [m for m in measurements if m.plans is not None and m.label.get(key) == g]
+        rest = [m for m in measurements if not (m.plans is not None and m.label.get(key) == g)]
+        rates = fit(rest, **fit_args)
+        for m in held:
+            got = measured_seconds(m, rates)
+            out.append({**_point_label(m), "predicted_ms": round(got * 1e3, 3), "error": round(got / m.seconds - 1, 4)})
+    return out
+
+
+def _point_label(m: Measured) -> dict:
+    label = m.label
+    return dict(
+        mix=label.get("mix", label.get("kind", "")),
+        S=label.get("S", ""),
+        P=label.get("P", ""),
+        arrangement=label.get("arrangement", "comm only"),
+        exchange=label.get("exchange", ""),
+        measured_ms=round(m.seconds * 1e3, 3),
+    )
+
+
+def error_summary(rows: Sequence[dict]) -> dict:
+    """Largest and rms |relative error| per mix and per (mix, P) of report rows."""
+    groups: dict = {}
+    for row in rows:
+        for key in (row["mix"], f"{row['mix']} P={row['P']}"):
+            groups.setdefault(key, []).append(row["error"])
+    return {
+        k: dict(max=round(float(np.max(np.abs(v))), 4), rms=round(float(np.sqrt(np.mean(np.square(v)))), 4), n=len(v))
+        for k, v in groups.items()
+    }
+
+
 # ----------------------------------------------------------------------------- inputs
 
 
 def read_ring_results(path: str) -> dict:
-    """Measured document-ring times from ``benchmarks/document_attention.py --part ring``
-    output: ``{"shape": ..., "points": [{mix, S, P, arrangement, seconds, ...}]}``. P = 1 is the
-    best one-GPU path (the fastest provider other than flex_attention); P = world_size the
-    ring on the balanced sequence and, where timed, on the packed one."""
+    """Measured document-attention times from ``benchmarks/document_attention.py --part ring``
+    output: ``{"shape": ..., "points": [{mix, S, P, arrangement, exchange, seconds, ...}]}``.
+    P = 1 is the best one-GPU path (the fastest provider other than flex_attention); P =
+    world_size every timed arrangement (packed, balanced) x exchange (ring: ``{arr}_ms``,
+    gather: ``{arr}_gather_ms``)."""
     with open(path) as f:
         data = json.load(f)
     world = int(data["world_size"])
@@ -487,14 +739,38 @@ def read_ring_results(path: str) -> dict:
         if key not in one and row.get("one_gpu_best_ms"):
             one[key] = float(row["one_gpu_best_ms"])
         for arrangement in ("balanced", "packed"):
-            ms = row.get(f"{arrangement}_ms", row.get("ms") if arrangement == "balanced" else None)
-            if ms:
-                points.append(dict(mix=key[0], S=key[1], P=world, arrangement=arrangement, seconds=ms * 1e-3))
+            for exchange in ("ring", "gather"):
+                name = f"{arrangement}_ms" if exchange == "ring" else f"{arrangement}_{exchange}_ms"
+                ms = row.get(name)
+                if ms is None and exchange == "ring" and arrangement == "balanced" and "balanced_gather_ms" not in row:
+                    ms = row.get("ms")  # older files: one balanced ring time
+                if ms:
+                    points.append(
+                        dict(
+                            mix=key[0], S=key[1], P=world, arrangement=arrangement, exchange=exchange, seconds=ms * 1e-3
+                        )
+                    )
     for (mix, S), ms in one.items():
-        points.append(dict(mix=mix, S=S, P=1, arrangement="packed", seconds=ms * 1e-3))
+        points.append(dict(mix=mix, S=S, P=1, arrangement="packed", exchange="ring", seconds=ms * 1e-3))
     for p in points:
         p.update(source=os.path.basename(path), check=checks.get((p["mix"], p["S"]), {}))
     return dict(shape=shape, points=points, machine=f"{data.get('gpu', '')} x{world}")
+
+
+def merge_points(points: Sequence[dict]) -> list:
+    """One point per (mix, S, P, arrangement, exchange): the mean of the files that timed it
+    (the one-GPU rows of every file), with their spread."""
+    groups: dict = {}
+    for p in points:
+        groups.setdefault((p["mix"], p["S"], p["P"], p["arrangement"], p["exchange"]), []).append(p)
+    merged = []
+    for ps in groups.values():
+        seconds = [p["seconds"] for p in ps]
+        m = dict(ps[0], seconds=float(np.mean(seconds)), source=", ".join(sorted({p["source"] for p in ps})))
+        if len(ps) > 1:
+            m["spread"] = round(max(seconds) / min(seconds) - 1, 4)
+        merged.append(m)
+    return merged
 
 
 def read_link_results(path: str) -> list:
@@ -539,6 +815,7 @@ def read_host_results(path: str) -> list:
             P=int(c["gpus"]),
             rank=c.get("rank", 0),
             calls=int(c["calls"]),
+            messages=int(c.get("messages", 0)),
             seconds=c["host_ms"] * 1e-3,
             source=os.path.basename(path),
         )
@@ -547,11 +824,34 @@ def read_host_results(path: str) -> list:
     ]
 
 
+def read_host_overhead(path: str) -> list:
+    """Host time of one document layer's forward+backward on one GPU
+    (``benchmarks/fa4_host_overhead.py``: its ``ours_layer_fwd_bwd`` row, one call):
+    [{mix, P, calls, seconds}]."""
+    with open(path) as f:
+        data = json.load(f)
+    out = []
+    for c in data.get("cases", []):
+        row = c.get("rows", {}).get("ours_layer_fwd_bwd", {})
+        if row.get("host_us"):
+            out.append(
+                dict(
+                    mix=f"{c['mix']} S={c['S']}",
+                    P=1,
+                    calls=int(c.get("calls", 1)),
+                    messages=0,
+                    seconds=row["host_us"] * 1e-6,
+                    source=os.path.basename(path),
+                )
+            )
+    return out
+
+
 def host_measurement(point: dict) -> Measured:
     return Measured(
         point["seconds"],
-        units=host_time(point["calls"]),
-        label=dict(kind="host", mix=f"host {point['mix']}", P=point["P"], arrangement=f"{point['calls']} calls"),
+        units=host_time(point["calls"], point.get("messages", 0)),
+        label=dict(kind="host", mix="host", P=point["P"], arrangement=f"{point['mix']}, {point['calls']} call(s)"),
     )
 
 
@@ -572,16 +872,21 @@ def _mix_ids(mix: str, S: int, seed: int):
 
 
 @functools.lru_cache(maxsize=None)
-def mix_work(mix: str, S: int, P: int, arrangement: str, seed: int = 0, layout: str = "zigzag") -> tuple:
+def mix_work(
+    mix: str, S: int, P: int, arrangement: str, seed: int = 0, layout: str = "zigzag", exchange: str = "ring"
+) -> tuple:
     """Every rank's ``RankWork`` for the benchmark's ``mix`` at ``S`` tokens on P ranks: the
-    packed sequence, or (``arrangement="balanced"``) ``balance_documents``' arrangement of it."""
+    packed sequence, or (``arrangement="balanced"``) ``balance_documents``' arrangement of it,
+    by ``exchange``."""
     from longctx import balance_documents
     from longctx.documents import plan_documents
 
     ids = _mix_ids(mix, S, seed)[0]
     if P > 1 and arrangement == "balanced":
         ids = balance_documents({"document_ids": ids}, world_size=P, layout=layout)["document_ids"]
-    return tuple(rank_work(plan_documents(ids, world_size=P, rank=r, layout=layout)) for r in range(P))
+    return tuple(
+        rank_work(plan_documents(ids, world_size=P, rank=r, layout=layout, exchange=exchange)) for r in range(P)
+    )
 
 
 def _check_mix(point: dict, seed: int) -> None:
@@ -596,6 +901,8 @@ def _check_mix(point: dict, seed: int) -> None:
 
 # ----------------------------------------------------------------------------- the CLI
 
+OPTIONS = tuple((a, e) for a in ("packed", "balanced") for e in ("ring", "gather"))
+
 
 def _table(rows: list, columns: list) -> str:
     cells = [[str(c) for c in columns]] + [[str(r.get(c, "")) for c in columns] for r in rows]
@@ -603,18 +910,64 @@ def _table(rows: list, columns: list) -> str:
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells)
 
 
+def prediction_grid(mixes, seqs, sizes, rates: Rates, seed: int, layout: str, measured=()) -> list:
+    """Per (mix, S, P): every arrangement x exchange's predicted ms, the fastest, its speed-up
+    over the predicted P = 1 and what bounds it."""
+    grid = []
+    for mix in mixes:
+        for S in seqs:
+            one = predict(list(mix_work(mix, S, 1, "packed", seed, layout)), rates)
+            for P in sizes:
+                row = dict(mix=mix, S=S, P=P)
+                options = [("packed", "ring")] if P == 1 else OPTIONS
+                times = {}
+                for arrangement, exchange in options:
+                    ws = list(mix_work(mix, S, P, arrangement, seed, layout, exchange))
+                    times[(arrangement, exchange)] = (predict(ws, rates), ws)
+                    name = f"{arrangement}_{exchange}"
+                    row[f"{name}_ms"] = round(times[(arrangement, exchange)][0] * 1e3, 3)
+                    for p in measured:
+                        if (p["mix"], p["S"], p["P"], p["arrangement"], p["exchange"]) == (
+                            mix,
+                            S,
+                            P,
+                            arrangement,
+                            exchange,
+                        ):
+                            row[f"{name}_measured_ms"] = round(p["seconds"] * 1e3, 3)
+                (arrangement, exchange), (t, ws) = min(times.items(), key=lambda kv: kv[1][0])
+                pairs = np.array([w.pairs for w in ws])
+                row.update(
+                    best=f"{arrangement} {exchange}",
+                    best_ms=round(t * 1e3, 3),
+                    speedup=round(one / t, 2),
+                    imbalance=round(float(pairs.max() / pairs.mean()), 3) if pairs.mean() else 1.0,
+                    max_calls=max(w.calls for w in ws),
+                    **{f"{k}_ms": round(v * 1e3, 3) for k, v in bounds(ws, rates).items() if k != "free_messages"},
+                )
+                grid.append(row)
+    return grid
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--measured", nargs="+", required=True, help="document_attention.py --part ring JSON files")
     ap.add_argument("--link", nargs="*", default=[], help="benchmarks/ring.py JSON files with a breakdown section")
     ap.add_argument("--host", nargs="*", default=[], help="benchmarks/document_profile.py JSON files (host times)")
-    ap.add_argument("--predict", nargs="+", type=int, default=[8], help="CP sizes to predict (besides 1, 2, 4)")
+    ap.add_argument(
+        "--host-overhead", nargs="*", default=[], help="benchmarks/fa4_host_overhead.py JSON files (one layer's host)"
+    )
+    ap.add_argument("--predict", nargs="+", type=int, default=[8, 16], help="CP sizes to predict (besides 1, 2, 4)")
+    ap.add_argument(
+        "--predict-seq", nargs="+", type=int, default=None, help="sequence lengths to predict (default: the measured)"
+    )
     ap.add_argument("--out", default=None, help="JSON: the rates, every point's error and the predictions")
     ap.add_argument("--rates", default=None, help="use these rates (a rates or scaling_model JSON) instead of fitting")
     ap.add_argument("--prior", default=None, help="rates JSON for costs the measurements leave undetermined")
     ap.add_argument("--machine", default=None, help="name stored with the rates (default: from the measured file)")
     ap.add_argument("--seed", type=int, default=0, help="the benchmark's mix seed")
     ap.add_argument("--bwd-over-fwd", type=float, default=BWD_OVER_FWD)
+    ap.add_argument("--no-loo", action="store_true", help="skip the leave-one-mix-out refits")
     ap.add_argument(
         "--grad-dtype", default=None, help="dtype of the dK/dV sent home (default: the input dtype, as FA4)"
     )
@@ -628,82 +981,81 @@ def main(argv=None) -> int:
     kv_bytes = bytes_per_row(shape["H"], shape["D"], shape["dtype"])
     grad_bytes = bytes_per_row(shape["H"], shape["D"], args.grad_dtype or shape["dtype"])
     layout = shape["layout"]
-    points = [p for r in readings for p in r["points"]]
+    points = merge_points([p for r in readings for p in r["points"]])
     for p in points:
         _check_mix(p, args.seed)
 
     def work(p):
-        return list(mix_work(p["mix"], p["S"], p["P"], p["arrangement"], args.seed, layout))
+        return list(mix_work(p["mix"], p["S"], p["P"], p["arrangement"], args.seed, layout, p["exchange"]))
 
     measured = [Measured(p["seconds"], plans=work(p), label=p) for p in points]
-    links = [link_measurement(p) for path in args.link for p in read_link_results(path)]
-    links += [host_measurement(p) for path in args.host for p in read_host_results(path)]
+    extra = [link_measurement(p) for path in args.link for p in read_link_results(path)]
+    extra += [host_measurement(p) for path in args.host for p in read_host_results(path)]
+    extra += [host_measurement(p) for path in args.host_overhead for p in read_host_overhead(path)]
+    prior = None
+    if args.prior:
+        with open(args.prior) as f:
+            prior = Rates.from_json(json.load(f))
+    fit_args = dict(
+        kv_bytes_per_row=kv_bytes,
+        grad_bytes_per_row=grad_bytes,
+        bwd_over_fwd=args.bwd_over_fwd,
+        prior=prior,
+        machine=args.machine or readings[0]["machine"],
+    )
     if args.rates:
         with open(args.rates) as f:
             rates = Rates.from_json(json.load(f))
     else:
-        prior = None
-        if args.prior:
-            with open(args.prior) as f:
-                prior = Rates.from_json(json.load(f))
-        rates = fit(
-            measured + links,
-            kv_bytes_per_row=kv_bytes,
-            grad_bytes_per_row=grad_bytes,
-            bwd_over_fwd=args.bwd_over_fwd,
-            prior=prior,
-            machine=args.machine or readings[0]["machine"],
-        )
-        rates.fit["sources"] = [os.path.basename(p) for p in args.measured + args.link + args.host]
+        rates = fit(measured + extra, **fit_args)
+        rates.fit["sources"] = [os.path.basename(p) for p in args.measured + args.link + args.host + args.host_overhead]
         rates.fit["shape"] = shape
+        rates.fit["measured_points"] = len(measured)
 
     report_rows = []
-    for m in measured + links:
+    for m in measured + extra:
         got = measured_seconds(m, rates)
-        label = m.label
-        row = dict(
-            mix=label.get("mix", label.get("kind", "")),
-            S=label.get("S", ""),
-            P=label.get("P", ""),
-            arrangement=label.get("arrangement", "comm only"),
-            measured_ms=round(m.seconds * 1e3, 3),
-            predicted_ms=round(got * 1e3, 3),
-            error=round(got / m.seconds - 1, 4),
-        )
+        row = dict(_point_label(m), predicted_ms=round(got * 1e3, 3), error=round(got / m.seconds - 1, 4))
+        if m.plans is not None:
+            b = bounds(m.plans, rates)
+            row["bound"] = "host" if b["host"] >= b["gpu"] else "gpu"
+            if "spread" in m.label:
+                row["spread"] = m.label["spread"]
         report_rows.append(row)
-    print(_table(report_rows, ["mix", "S", "P", "arrangement", "measured_ms", "predicted_ms", "error"]))
-    per_mix = {}
-    for row in report_rows:
-        per_mix[row["mix"]] = max(per_mix.get(row["mix"], 0.0), abs(row["error"]))
-    print("\nlargest |relative error| per mix: " + ", ".join(f"{k} {v:.1%}" for k, v in per_mix.items()))
+    columns = ["mix", "S", "P", "arrangement", "exchange", "measured_ms", "predicted_ms", "error", "bound"]
+    print(_table(report_rows, columns))
+    plan_rows = [r for r in report_rows if r["mix"] not in ("link", "host")]
+    summary = error_summary(plan_rows)
+    per_mix = {k: v["max"] for k, v in summary.items() if " P=" not in k}
+    print("\n|relative error| per mix and P (max / rms): ")
+    print(", ".join(f"{k} {v['max']:.1%} / {v['rms']:.1%}" for k, v in summary.items()))
+    n_params = rates.fit.get("parameters", len(FREE))
+    within = sum(abs(r["error"]) <= 0.10 for r in plan_rows)
+    print(f"{within} of {len(plan_rows)} measured points within 10%; {n_params} fitted parameters")
+
+    loo = []
+    if not args.rates and not args.no_loo:
+        loo = leave_one_out(measured + extra, **fit_args)
+        loo_summary = error_summary(loo)
+        print("\nleave one mix out (fit without the mix, predict it), |relative error| max / rms:")
+        print(", ".join(f"{k} {v['max']:.1%} / {v['rms']:.1%}" for k, v in loo_summary.items() if " P=" not in k))
 
     sizes = sorted({1, 2, 4, *args.predict, *(p["P"] for p in points)})
-    grid = []
-    for mix, S in dict.fromkeys((p["mix"], p["S"]) for p in points):
-        one = predict(list(mix_work(mix, S, 1, "packed", args.seed, layout)), rates)
-        for P in sizes:
-            row = dict(mix=mix, S=S, P=P)
-            for p in points:
-                if (p["mix"], p["S"], p["P"], p["arrangement"]) == (mix, S, P, "balanced" if P > 1 else "packed"):
-                    row["measured_ms"] = round(p["seconds"] * 1e3, 3)
-            for arrangement in ("balanced", "packed"):
-                ws = list(mix_work(mix, S, P, arrangement, args.seed, layout))
-                t = predict(ws, rates)
-                row[f"{arrangement}_ms"] = round(t * 1e3, 3)
-                row[f"{arrangement}_speedup"] = round(one / t, 2)
-                if arrangement == "balanced":
-                    pairs = np.array([w.pairs for w in ws])
-                    row["imbalance"] = round(float(pairs.max() / pairs.mean()), 3)
-                    row["kv_rows_moved"] = sum(s.n_recv for w in ws for s in w.steps)
-                    row["max_calls"] = max(w.calls for w in ws)
-                    row.update({f"{k}_ms": round(v * 1e3, 3) for k, v in bounds(ws, rates).items()})
-            grid.append(row)
-    print("\npredicted fwd+bwd per layer call (balanced and packed; speed-up over the predicted P = 1;")
-    print("gpu: host launches free, host: the busiest rank's launches, free_messages: no per-message cost):")
-    columns = ["mix", "S", "P", "measured_ms", "balanced_ms", "balanced_speedup", "packed_ms", "packed_speedup"]
-    print(_table(grid, columns + ["gpu_ms", "host_ms", "free_messages_ms", "max_calls", "kv_rows_moved"]))
-    for P in args.predict:
-        print(f"\nP = {P}: " + ", ".join(f"{r['mix']} {r['balanced_ms']} ms" for r in grid if r["P"] == P))
+    seqs = args.predict_seq or sorted({p["S"] for p in points})
+    mixes = list(dict.fromkeys(p["mix"] for p in points))
+    grid = prediction_grid(mixes, seqs, sizes, rates, args.seed, layout, points)
+    print("\npredicted fwd+bwd per layer call, ms (every arrangement x exchange; the fastest, its speed-up")
+    print("over the predicted P = 1; gpu: the GPU timeline alone, host: the busiest rank's host time):")
+    columns = ["mix", "S", "P"] + [f"{a}_{e}_ms" for a, e in OPTIONS]
+    print(_table(grid, columns + ["best", "best_ms", "speedup", "gpu_ms", "host_ms", "max_calls"]))
+    for S in seqs:
+        for P in args.predict:
+            cells = [
+                f"{r['mix']} {r['best_ms']} ms ({r['best']}, {r['speedup']}x)"
+                for r in grid
+                if (r["P"], r["S"]) == (P, S)
+            ]
+            print(f"\nS = {S}, P = {P}: " + ", ".join(cells))
     undetermined = rates.fit.get("undetermined")
     if undetermined:
         print(f"\nnote: {undetermined} not determined by the measurements (from {rates.fit.get('undetermined_from')})")
@@ -711,7 +1063,14 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(
-                dict(rates_json=rates.to_json(), points=report_rows, per_mix_max_error=per_mix, predictions=grid),
+                dict(
+                    rates_json=rates.to_json(),
+                    points=report_rows,
+                    error_summary=summary,
+                    per_mix_max_error=per_mix,
+                    leave_one_mix_out=dict(points=loo, summary=error_summary(loo) if loo else {}),
+                    predictions=grid,
+                ),
                 f,
                 indent=1,
             )
