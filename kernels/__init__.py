@@ -42,6 +42,8 @@ __all__ = [
     "attention_forward",
     "attention_backward",
     "attention_delta",
+    "document_block_forward",
+    "document_block_backward",
     "accumulator_dtype",
     "partial_dtype",
     "check_attention_inputs",
@@ -110,8 +112,14 @@ def check_document_ids(q: torch.Tensor, k: torch.Tensor, q_document_ids, k_docum
     return q_document_ids, k_document_ids
 
 
+_LOADED: dict = {}
+
+
 def _module(backend: str):
-    return importlib.import_module(f".{_MODULES[backend]}", __name__)
+    mod = _LOADED.get(backend)
+    if mod is None:
+        mod = _LOADED[backend] = importlib.import_module(f".{_MODULES[backend]}", __name__)
+    return mod
 
 
 def backend_available(backend: str, device: torch.device) -> bool:
@@ -318,6 +326,26 @@ def attention_backward(
     if name in ("cudnn", "flash"):
         return mod.backward(dout, q, k, v, out, lse, causal, scale, delta, grad_dtype, which=name)
     return mod.backward(dout, q, k, v, out, lse, causal, scale, delta, grad_dtype)
+
+
+def document_block_forward(name: str, q, k, v, causal: bool, scale: float, out_dtype, q_ids, k_ids, segments):
+    """``attention_forward`` of one call of a document plan, for a backend ``name`` that
+    ``resolve_backend`` already gave for these inputs: the plan built the call's rows, ids and
+    segments together, so nothing is checked again (the layer's host time is per call)."""
+    scale = _scale(scale, q.shape[-1])
+    if name == "fa4":
+        return _module("fa4").forward_segments(q, k, v, causal, scale, out_dtype, segments)
+    return _module(name).forward(q, k, v, causal, scale, out_dtype, q_ids, k_ids)
+
+
+def document_block_backward(
+    name: str, dout, q, k, v, out, lse, causal: bool, scale: float, grad_dtype, q_ids, k_ids, segments
+):
+    """``attention_backward`` of one call of a document plan (see ``document_block_forward``)."""
+    scale = _scale(scale, q.shape[-1])
+    if name == "fa4":
+        return _module("fa4").backward_segments(dout, q, k, v, out, lse, causal, scale, grad_dtype, segments)
+    return _module(name).backward(dout, q, k, v, out, lse, causal, scale, None, grad_dtype, q_ids, k_ids)
 
 
 def attention_delta(out: torch.Tensor, dout: torch.Tensor, *, backend: str) -> Optional[torch.Tensor]:

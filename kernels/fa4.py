@@ -29,6 +29,7 @@ switched on by default here, under ``~/.cache/longctx/fa4``, so later processes 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -65,12 +66,18 @@ def _interface():
     return interface
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple:
+    """A GPU's compute capability (asked once: the layers ask on every call)."""
+    return torch.cuda.get_device_capability(device)
+
+
 def unavailable_reason(device) -> Optional[str]:
     """None where FA4 can run on ``device``; else why not, in one sentence."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return f"FlashAttention-4 runs on CUDA GPUs only, not on {device}"
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = _capability(device)
     if major not in SUPPORTED_ARCH:
         return (
             f"FlashAttention-4 needs an sm90 or sm100 GPU (H100/H200/B200); "
@@ -91,7 +98,7 @@ def unsupported_shape(device, dtype: torch.dtype, head_dim: int) -> Optional[str
     if dtype not in (torch.float16, torch.bfloat16):
         return f"FlashAttention-4 takes float16/bfloat16 inputs, not {dtype}"
     device = torch.device(device)
-    major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 9
+    major = _capability(device)[0] if device.type == "cuda" else 9
     ok = 8 <= head_dim <= 256 if major == 9 else (8 <= head_dim <= 128 or head_dim == 256)
     if not ok or head_dim % 8:
         limits = "8..256" if major == 9 else "8..128 or 256"
@@ -125,6 +132,7 @@ def _timed_first_call(key, fn):
 # their keys; a key added later is a compile in the middle of a run: logged once, naming
 # the variant, and counted in ``late_compiles``.
 _warmed_up: Optional[set] = None
+_watched: Optional[list] = None  # the caches' dicts, found once by warm_up
 late_compiles: list = []
 _JIT_FUNCTIONS = (
     "_flash_attn_fwd",
@@ -153,7 +161,7 @@ def _jit_keys() -> set:
 
 def _check_late_compile(variant) -> None:
     global _warmed_up
-    if sum(len(cache) for _, cache in _jit_caches()) == len(_warmed_up):
+    if _watched is None or sum(len(cache) for cache in _watched) == len(_warmed_up):
         return
     new = _jit_keys() - _warmed_up
     _warmed_up |= new
@@ -264,13 +272,14 @@ def backward_segments(dout, q, k, v, out, lse, causal, softmax_scale, grad_dtype
         _interface(), dout, q, k, v, out, lse, softmax_scale, causal, segments.kernel_args(), False, False
     )
     grad_dtype = grad_dtype or q.dtype
-    return tuple(g.to(grad_dtype) for g in grads)
+    return tuple(g if g.dtype == grad_dtype else g.to(grad_dtype) for g in grads)
 
 
 def _backward_inputs(q, out, dout, lse):
     if out is None:
         raise ValueError("the 'fa4' backend needs `out` in backward (it computes delta itself)")
-    return out.to(q.dtype), dout.to(q.dtype), lse.float().contiguous()
+    out, dout = (t if t.dtype == q.dtype else t.to(q.dtype) for t in (out, dout))
+    return out, dout, lse if lse.dtype == torch.float32 and lse.is_contiguous() else lse.float().contiguous()
 
 
 # ---------------------------------------------------------------- documents as varlen runs
@@ -402,6 +411,14 @@ def _device_plan(plan: VarlenPlan, device) -> dict:
     )
 
 
+def _on(device):
+    """``torch.cuda.device(device)``, or nothing where it is already the current one (the
+    usual case: switching costs host time on every call)."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
 def _flat(t):
     return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
 
@@ -423,7 +440,7 @@ def _forward_varlen(iface, q, k, v, softmax_scale, out_dtype, causal, kernel_arg
     # FA4 compiles a separate forward where every segment's queries fit one tile (its
     # "static persistent" variant): named apart so that the log counts it.
     one_tile = kernel_args["max_seqlen_q"] * (Hq // k.shape[2]) <= 128
-    with torch.cuda.device(q.device):
+    with _on(q.device):
         out, lse = _timed_first_call(
             _variant("fwd", q, k, causal, True, one_tile),
             lambda: iface._flash_attn_fwd(
@@ -456,7 +473,7 @@ def _backward_varlen(iface, dout, q, k, v, out, lse, softmax_scale, causal, kern
     dq = torch.zeros_like(_flat(q)) if q_partial else None
     dk = torch.zeros_like(_flat(k)) if k_partial else None
     dv = torch.zeros_like(_flat(v)) if k_partial else None
-    with torch.cuda.device(q.device):
+    with _on(q.device):
         dq, dk, dv = _timed_first_call(
             _variant("bwd", q, k, causal, True),
             lambda: iface._flash_attn_bwd(
@@ -485,7 +502,7 @@ def warm_up(device, dtype: torch.dtype, head_dim: int, n_head: int, n_kv_head: i
     query and key segments each within one tile or over several (a full block's two sides
     independently). Afterwards a compile of any other variant is logged (``late_compiles``).
     Returns the number of FA4 kernels first called here."""
-    global _warmed_up
+    global _warmed_up, _watched
     before = len(_jit_keys())
     scale = 1.0 / head_dim**0.5
     # Segment lengths within one tile (GQA packing included) and over several; segment counts.
@@ -520,4 +537,5 @@ def warm_up(device, dtype: torch.dtype, head_dim: int, n_head: int, n_kv_head: i
     del q_all, k_all, v_all, dout_all, q, k, v, dout, out, lse
     torch.cuda.empty_cache()  # the blocks (up to ~60K rows) go back before the model's own buffers
     _warmed_up = _jit_keys()
+    _watched = [cache for _, cache in _jit_caches()]
     return len(_warmed_up) - before

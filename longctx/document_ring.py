@@ -36,7 +36,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from longctx.kernels import accumulator_dtype, attention_backward, attention_forward, partial_dtype, resolve_backend
+from longctx.kernels import (
+    accumulator_dtype,
+    document_block_backward,
+    document_block_forward,
+    partial_dtype,
+    resolve_backend,
+)
 from longctx.kernels.merge import merge_partials_
 from longctx.kernels.rows import Rows, add_rows_, count_rows, rows_of
 
@@ -47,7 +53,13 @@ from .ring_comm import RingExchange
 
 def flatten_batch(t: torch.Tensor) -> torch.Tensor:
     """(B, S, H, D) -> (1, B * S, H, D): the plan's rows are the flattened shard's."""
-    return t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:])
+    return t if t.shape[0] == 1 else t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:])
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    """``t.to(dtype).view(shape)``, with no call where it would change nothing."""
+    t = t if t.dtype == dtype else t.to(dtype)
+    return t if t.shape == shape else t.view(shape)
 
 
 class _Accumulator:
@@ -77,17 +89,17 @@ class _Accumulator:
 def call_forward(call: BlockCall, q, k, v, out, lse, scale, backend, only: bool = False):
     """Runs ``call`` and merges it into ``(out, lse)``; ``only``: the plan's one call, whose
     output is final as the kernel writes it (no fp32 accumulator, no casts)."""
-    out_b, lse_b = attention_forward(
+    out_b, lse_b = document_block_forward(
+        backend,
         rows_of(q, call.q_rows),
         rows_of(k, call.k_rows),
         rows_of(v, call.k_rows),
-        causal=call.causal,
-        softmax_scale=scale,
-        backend=backend,
-        out_dtype=None if only else partial_dtype(backend, q.dtype),
-        q_document_ids=call.q_ids,
-        k_document_ids=call.k_ids,
-        segments=call.segments,
+        call.causal,
+        scale,
+        None if only else partial_dtype(backend, q.dtype),
+        call.q_ids,
+        call.k_ids,
+        call.segments,
     )
     if only:
         return out_b, lse_b
@@ -102,20 +114,20 @@ def call_forward(call: BlockCall, q, k, v, out, lse, scale, backend, only: bool 
 
 def _call_backward(call: BlockCall, dout, q, k, v, out, lse, scale, backend):
     rows = call.q_rows
-    return attention_backward(
+    return document_block_backward(
+        backend,
         rows_of(dout, rows),
         rows_of(q, rows),
         rows_of(k, call.k_rows),
         rows_of(v, call.k_rows),
         rows_of(out, rows),
         rows_of(lse, rows, dim=2).contiguous(),
-        causal=call.causal,
-        softmax_scale=scale,
-        backend=backend,
-        grad_dtype=partial_dtype(backend, q.dtype),
-        q_document_ids=call.q_ids,
-        k_document_ids=call.k_ids,
-        segments=call.segments,
+        call.causal,
+        scale,
+        partial_dtype(backend, q.dtype),
+        call.q_ids,
+        call.k_ids,
+        call.segments,
     )
 
 
@@ -167,7 +179,7 @@ def _ring_forward(q, k, v, plan: DocumentPlan, comm, scale, backend, keep: bool)
             out, lse = call_forward(call, q, recv[0], recv[1], out, lse, scale, backend)
         if keep:
             kept.append(recv if recv is not None else k.new_empty(0))
-    return out.to(q.dtype).view(*shape[:3], -1), lse, kept
+    return _as(out, q.dtype, (*shape[:3], out.shape[-1])), lse, kept
 
 
 def _ring_backward(dout, q, k, v, out, lse, kept: Optional[list], plan: DocumentPlan, comm, scale, backend):
@@ -205,7 +217,7 @@ def _ring_backward(dout, q, k, v, out, lse, kept: Optional[list], plan: Document
     if plan.calls == 1 and not any(ex.n_send for ex in plan.exchanges):
         # One call, nothing coming back: its gradients are the result as the kernel writes them.
         grads = _call_backward(plan.local_calls[0], dout, q, k, v, out, lse, scale, backend)
-        return tuple(g.to(t.dtype).view(shape) for g, t, shape in zip(grads, (q, k, v), shapes))
+        return tuple(_as(g, t.dtype, shape) for g, t, shape in zip(grads, (q, k, v), shapes))
     backward_calls(dout, q, k, v, out, lse, plan.local_calls, scale, backend, grads=grads)
     for rows, dq_b in later_dq or ():
         dq.add(rows, dq_b)
@@ -253,7 +265,7 @@ def _gather_forward(q, k, v, plan: DocumentPlan, group, scale, backend, keep: bo
             out, lse = call_forward(ex.call, q, k_g, v_g, out, lse, scale, backend)
         if keep:
             kept.append(recv)
-    return out.to(q.dtype).view(*shape[:3], -1), lse, kept
+    return _as(out, q.dtype, (*shape[:3], out.shape[-1])), lse, kept
 
 
 def _to_sources(ex: GatherExchange, dk, dv, grad_dtype) -> torch.Tensor:
@@ -274,7 +286,7 @@ def _gather_backward(dout, q, k, v, out, lse, kept: Optional[list], plan: Docume
     grad_dtype = partial_dtype(backend, q.dtype) or q.dtype
     if ex is None and plan.calls == 1:  # one call, nothing moves: its gradients as written
         grads = _call_backward(plan.local_calls[0], dout, q, k, v, out, lse, scale, backend)
-        return tuple(g.to(t.dtype).view(shape) for g, t, shape in zip(grads, (q, k, v), shapes))
+        return tuple(_as(g, t.dtype, shape) for g, t, shape in zip(grads, (q, k, v), shapes))
     dq, dk, dv = grads = tuple(_Accumulator(t) for t in (q, k, v))
     pending = later_dq = None
     if ex is not None:

@@ -263,6 +263,7 @@ def test_a_compile_after_warm_up_is_logged_and_counted(monkeypatch, caplog):
     monkeypatch.setattr(fa4, "late_compiles", [])
     iface._flash_attn_fwd.compile_cache.cache[("fwd", "warm")] = object()
     monkeypatch.setattr(fa4, "_warmed_up", fa4._jit_keys())
+    monkeypatch.setattr(fa4, "_watched", [cache for _, cache in fa4._jit_caches()])  # as warm_up leaves it
     monkeypatch.setitem(fa4.compile_seconds, "variant", 0.0)
     fa4._timed_first_call("variant", lambda: None)
     assert fa4.late_compiles == []

@@ -161,7 +161,7 @@ def _collectives(rank, world):
         "barrier",
     ]
     saved = {n: getattr(dist, n) for n in names + ["all_to_all_single"]}
-    kernels = {"forward": document_ring.attention_forward, "backward": document_ring.attention_backward}
+    kernels = {"forward": document_ring.document_block_forward, "backward": document_ring.document_block_backward}
     counts = {}
 
     def forbidden(*args, **kwargs):
@@ -190,15 +190,18 @@ def _collectives(rank, world):
             for n in names:
                 setattr(dist, n, forbidden)
             dist.all_to_all_single = counting("a2a", saved["all_to_all_single"])
-            document_ring.attention_forward = counting("forward", kernels["forward"])
-            document_ring.attention_backward = counting("backward", kernels["backward"])
+            document_ring.document_block_forward = counting("forward", kernels["forward"])
+            document_ring.document_block_backward = counting("backward", kernels["backward"])
             out = ring_attention(q, k, v, group=dist.group.WORLD, backend="torch", document_ids=plan)
             forward = dict(counts)
             out.sum().backward()
         finally:
             for n, f in saved.items():
                 setattr(dist, n, f)
-            document_ring.attention_forward, document_ring.attention_backward = kernels["forward"], kernels["backward"]
+            document_ring.document_block_forward, document_ring.document_block_backward = (
+                kernels["forward"],
+                kernels["backward"],
+            )
         kept = int(plan.received.max()) <= plan.batch * plan.local_len
         launches = {m: int(p.launches[m][rank]) for m, p in plans.items()}
         results.append((pattern, kept, forward, dict(counts), plan.calls, launches))

@@ -103,8 +103,8 @@ def _kernel_calls_and_sends(rank, world):
 
     calls = {"forward": 0, "backward": 0}
     real = {
-        "forward": document_ring.attention_forward,
-        "backward": document_ring.attention_backward,
+        "forward": document_ring.document_block_forward,
+        "backward": document_ring.document_block_backward,
         "p2p": dist.batch_isend_irecv,
     }
     sends = []
@@ -122,13 +122,13 @@ def _kernel_calls_and_sends(rank, world):
 
     ids = shard_sequence(torch.arange(8 * world)[None], 1, rank=rank, world_size=world)
     q = torch.randn(1, 8, 2, 4, requires_grad=True)
-    document_ring.attention_forward = counted("forward")
-    document_ring.attention_backward = counted("backward")
+    document_ring.document_block_forward = counted("forward")
+    document_ring.document_block_backward = counted("backward")
     dist.batch_isend_irecv = counting_p2p
     try:
         ring_attention(q, q, q, group=dist.group.WORLD, document_ids=ids, backend="torch").sum().backward()
     finally:
-        document_ring.attention_forward, document_ring.attention_backward = real["forward"], real["backward"]
+        document_ring.document_block_forward, document_ring.document_block_backward = real["forward"], real["backward"]
         dist.batch_isend_irecv = real["p2p"]
     return calls, sends
 
