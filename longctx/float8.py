@@ -65,10 +65,10 @@ def is_float8_target(module: nn.Module, fqn: str) -> bool:
     )
 
 
-def convert_to_float8(model: nn.Module, *, fsdp_all_gather: bool) -> int:
+def convert_to_float8(model: nn.Module, *, fsdp_all_gather: bool, compile_linears: bool = True) -> int:
     """Swap ``model``'s block projections and MLP linears for torchao's ``Float8Linear`` (in
-    place; before FSDP2 wraps them). Returns how many; raises one line where torchao is missing
-    or nothing qualifies."""
+    place; before FSDP2 wraps them), each compiled (``compile_linears``). Returns how many;
+    raises one line where torchao is missing or nothing qualifies."""
     if not torchao_installed():
         raise ImportError(f"float8=True needs torchao: {EXTRA}")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -81,6 +81,12 @@ def convert_to_float8(model: nn.Module, *, fsdp_all_gather: bool) -> int:
         )
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_all_gather)
     convert_to_float8_training(model, module_filter_fn=is_float8_target, config=config)
+    if compile_linears:
+        # Eager, each dynamic scale and cast is several kernels of its own, and FP8 is slower
+        # than bf16 (benchmarks/NOTES.md); compiled, they fuse (torchao and torchtitan compile).
+        for module in model.modules():
+            if type(module).__name__ == "Float8Linear":
+                module.compile()
     return len(targets)
 
 
