@@ -249,10 +249,10 @@ def autotune_choices():
     """The configs Triton's autotuner picked, per kernel and tuning key."""
     result = {}
     for name, kern in (
-        ("fwd", ta._fwd_kernel),
-        ("dkdv_split", ta._dkdv_split),
-        ("dkdv_atomic", ta._dkdv_atomic),
-        ("dq", ta._dq_tuned),
+        ("fwd", ta.fwd_kernel),
+        ("dkdv_split", ta.dkdv_split),
+        ("dkdv_atomic", ta.dkdv_atomic),
+        ("dq", ta.dq_tuned),
     ):
         cache = getattr(kern, "cache", {}) or {}
         result[name] = {str(k): str(v) for k, v in cache.items()}
@@ -415,7 +415,7 @@ def main(argv=None):
         "vendor_native_gqa": dict(vendor.NATIVE_GQA),
         # triton-atomic adds dQ with TMA bulk reduce-adds where this is True, else with
         # per-thread fp32 atomics (LONGCTX_TRITON_TMA=0 forces the latter).
-        "triton_dq_tma": ta._tma_available(torch.device("cuda")),
+        "triton_dq_tma": ta.tma_available(torch.device("cuda")),
         "results": [],
     }
     report["cudnn_native_gqa_probe"] = probe_cudnn_native_gqa()

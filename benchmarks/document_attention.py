@@ -294,15 +294,16 @@ def section_kernels(report, args):
 
 def block_map_cost(report, args):
     """What the block maps cost per fwd+bwd (three maps at 128K), timed alone."""
-    from longctx.kernels import triton_document as td
+    from longctx.kernels import triton_tiles as tt
+    from longctx.kernels.triton_document import build_block_map
 
     ids = ids_from_lengths(document_lengths("mean4k", args.seq, seed=args.seed))
     D = 128
-    tiles = [td._tiles(t, D, torch.bfloat16) for t in (ta._FWD_CONFIGS, ta._DKDV_CONFIGS, ta._DQ_CONFIGS)]
+    tiles = [tt.document_tiles(t, D, torch.bfloat16) for t in (tt.FWD_CONFIGS, tt.DKDV_CONFIGS, tt.DQ_CONFIGS)]
 
     def build():
         for (bm, bn), key_major in zip(tiles, (False, True, False)):
-            td.build_block_map(ids, ids, bm, bn, True, key_major=key_major)
+            build_block_map(ids, ids, bm, bn, True, key_major=key_major)
 
     build()
     report["block_maps"] = dict(tiles=tiles, ms=bench_ms(build, budget_s=0.3))

@@ -42,24 +42,10 @@ import os
 
 import torch
 
-from .triton_attention_dkdv import _delta_kernel, _dkdv_atomic, _dkdv_atomic_tma, _dkdv_split
-from .triton_attention_dq import _dq_tuned
-from .triton_attention_fwd import _fwd_kernel
-
-# The shared pieces; the config tables and _cfg are also read through this module
-# (triton_attention._cfg, ._FWD_CONFIGS, ...) by benchmarks/ and the tests.
-from .triton_tiles import (  # noqa: F401
-    _DKDV_CONFIGS,
-    _DQ_CONFIGS,
-    _FWD_CONFIGS,
-    _INTERPRET,
-    LOG2E,
-    _block_d,
-    _bucket,
-    _cfg,
-    tl,
-    triton,
-)
+from .triton_attention_dkdv import delta_kernel, dkdv_atomic, dkdv_atomic_tma, dkdv_split
+from .triton_attention_dq import dq_tuned
+from .triton_attention_fwd import fwd_kernel
+from .triton_tiles import INTERPRET, LOG2E, block_d, length_bucket, tl, triton
 
 try:  # host-side TMA descriptors (triton >= 3.4); used for dQ reduce-adds on Hopper+
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -83,16 +69,16 @@ def is_available(device) -> bool:
         return torch.cuda.is_available()
     if device.type == "cpu":
         # The interpreter is chosen when the kernels are decorated (module import).
-        return _INTERPRET
+        return INTERPRET
     return False
 
 
-def _tma_available(device: torch.device) -> bool:
+def tma_available(device: torch.device) -> bool:
     """TMA reduce-add for dQ: Hopper+ CUDA, a triton with host tensor descriptors and
     descriptor atomics, compiled mode. Elsewhere the atomic mode uses pointer atomics."""
     return (
         TensorDescriptor is not None
-        and not _INTERPRET
+        and not INTERPRET
         and device.type == "cuda"
         and torch.version.hip is None
         and hasattr(tl, "tensor_descriptor")
@@ -175,7 +161,7 @@ def forward(q, k, v, causal, softmax_scale, out_dtype=None, q_doc=None, k_doc=No
         return (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)
 
     with _device_guard(q):
-        _fwd_kernel[grid](
+        fwd_kernel[grid](
             q,
             k,
             v,
@@ -191,10 +177,10 @@ def forward(q, k, v, causal, softmax_scale, out_dtype=None, q_doc=None, k_doc=No
             Sq,
             Sk,
             float(softmax_scale) * LOG2E,
-            _bucket(Sq),
-            _bucket(Sk),
+            length_bucket(Sq),
+            length_bucket(Sk),
             HEAD_DIM=D,
-            BLOCK_D=_block_d(D),
+            BLOCK_D=block_d(D),
             CAUSAL=bool(causal),
         )
     return out, lse
@@ -214,9 +200,9 @@ def compute_delta(out, dout):
 def _compute_delta(out, dout, lse_shape):
     B, Sq, Hq, D = out.shape
     delta = torch.empty(lse_shape, dtype=torch.float32, device=out.device)
-    block_m = 16 if _INTERPRET else 64
+    block_m = 16 if INTERPRET else 64
     grid = (triton.cdiv(Sq, block_m), B * Hq)
-    _delta_kernel[grid](
+    delta_kernel[grid](
         out,
         dout,
         delta,
@@ -226,7 +212,7 @@ def _compute_delta(out, dout, lse_shape):
         Hq,
         Sq,
         HEAD_DIM=D,
-        BLOCK_D=_block_d(D),
+        BLOCK_D=block_d(D),
         BLOCK_M=block_m,
     )
     return delta
@@ -268,8 +254,8 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dt
         else:
             delta = delta.float()
         qk_scale = float(softmax_scale) * LOG2E
-        common = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=bool(causal))
-        buckets = (_bucket(Sq), _bucket(Sk))
+        common = dict(HEAD_DIM=D, BLOCK_D=block_d(D), CAUSAL=bool(causal))
+        buckets = (length_bucket(Sq), length_bucket(Sk))
 
         def grid_kv(meta):
             return (triton.cdiv(Sk, meta["BLOCK_N"]), B * Hkv)
@@ -280,18 +266,18 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dt
             from . import triton_document_launch as doc
 
         if BWD_MODE == "atomic":
-            if _tma_available(q.device) and D % 4 == 0:
+            if tma_available(q.device) and D % 4 == 0:
                 # (B, Hq, Sq, D) so that each head's rows are one contiguous 2D block.
                 dq_acc = torch.zeros((B, Hq, Sq, D), dtype=torch.float32, device=q.device)
                 desc = TensorDescriptor(
                     dq_acc.view(B * Hq * Sq, D), [B * Hq * Sq, D], [D, 1], [16, 16]
                 )  # box set per config by _set_dq_block
                 dq_view = dq_acc.transpose(1, 2)
-                kernel, tma = (doc_dkdv._dkdv_atomic_tma if doc else _dkdv_atomic_tma), True
+                kernel, tma = (doc_dkdv.document_dkdv_atomic_tma if doc else dkdv_atomic_tma), True
             else:
                 dq_acc = torch.zeros((B, Sq, Hq, D), dtype=torch.float32, device=q.device)
                 desc, dq_view, tma = dq_acc, dq_acc, False
-                kernel = doc_dkdv._dkdv_atomic if doc else _dkdv_atomic
+                kernel = doc_dkdv.document_dkdv_atomic if doc else dkdv_atomic
             if doc:
                 doc.launch_dkdv(
                     kernel,
@@ -351,7 +337,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dt
         dq = torch.empty((B, Sq, Hq, D), dtype=grad_dtype, device=q.device)
         if doc:
             doc.launch_dkdv(
-                doc_dkdv._dkdv_split,
+                doc_dkdv.document_dkdv_split,
                 q,
                 k,
                 v,
@@ -373,7 +359,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dt
             doc.launch_dq(q, k, v, dout, lse, delta, dq, q_doc, k_doc, causal, float(softmax_scale), qk_scale)
             return dq, dk, dv
         # dq is passed as the unused DQ / DQ_DESC arguments of the split dK/dV kernel.
-        _dkdv_split[grid_kv](
+        dkdv_split[grid_kv](
             q,
             k,
             v,
@@ -408,7 +394,7 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dt
         def grid_q(meta):
             return (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)
 
-        _dq_tuned[grid_q](
+        dq_tuned[grid_q](
             q,
             k,
             v,
