@@ -249,10 +249,10 @@ def autotune_choices():
     """The configs Triton's autotuner picked, per kernel and tuning key."""
     result = {}
     for name, kern in (
-        ("fwd", ta._fwd_kernel),
-        ("dkdv_split", ta._dkdv_split),
-        ("dkdv_atomic", ta._dkdv_atomic),
-        ("dq", ta._dq_tuned),
+        ("fwd", ta.fwd_kernel),
+        ("dkdv_split", ta.dkdv_split),
+        ("dkdv_atomic", ta.dkdv_atomic),
+        ("dq", ta.dq_tuned),
     ):
         cache = getattr(kern, "cache", {}) or {}
         result[name] = {str(k): str(v) for k, v in cache.items()}
@@ -358,7 +358,7 @@ def summary(report):
 # ----------------------------------------------------------------------------- main
 
 
-def main(argv=None):
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: S in {1K, 4K}, no atomic variant")
     ap.add_argument("--seq", type=str, default=None, help="comma-separated sequence lengths")
@@ -372,28 +372,14 @@ def main(argv=None):
         help="seconds; shapes left when it runs out are skipped (recorded as such)",
     )
     ap.add_argument("--no-profile", action="store_true")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    if not torch.cuda.is_available():
-        print("benchmarks/attention.py needs a CUDA GPU", file=sys.stderr)
-        return 2
-    t_start = time.time()
-    out_dir = os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "results")
-    seqs = (
-        [int(s) for s in args.seq.split(",")]
-        if args.seq
-        else ([1024, 4096] if args.quick else [1024, 4096, 16384, 65536])
-    )
-    head_dims = [int(d) for d in args.head_dims.split(",")]
-    providers = [p for p in args.providers.split(",") if p]
-    if args.quick:
-        providers = [p for p in providers if p != "triton-atomic"]
-    causal_list = [True, False]
-    H, B = args.heads, 1
 
+def environment_report(B, H, seqs, head_dims, causal_list, providers):
+    """The report's header: device, versions, the sweep's configuration, vendor probes."""
     import triton
 
-    report = {
+    return {
         "device": torch.cuda.get_device_name(),
         "capability": list(torch.cuda.get_device_capability()),
         "torch": torch.__version__,
@@ -415,9 +401,80 @@ def main(argv=None):
         "vendor_native_gqa": dict(vendor.NATIVE_GQA),
         # triton-atomic adds dQ with TMA bulk reduce-adds where this is True, else with
         # per-thread fp32 atomics (LONGCTX_TRITON_TMA=0 forces the latter).
-        "triton_dq_tma": ta._tma_available(torch.device("cuda")),
+        "triton_dq_tma": ta.tma_available(torch.device("cuda")),
         "results": [],
     }
+
+
+def time_row(p, mode, q, k, v, dout, causal, scale):
+    """One provider and mode at one shape: first-call time, ms and TFLOP/s (or the error)."""
+    B, S, H, D = q.shape
+    row = {"D": D, "causal": causal, "S": S, "provider": p, "mode": mode}
+    try:
+        step = make_step(p, q, k, v, dout, causal, scale, mode)
+        t0 = time.time()
+        step()  # compile / autotune / cuDNN plan build, not timed
+        torch.cuda.synchronize()
+        row["first_call_s"] = round(time.time() - t0, 2)
+        ms = bench_ms(step)
+        row["ms"] = round(ms, 4)
+        row["tflops"] = round(flops(B, H, S, D, causal, mode) / (ms * 1e-3) / 1e12, 1)
+    except Exception as e:  # noqa: BLE001 - record, keep going
+        row["error"] = f"{type(e).__name__}: {e}"[:2000]
+        if isinstance(e, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
+    print(
+        f"[time] D={D:3d} {'causal' if causal else 'full  '} S={S:6d} {p:14s} "
+        f"{mode:7s} {row.get('ms', '-')} ms  {row.get('tflops', row.get('error', '-'))} "
+        f"TFLOP/s",
+        flush=True,
+    )
+    return row
+
+
+def time_shape(providers, B, H, S, D, causal):
+    """The rows of every provider and mode at one shape (fresh inputs, freed after)."""
+    g = torch.Generator(device="cuda").manual_seed(S + D)
+    mk = lambda: torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    q, k, v, dout = mk(), mk(), mk(), mk()
+    scale = 1.0 / math.sqrt(D)
+    rows = []
+    for p in providers:
+        for mode in ("fwd", "fwd_bwd"):
+            if p == "triton-atomic" and mode == "fwd":
+                continue  # same forward kernel as "triton"
+            rows.append(time_row(p, mode, q, k, v, dout, causal, scale))
+    del q, k, v, dout
+    torch.cuda.empty_cache()
+    return rows
+
+
+def refresh_summary(report, t_start):
+    report["ratios"] = ratios(report["results"])
+    report["autotune"] = autotune_choices()
+    report["elapsed_s"] = round(time.time() - t_start, 1)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/attention.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    t_start = time.time()
+    out_dir = os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "results")
+    seqs = (
+        [int(s) for s in args.seq.split(",")]
+        if args.seq
+        else ([1024, 4096] if args.quick else [1024, 4096, 16384, 65536])
+    )
+    head_dims = [int(d) for d in args.head_dims.split(",")]
+    providers = [p for p in args.providers.split(",") if p]
+    if args.quick:
+        providers = [p for p in providers if p != "triton-atomic"]
+    causal_list = [True, False]
+    H, B = args.heads, 1
+
+    report = environment_report(B, H, seqs, head_dims, causal_list, providers)
     report["cudnn_native_gqa_probe"] = probe_cudnn_native_gqa()
     print(
         f"{report['device']}  torch {report['torch']}  triton {report['triton']}  "
@@ -436,40 +493,8 @@ def main(argv=None):
                     report["results"].append({"D": D, "causal": causal, "S": S, "skipped": "time budget"})
                     print(f"[skip] D={D} causal={causal} S={S}: time budget", flush=True)
                     continue
-                g = torch.Generator(device="cuda").manual_seed(S + D)
-                mk = lambda: torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
-                q, k, v, dout = mk(), mk(), mk(), mk()
-                scale = 1.0 / math.sqrt(D)
-                for p in providers:
-                    for mode in ("fwd", "fwd_bwd"):
-                        if p == "triton-atomic" and mode == "fwd":
-                            continue  # same forward kernel as "triton"
-                        row = {"D": D, "causal": causal, "S": S, "provider": p, "mode": mode}
-                        try:
-                            step = make_step(p, q, k, v, dout, causal, scale, mode)
-                            t0 = time.time()
-                            step()  # compile / autotune / cuDNN plan build, not timed
-                            torch.cuda.synchronize()
-                            row["first_call_s"] = round(time.time() - t0, 2)
-                            ms = bench_ms(step)
-                            row["ms"] = round(ms, 4)
-                            row["tflops"] = round(flops(B, H, S, D, causal, mode) / (ms * 1e-3) / 1e12, 1)
-                        except Exception as e:  # noqa: BLE001 - record, keep going
-                            row["error"] = f"{type(e).__name__}: {e}"[:2000]
-                            if isinstance(e, torch.cuda.OutOfMemoryError):
-                                torch.cuda.empty_cache()
-                        report["results"].append(row)
-                        print(
-                            f"[time] D={D:3d} {'causal' if causal else 'full  '} S={S:6d} {p:14s} "
-                            f"{mode:7s} {row.get('ms', '-')} ms  {row.get('tflops', row.get('error', '-'))} "
-                            f"TFLOP/s",
-                            flush=True,
-                        )
-                del q, k, v, dout
-                torch.cuda.empty_cache()
-                report["ratios"] = ratios(report["results"])
-                report["autotune"] = autotune_choices()
-                report["elapsed_s"] = round(time.time() - t_start, 1)
+                report["results"].extend(time_shape(providers, B, H, S, D, causal))
+                refresh_summary(report, t_start)
                 write_outputs(report, out_dir)
 
     if not args.no_profile and time.time() - t_start < args.time_budget + 20:
@@ -480,9 +505,7 @@ def main(argv=None):
                 S_prof, 128, H, True, [p for p in providers if p != "flash" and p != "cudnn"]
             ),
         }
-    report["ratios"] = ratios(report["results"])
-    report["autotune"] = autotune_choices()
-    report["elapsed_s"] = round(time.time() - t_start, 1)
+    refresh_summary(report, t_start)
     path = write_outputs(report, out_dir)
     try:
         png = plot(report, out_dir)

@@ -294,15 +294,16 @@ def section_kernels(report, args):
 
 def block_map_cost(report, args):
     """What the block maps cost per fwd+bwd (three maps at 128K), timed alone."""
-    from longctx.kernels import triton_document as td
+    from longctx.kernels import triton_tiles as tt
+    from longctx.kernels.triton_document import build_block_map
 
     ids = ids_from_lengths(document_lengths("mean4k", args.seq, seed=args.seed))
     D = 128
-    tiles = [td._tiles(t, D, torch.bfloat16) for t in (ta._FWD_CONFIGS, ta._DKDV_CONFIGS, ta._DQ_CONFIGS)]
+    tiles = [tt.document_tiles(t, D, torch.bfloat16) for t in (tt.FWD_CONFIGS, tt.DKDV_CONFIGS, tt.DQ_CONFIGS)]
 
     def build():
         for (bm, bn), key_major in zip(tiles, (False, True, False)):
-            td.build_block_map(ids, ids, bm, bn, True, key_major=key_major)
+            build_block_map(ids, ids, bm, bn, True, key_major=key_major)
 
     build()
     report["block_maps"] = dict(tiles=tiles, ms=bench_ms(build, budget_s=0.3))
@@ -388,6 +389,160 @@ def _key(arrangement: str, exchange: str) -> str:
     return arrangement if exchange == "ring" else f"{arrangement}_{exchange}"
 
 
+def _ring_report(args, world, S, H, D):
+    return dict(
+        world_size=world,
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        config=dict(S_total=S, H=H, D=D, dtype="bfloat16", layout="zigzag", mixes=args.mixes, exchange=args.exchange),
+    )
+
+
+def _ring_checks(report, world, rank, exchanges, save):
+    """A bf16 vs float64 check of the document ring per exchange, recorded (errors too)."""
+    from ring import log
+
+    for exchange in exchanges:
+        key = "check_bf16_vs_float64" + ("" if exchange == "ring" else f"_{exchange}")
+        try:
+            report[key] = _reference_check(world, rank, exchange=exchange)
+        except Exception as e:  # noqa: BLE001
+            report[key] = {"error": f"{type(e).__name__}: {e}"[:1000]}
+        log(f"[check {exchange}] {report[key]}")
+        save()
+
+
+def _time_ring(q, k, v, dout, document_ids, backend="auto"):
+    """Steady ms of one zigzag ring fwd+bwd over the world, the slowest rank's."""
+    import torch.distributed as dist
+
+    from longctx import ring_attention
+
+    def run():
+        q.grad = k.grad = v.grad = None
+        out = ring_attention(
+            q,
+            k,
+            v,
+            group=dist.group.WORLD,
+            causal=True,
+            layout="zigzag",
+            backend=backend,
+            document_ids=document_ids,
+        )
+        out.backward(dout)
+
+    t = torch.tensor([steady_ms(run, dist.group.WORLD)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _one_gpu_cells(args, mix, S, ids, mk, one):
+    """Rank 0 alone over the whole sequence of this mix: each provider's fwd+bwd ms,
+    appended to `one` (our plan-driven FA4 path, our Triton kernels, flex_attention)."""
+    from ring import log
+
+    from longctx import ring_attention
+    from longctx.documents import plan_documents
+
+    q1, k1, v1, d1 = (mk(S) for _ in range(4))
+    plan1 = plan_documents(ids, world_size=1, rank=0)
+    for provider in args.providers:
+        if provider == "flex" and S > args.flex_max:
+            continue
+        cell = dict(mix=mix, S=S, provider=provider)
+        try:
+            if provider == "flex":
+                step = flex_step(q1.requires_grad_(), k1.requires_grad_(), v1.requires_grad_(), d1, ids)
+            else:
+                backend = "auto" if provider == "fa4-plan" else "triton"
+
+                def step(backend=backend):
+                    for t in (q1, k1, v1):
+                        t.grad = None
+                    out = ring_attention(
+                        q1.requires_grad_(),
+                        k1.requires_grad_(),
+                        v1.requires_grad_(),
+                        backend=backend,
+                        document_ids=plan1,
+                    )
+                    out.backward(d1)
+
+            step()
+            cell["ms"] = bench_ms(step)
+        except Exception as e:  # noqa: BLE001
+            record_error(cell, e)
+        one.append(cell)
+        log(f"[one GPU] {json.dumps({k: v for k, v in cell.items() if k != 'traceback'})}")
+    q1 = k1 = v1 = d1 = None  # free the tensors (closures above name them)
+    torch.cuda.empty_cache()
+
+
+def _ring_arrangements(row, ids, exchanges, world, rank, S, time_ids):
+    """The document ring over this mix, packed and balanced, per exchange: host planning
+    time, the plan's imbalance and traffic, and the step's ms (through `time_ids`)."""
+    from longctx import balance_documents
+    from longctx.documents import plan_documents
+
+    for arrangement in ("packed", "balanced"):
+        batch = {"document_ids": ids}
+        if arrangement == "balanced":
+            start = time.perf_counter()
+            batch = balance_documents(batch, world_size=world)
+            row["balance_host_ms"] = (time.perf_counter() - start) * 1e3
+        for exchange in exchanges:
+            key = _key(arrangement, exchange)
+            start = time.perf_counter()
+            plan = plan_documents(batch["document_ids"], world_size=world, rank=rank, exchange=exchange)
+            row[f"{key}_plan_host_ms"] = (time.perf_counter() - start) * 1e3
+            row[f"{arrangement}_imbalance"] = plan.imbalance
+            row[f"{arrangement}_kv_rows_moved_share"] = plan.moved / (world * (world - 1) * S / world)
+            row[f"{arrangement}_max_link_rows"] = int(plan.rows_between.max())
+            row[f"{arrangement}_kernel_calls_max"] = {m: int(c.max()) for m, c in plan.launches.items()}
+            row[f"{key}_ms"] = time_ids(plan)
+
+
+def _compare_with_one_gpu(row, one, mix, exchanges, rank):
+    """The row's ms is the balanced ring's over its fastest exchange; on rank 0 its
+    speedups over the one-GPU providers of the same mix."""
+    row["exchange"] = min(exchanges, key=lambda e: row[f"{_key('balanced', e)}_ms"])
+    row["ms"] = row[f"{_key('balanced', row['exchange'])}_ms"]
+    best = [c["ms"] for c in one if c["mix"] == mix and c.get("ms") and c["provider"] != "flex"]
+    flex = [c["ms"] for c in one if c["mix"] == mix and c.get("ms") and c["provider"] == "flex"]
+    if rank == 0 and best:
+        row["one_gpu_best_ms"] = min(best)
+        row["speedup_vs_one_gpu_best"] = min(best) / row["ms"]
+    if rank == 0 and flex:
+        row["speedup_vs_one_gpu_flex"] = flex[0] / row["ms"]
+
+
+def _ring_row(args, mix, S, H, D, world, rank, exchanges, mk, one, time_ids):
+    """One mix's row: the plain causal ring ("none"), else one GPU first (rank 0), then
+    the document ring packed and balanced; an error is recorded in the row."""
+    import torch.distributed as dist
+
+    row = dict(mix=mix, S=S)
+    try:
+        if mix == "none":
+            row["ms"] = time_ids(None)
+            row["visible_pairs"] = S * (S + 1) // 2
+        else:
+            lengths = document_lengths(mix, S, seed=args.seed)
+            ids = ids_from_lengths(lengths)
+            row.update(mix_summary(lengths, S))
+            if rank == 0:  # one GPU, the other waits at the barrier
+                _one_gpu_cells(args, mix, S, ids, mk, one)
+            dist.barrier()
+            _ring_arrangements(row, ids, exchanges, world, rank, S, time_ids)
+            _compare_with_one_gpu(row, one, mix, exchanges, rank)
+        row["tflops_visible_per_gpu"] = pair_tflops(row["visible_pairs"], H, D, row["ms"]) / world
+    except Exception as e:  # noqa: BLE001
+        record_error(row, e)
+    return row
+
+
 def part_ring(args):
     """One call: every mix on ONE GPU (rank 0 alone: our plan-driven FA4 path, our Triton
     kernels, flex_attention) and then on all GPUs (the document ring, packed and balanced),
@@ -395,20 +550,11 @@ def part_ring(args):
     import torch.distributed as dist
     from ring import log
 
-    from longctx import balance_documents, ring_attention, shard_sequence
-    from longctx.documents import plan_documents
-
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     world, rank = dist.get_world_size(), dist.get_rank()
     S, H, D = args.seq, 16, 128
-    report = dict(
-        world_size=world,
-        gpu=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        date=time.strftime("%Y-%m-%d"),
-        config=dict(S_total=S, H=H, D=D, dtype="bfloat16", layout="zigzag", mixes=args.mixes, exchange=args.exchange),
-    )
+    report = _ring_report(args, world, S, H, D)
     exchanges = ("ring", "gather") if args.exchange == "both" else (args.exchange,)
     path = os.path.join(args.out, f"document_attention_ring_ws{world}{args.tag}.json")
 
@@ -418,115 +564,20 @@ def part_ring(args):
             with open(path, "w") as f:
                 json.dump(report, f, indent=1, default=str)
 
-    for exchange in exchanges if args.check else ():
-        key = "check_bf16_vs_float64" + ("" if exchange == "ring" else f"_{exchange}")
-        try:
-            report[key] = _reference_check(world, rank, exchange=exchange)
-        except Exception as e:  # noqa: BLE001
-            report[key] = {"error": f"{type(e).__name__}: {e}"[:1000]}
-        log(f"[check {exchange}] {report[key]}")
-        save()
-
-    def shard(x):
-        return shard_sequence(x, 1, rank=rank, world_size=world, layout="zigzag")
+    if args.check:
+        _ring_checks(report, world, rank, exchanges, save)
 
     g = torch.Generator(device="cuda").manual_seed(rank)
     mk = lambda n: torch.randn(1, n, H, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
     q, k, v, dout = (mk(S // world).requires_grad_(i < 3) for i in range(4))
 
-    def timed(document_ids, backend="auto"):
-        def run():
-            q.grad = k.grad = v.grad = None
-            out = ring_attention(
-                q,
-                k,
-                v,
-                group=dist.group.WORLD,
-                causal=True,
-                layout="zigzag",
-                backend=backend,
-                document_ids=document_ids,
-            )
-            out.backward(dout)
-
-        t = torch.tensor([steady_ms(run, dist.group.WORLD)], device="cuda")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
+    def time_ids(document_ids):
+        return _time_ring(q, k, v, dout, document_ids)
 
     rows = report.setdefault("ring", [])
     one = report.setdefault("one_gpu", [])
     for mix in ["none"] + list(args.mixes):
-        row = dict(mix=mix, S=S)
-        try:
-            if mix == "none":
-                row["ms"] = timed(None)
-                row["visible_pairs"] = S * (S + 1) // 2
-            else:
-                lengths = document_lengths(mix, S, seed=args.seed)
-                ids = ids_from_lengths(lengths)
-                row.update(mix_summary(lengths, S))
-                if rank == 0:  # one GPU, the other waits at the barrier
-                    q1, k1, v1, d1 = (mk(S) for _ in range(4))
-                    plan1 = plan_documents(ids, world_size=1, rank=0)
-                    for provider in args.providers:
-                        if provider == "flex" and S > args.flex_max:
-                            continue
-                        cell = dict(mix=mix, S=S, provider=provider)
-                        try:
-                            if provider == "flex":
-                                step = flex_step(q1.requires_grad_(), k1.requires_grad_(), v1.requires_grad_(), d1, ids)
-                            else:
-                                backend = "auto" if provider == "fa4-plan" else "triton"
-
-                                def step(backend=backend):
-                                    for t in (q1, k1, v1):
-                                        t.grad = None
-                                    out = ring_attention(
-                                        q1.requires_grad_(),
-                                        k1.requires_grad_(),
-                                        v1.requires_grad_(),
-                                        backend=backend,
-                                        document_ids=plan1,
-                                    )
-                                    out.backward(d1)
-
-                            step()
-                            cell["ms"] = bench_ms(step)
-                        except Exception as e:  # noqa: BLE001
-                            record_error(cell, e)
-                        one.append(cell)
-                        log(f"[one GPU] {json.dumps({k: v for k, v in cell.items() if k != 'traceback'})}")
-                    q1 = k1 = v1 = d1 = None  # free the tensors (closures above name them)
-                    torch.cuda.empty_cache()
-                dist.barrier()
-                for arrangement in ("packed", "balanced"):
-                    batch = {"document_ids": ids}
-                    if arrangement == "balanced":
-                        start = time.perf_counter()
-                        batch = balance_documents(batch, world_size=world)
-                        row["balance_host_ms"] = (time.perf_counter() - start) * 1e3
-                    for exchange in exchanges:
-                        key = _key(arrangement, exchange)
-                        start = time.perf_counter()
-                        plan = plan_documents(batch["document_ids"], world_size=world, rank=rank, exchange=exchange)
-                        row[f"{key}_plan_host_ms"] = (time.perf_counter() - start) * 1e3
-                        row[f"{arrangement}_imbalance"] = plan.imbalance
-                        row[f"{arrangement}_kv_rows_moved_share"] = plan.moved / (world * (world - 1) * S / world)
-                        row[f"{arrangement}_max_link_rows"] = int(plan.rows_between.max())
-                        row[f"{arrangement}_kernel_calls_max"] = {m: int(c.max()) for m, c in plan.launches.items()}
-                        row[f"{key}_ms"] = timed(plan)
-                row["exchange"] = min(exchanges, key=lambda e: row[f"{_key('balanced', e)}_ms"])
-                row["ms"] = row[f"{_key('balanced', row['exchange'])}_ms"]
-                best = [c["ms"] for c in one if c["mix"] == mix and c.get("ms") and c["provider"] != "flex"]
-                flex = [c["ms"] for c in one if c["mix"] == mix and c.get("ms") and c["provider"] == "flex"]
-                if rank == 0 and best:
-                    row["one_gpu_best_ms"] = min(best)
-                    row["speedup_vs_one_gpu_best"] = min(best) / row["ms"]
-                if rank == 0 and flex:
-                    row["speedup_vs_one_gpu_flex"] = flex[0] / row["ms"]
-            row["tflops_visible_per_gpu"] = pair_tflops(row["visible_pairs"], H, D, row["ms"]) / world
-        except Exception as e:  # noqa: BLE001
-            record_error(row, e)
+        row = _ring_row(args, mix, S, H, D, world, rank, exchanges, mk, one, time_ids)
         rows.append(row)
         log(f"[ring ws{world}] {json.dumps({k: v for k, v in row.items() if k != 'traceback'})[:700]}")
         save()

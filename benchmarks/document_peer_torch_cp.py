@@ -325,7 +325,9 @@ def one_gpu_flex(problem):
     return bench_ms(step)
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """(args, mixes, balancers); unknown mixes or balancers, or CUDA asked for and absent,
+    end the run with argparse's error."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq", type=int, default=128 * 1024, help="tokens per packed sequence")
     ap.add_argument("--heads", type=int, default=16)
@@ -351,24 +353,30 @@ def main(argv=None):
             ap.error(f"unknown {name} in {given}; expected some of {allowed}")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda needs CUDA; on a CPU machine pass --device cpu (gloo, tiny shapes)")
-    dtype = getattr(torch, args.dtype)
+    return args, mixes, balancers
 
+
+def init_distributed(device):
+    """(world, rank, mesh): nccl on CUDA, gloo on the CPU; dynamo keeps every flex graph."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if args.device == "cuda":
+    if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     else:
         dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh(args.device, (world,))
+    mesh = init_device_mesh(device, (world,))
     # A new document mask per mix and balancer is a new flex graph to guard; keep them all.
     for knob in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, max(128, getattr(torch._dynamo.config, knob)))
-    api = probe_api()
+    return world, rank, mesh
+
+
+def new_report(args, world, api, mixes, balancers):
     on_cpu = args.device == "cpu"
-    report = dict(
+    return dict(
         world_size=world,
         torch=torch.__version__,
         date=time.strftime("%Y-%m-%d"),
@@ -391,11 +399,107 @@ def main(argv=None):
         ),
         mixes=[],
     )
-    path = os.path.join(args.out, f"document_peer_torch_cp_ws{world}{args.tag}.json")
 
-    def log(*a):
-        if rank == 0:
-            print(*a, flush=True)
+
+def log(*a):
+    """Print on rank 0 only."""
+    if dist.get_rank() == 0:
+        print(*a, flush=True)
+
+
+def check_mix(row, args, mix, balancers, dtype, mesh, attend):
+    """--check: each balancer's CP step against the float64 reference at --check-seq tokens
+    (rank 0 records it in the row)."""
+    on_cpu = args.device == "cpu"
+    small = Problem(mix, args.check_seq, min(args.heads, 4), min(args.dim, 64), dtype, args.device, args.seed, mesh)
+    for name in balancers:
+        try:
+            got = check(small, name, _flex() if on_cpu else None, attend, dtype)
+        except Exception as e:  # noqa: BLE001
+            got = {"ok": False}
+            record_error(got, e)
+        if dist.get_rank() == 0:
+            row.setdefault("check", {})[name] = dict(S=args.check_seq, **got)
+            log(f"[check] {mix} {name}: {json.dumps(got)[:400]}")
+
+
+def one_gpu_cell(problem, on_cpu):
+    """Rank 0 alone: the whole problem through flex_attention on one GPU (not on the CPU)."""
+    if on_cpu:
+        return {"error": "not run: flex_attention has no backward on the CPU"}
+    cell = {}
+    try:
+        cell["ms"] = one_gpu_flex(problem)
+    except Exception as e:  # noqa: BLE001
+        record_error(cell, e)
+    torch.cuda.empty_cache()
+    return cell
+
+
+def balancer_cell(problem, name, attend, mesh, args, visible_pairs):
+    """The CP step with this load balancer: its work shares, ms (and per rank), TFLOP/s."""
+    cell = {}
+    try:
+        lb, (q, k, v, dout), cp_mask = problem.shard(name)
+        cell.update(problem.work(lb, cp_mask))
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        core = wrap(attend, mesh)
+
+        def step():
+            q.grad = k.grad = v.grad = None
+            core(q, k, v, block_mask=cp_mask).backward(dout)
+
+        cell["ms"], cell["ms_per_rank"] = timed_ms(step, args.device)
+        world = dist.get_world_size()
+        cell["tflops_visible_per_gpu"] = pair_tflops(visible_pairs, args.heads, args.dim, cell["ms"]) / world
+    except Exception as e:  # noqa: BLE001 - one balancer failing leaves the others
+        record_error(cell, e)
+    return cell
+
+
+def pick_balancer(row):
+    """The row's ms is its fastest balancer's; its speedup over the one-GPU flex step."""
+    done = {n: c["ms"] for n, c in row["balancers"].items() if "ms" in c}
+    if done:
+        row["balancer"] = min(done, key=done.get)
+        row["ms"] = done[row["balancer"]]
+        flex_ms = row.get("one_gpu_flex", {}).get("ms")
+        if flex_ms:
+            row["speedup_vs_one_gpu_flex"] = flex_ms / row["ms"]
+
+
+def run_mix(row, args, mix, balancers, dtype, mesh, api, attend):
+    """One mix: the check (--check), the one-GPU flex time (rank 0), every balancer's CP
+    step; the tensors are freed when it returns."""
+    on_cpu = args.device == "cpu"
+    world = dist.get_world_size()
+    if api["path"] is None:
+        raise RuntimeError(api["reason"])
+    if args.check:
+        check_mix(row, args, mix, balancers, dtype, mesh, attend)
+    problem = Problem(mix, args.seq, args.heads, args.dim, dtype, args.device, args.seed, mesh)
+    row.update(mix_summary(problem.lengths, args.seq))
+    if dist.get_rank() == 0:
+        row["one_gpu_flex"] = one_gpu_cell(problem, on_cpu)
+        shown = {k: v for k, v in row["one_gpu_flex"].items() if k != "traceback"}
+        log(f"[one GPU] {mix}: {json.dumps(shown)}")
+    dist.barrier()
+    for name in balancers:
+        cell = row["balancers"][name] = balancer_cell(problem, name, attend, mesh, args, row["visible_pairs"])
+        if not on_cpu:
+            torch.cuda.empty_cache()  # the balancer's tensors are freed: before the next one
+        log(f"[cp ws{world}] {mix} {name}: {json.dumps({k: v for k, v in cell.items() if k != 'traceback'})}")
+    pick_balancer(row)
+
+
+def main(argv=None):
+    args, mixes, balancers = parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    world, rank, mesh = init_distributed(args.device)
+    api = probe_api()
+    on_cpu = args.device == "cpu"
+    report = new_report(args, world, api, mixes, balancers)
+    path = os.path.join(args.out, f"document_peer_torch_cp_ws{world}{args.tag}.json")
 
     def save():
         if rank == 0:
@@ -409,68 +513,7 @@ def main(argv=None):
         row = dict(mix=mix, S=args.seq, torch=torch.__version__, balancers={})
         report["mixes"].append(row)
         try:
-            if api["path"] is None:
-                raise RuntimeError(api["reason"])
-            if args.check:
-                small = Problem(
-                    mix, args.check_seq, min(args.heads, 4), min(args.dim, 64), dtype, args.device, args.seed, mesh
-                )
-                for name in balancers:
-                    try:
-                        got = check(small, name, _flex() if on_cpu else None, attend, dtype)
-                    except Exception as e:  # noqa: BLE001
-                        got = {"ok": False}
-                        record_error(got, e)
-                    if rank == 0:
-                        row.setdefault("check", {})[name] = dict(S=args.check_seq, **got)
-                        log(f"[check] {mix} {name}: {json.dumps(got)[:400]}")
-                small = None
-            problem = Problem(mix, args.seq, args.heads, args.dim, dtype, args.device, args.seed, mesh)
-            row.update(mix_summary(problem.lengths, args.seq))
-            if rank == 0:
-                if on_cpu:
-                    row["one_gpu_flex"] = {"error": "not run: flex_attention has no backward on the CPU"}
-                else:
-                    cell = {}
-                    try:
-                        cell["ms"] = one_gpu_flex(problem)
-                    except Exception as e:  # noqa: BLE001
-                        record_error(cell, e)
-                    row["one_gpu_flex"] = cell
-                    torch.cuda.empty_cache()
-                shown = {k: v for k, v in row["one_gpu_flex"].items() if k != "traceback"}
-                log(f"[one GPU] {mix}: {json.dumps(shown)}")
-            dist.barrier()
-            for name in balancers:
-                cell = row["balancers"][name] = {}
-                try:
-                    lb, (q, k, v, dout), cp_mask = problem.shard(name)
-                    cell.update(problem.work(lb, cp_mask))
-                    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-                    core = wrap(attend, mesh)
-
-                    def step():
-                        q.grad = k.grad = v.grad = None
-                        core(q, k, v, block_mask=cp_mask).backward(dout)
-
-                    cell["ms"], cell["ms_per_rank"] = timed_ms(step, args.device)
-                    cell["tflops_visible_per_gpu"] = (
-                        pair_tflops(row["visible_pairs"], args.heads, args.dim, cell["ms"]) / world
-                    )
-                except Exception as e:  # noqa: BLE001 - one balancer failing leaves the others
-                    record_error(cell, e)
-                q = k = v = dout = cp_mask = core = step = None  # free before the next balancer
-                if not on_cpu:
-                    torch.cuda.empty_cache()
-                log(f"[cp ws{world}] {mix} {name}: {json.dumps({k: v for k, v in cell.items() if k != 'traceback'})}")
-            done = {n: c["ms"] for n, c in row["balancers"].items() if "ms" in c}
-            if done:
-                row["balancer"] = min(done, key=done.get)
-                row["ms"] = done[row["balancer"]]
-                flex_ms = row.get("one_gpu_flex", {}).get("ms")
-                if flex_ms:
-                    row["speedup_vs_one_gpu_flex"] = flex_ms / row["ms"]
-            problem = None
+            run_mix(row, args, mix, balancers, dtype, mesh, api, attend)
         except Exception as e:  # noqa: BLE001 - a mix that fails does not stop the others
             record_error(row, e)
         save()

@@ -949,7 +949,7 @@ def prediction_grid(mixes, seqs, sizes, rates: Rates, seed: int, layout: str, me
     return grid
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--measured", nargs="+", required=True, help="document_attention.py --part ring JSON files")
     ap.add_argument("--link", nargs="*", default=[], help="benchmarks/ring.py JSON files with a breakdown section")
@@ -971,7 +971,42 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--grad-dtype", default=None, help="dtype of the dK/dV sent home (default: the input dtype, as FA4)"
     )
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def point_rows(measurements, rates):
+    """Per measurement: its label, the predicted ms, the relative error and (for plan
+    points) whether the host or the GPU bounds it."""
+    report_rows = []
+    for m in measurements:
+        got = measured_seconds(m, rates)
+        row = dict(_point_label(m), predicted_ms=round(got * 1e3, 3), error=round(got / m.seconds - 1, 4))
+        if m.plans is not None:
+            b = bounds(m.plans, rates)
+            row["bound"] = "host" if b["host"] >= b["gpu"] else "gpu"
+            if "spread" in m.label:
+                row["spread"] = m.label["spread"]
+        report_rows.append(row)
+    return report_rows
+
+
+def print_predictions(grid, seqs, predict):
+    print("\npredicted fwd+bwd per layer call, ms (every arrangement x exchange; the fastest, its speed-up")
+    print("over the predicted P = 1; gpu: the GPU timeline alone, host: the busiest rank's host time):")
+    columns = ["mix", "S", "P"] + [f"{a}_{e}_ms" for a, e in OPTIONS]
+    print(_table(grid, columns + ["best", "best_ms", "speedup", "gpu_ms", "host_ms", "max_calls"]))
+    for S in seqs:
+        for P in predict:
+            cells = [
+                f"{r['mix']} {r['best_ms']} ms ({r['best']}, {r['speedup']}x)"
+                for r in grid
+                if (r["P"], r["S"]) == (P, S)
+            ]
+            print(f"\nS = {S}, P = {P}: " + ", ".join(cells))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
 
     readings = [read_ring_results(path) for path in args.measured]
     shape = readings[0]["shape"]
@@ -1012,16 +1047,7 @@ def main(argv=None) -> int:
         rates.fit["shape"] = shape
         rates.fit["measured_points"] = len(measured)
 
-    report_rows = []
-    for m in measured + extra:
-        got = measured_seconds(m, rates)
-        row = dict(_point_label(m), predicted_ms=round(got * 1e3, 3), error=round(got / m.seconds - 1, 4))
-        if m.plans is not None:
-            b = bounds(m.plans, rates)
-            row["bound"] = "host" if b["host"] >= b["gpu"] else "gpu"
-            if "spread" in m.label:
-                row["spread"] = m.label["spread"]
-        report_rows.append(row)
+    report_rows = point_rows(measured + extra, rates)
     columns = ["mix", "S", "P", "arrangement", "exchange", "measured_ms", "predicted_ms", "error", "bound"]
     print(_table(report_rows, columns))
     plan_rows = [r for r in report_rows if r["mix"] not in ("link", "host")]
@@ -1044,18 +1070,7 @@ def main(argv=None) -> int:
     seqs = args.predict_seq or sorted({p["S"] for p in points})
     mixes = list(dict.fromkeys(p["mix"] for p in points))
     grid = prediction_grid(mixes, seqs, sizes, rates, args.seed, layout, points)
-    print("\npredicted fwd+bwd per layer call, ms (every arrangement x exchange; the fastest, its speed-up")
-    print("over the predicted P = 1; gpu: the GPU timeline alone, host: the busiest rank's host time):")
-    columns = ["mix", "S", "P"] + [f"{a}_{e}_ms" for a, e in OPTIONS]
-    print(_table(grid, columns + ["best", "best_ms", "speedup", "gpu_ms", "host_ms", "max_calls"]))
-    for S in seqs:
-        for P in args.predict:
-            cells = [
-                f"{r['mix']} {r['best_ms']} ms ({r['best']}, {r['speedup']}x)"
-                for r in grid
-                if (r["P"], r["S"]) == (P, S)
-            ]
-            print(f"\nS = {S}, P = {P}: " + ", ".join(cells))
+    print_predictions(grid, seqs, args.predict)
     undetermined = rates.fit.get("undetermined")
     if undetermined:
         print(f"\nnote: {undetermined} not determined by the measurements (from {rates.fit.get('undetermined_from')})")

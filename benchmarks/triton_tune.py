@@ -105,11 +105,13 @@ CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages); superset of the shi
 
 
 def _tables(ta):
-    return {"fwd": ta._FWD_CONFIGS, "dkdv": ta._DKDV_CONFIGS, "dq": ta._DQ_CONFIGS}
+    from longctx.kernels import triton_tiles as tt
+
+    return {"fwd": tt.FWD_CONFIGS, "dkdv": tt.DKDV_CONFIGS, "dq": tt.DQ_CONFIGS}
 
 
 def _kernels(ta):
-    return [ta._fwd_kernel, ta._dkdv_split, ta._dq_tuned]
+    return [ta.fwd_kernel, ta.dkdv_split, ta.dq_tuned]
 
 
 def _cfg_tuple(c):
@@ -119,6 +121,8 @@ def _cfg_tuple(c):
 def _pin(ta, shipped, kernel, d, cfg):
     """Every table back to its shipped list, then `kernel`'s list = [cfg], the other
     backward kernel pinned to its shipped first config; caches cleared."""
+    from longctx.kernels.triton_tiles import tile_config
+
     tables = _tables(ta)
     for name, table in tables.items():
         table[d] = list(shipped[name][d])
@@ -126,7 +130,7 @@ def _pin(ta, shipped, kernel, d, cfg):
         other = "dq" if kernel == "dkdv" else "dkdv"
         tables[other][d] = [shipped[other][d][0]]
     if cfg is not None:
-        tables[kernel][d] = [ta._cfg(*cfg)]
+        tables[kernel][d] = [tile_config(*cfg)]
     for k in _kernels(ta):
         k.cache.clear()
 

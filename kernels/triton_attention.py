@@ -42,24 +42,10 @@ import os
 
 import torch
 
-from .triton_attention_dkdv import _delta_kernel, _dkdv_atomic, _dkdv_atomic_tma, _dkdv_split
-from .triton_attention_dq import _dq_tuned
-from .triton_attention_fwd import _fwd_kernel
-
-# The shared pieces; the config tables and _cfg are also read through this module
-# (triton_attention._cfg, ._FWD_CONFIGS, ...) by benchmarks/ and the tests.
-from .triton_tiles import (  # noqa: F401
-    _DKDV_CONFIGS,
-    _DQ_CONFIGS,
-    _FWD_CONFIGS,
-    _INTERPRET,
-    LOG2E,
-    _block_d,
-    _bucket,
-    _cfg,
-    tl,
-    triton,
-)
+from .triton_attention_dkdv import delta_kernel, dkdv_atomic, dkdv_atomic_tma, dkdv_split
+from .triton_attention_dq import dq_tuned
+from .triton_attention_fwd import fwd_kernel
+from .triton_tiles import INTERPRET, LOG2E, block_d, length_bucket, tl, triton
 
 try:  # host-side TMA descriptors (triton >= 3.4); used for dQ reduce-adds on Hopper+
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -83,16 +69,16 @@ def is_available(device) -> bool:
         return torch.cuda.is_available()
     if device.type == "cpu":
         # The interpreter is chosen when the kernels are decorated (module import).
-        return _INTERPRET
+        return INTERPRET
     return False
 
 
-def _tma_available(device: torch.device) -> bool:
+def tma_available(device: torch.device) -> bool:
     """TMA reduce-add for dQ: Hopper+ CUDA, a triton with host tensor descriptors and
     descriptor atomics, compiled mode. Elsewhere the atomic mode uses pointer atomics."""
     return (
         TensorDescriptor is not None
-        and not _INTERPRET
+        and not INTERPRET
         and device.type == "cuda"
         and torch.version.hip is None
         and hasattr(tl, "tensor_descriptor")
@@ -175,7 +161,7 @@ def forward(q, k, v, causal, softmax_scale, out_dtype=None, q_doc=None, k_doc=No
         return (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)
 
     with _device_guard(q):
-        _fwd_kernel[grid](
+        fwd_kernel[grid](
             q,
             k,
             v,
@@ -191,10 +177,10 @@ def forward(q, k, v, causal, softmax_scale, out_dtype=None, q_doc=None, k_doc=No
             Sq,
             Sk,
             float(softmax_scale) * LOG2E,
-            _bucket(Sq),
-            _bucket(Sk),
+            length_bucket(Sq),
+            length_bucket(Sk),
             HEAD_DIM=D,
-            BLOCK_D=_block_d(D),
+            BLOCK_D=block_d(D),
             CAUSAL=bool(causal),
         )
     return out, lse
@@ -214,9 +200,9 @@ def compute_delta(out, dout):
 def _compute_delta(out, dout, lse_shape):
     B, Sq, Hq, D = out.shape
     delta = torch.empty(lse_shape, dtype=torch.float32, device=out.device)
-    block_m = 16 if _INTERPRET else 64
+    block_m = 16 if INTERPRET else 64
     grid = (triton.cdiv(Sq, block_m), B * Hq)
-    _delta_kernel[grid](
+    delta_kernel[grid](
         out,
         dout,
         delta,
@@ -226,7 +212,7 @@ def _compute_delta(out, dout, lse_shape):
         Hq,
         Sq,
         HEAD_DIM=D,
-        BLOCK_D=_block_d(D),
+        BLOCK_D=block_d(D),
         BLOCK_M=block_m,
     )
     return delta
@@ -235,24 +221,9 @@ def _compute_delta(out, dout, lse_shape):
 def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dtype=None, q_doc=None, k_doc=None):
     """(dq, dk, dv) in grad_dtype (None -> q.dtype). dK/dV are reduced over GQA groups.
     q_doc / k_doc: document ids as in forward()."""
-    _check_qkv(q, k, v, causal)
+    grad_dtype = _check_backward(dout, q, k, v, out, lse, causal, delta, grad_dtype)
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
-    if dout.shape != q.shape:
-        raise ValueError(f"dout shape {tuple(dout.shape)} != q shape {tuple(q.shape)}")
-    if tuple(lse.shape) != (B, Hq, Sq):
-        raise ValueError(f"lse must be (B, Hq, Sq) = {(B, Hq, Sq)}, got {tuple(lse.shape)}")
-    if delta is None and out is None:
-        raise ValueError("backward needs `out` (or a precomputed `delta`)")
-    if delta is not None and tuple(delta.shape) != (B, Hq, Sq):
-        raise ValueError(f"delta must be (B, Hq, Sq) = {(B, Hq, Sq)}, got {tuple(delta.shape)}")
-    if grad_dtype is None:
-        grad_dtype = q.dtype
-    if grad_dtype not in _DTYPES:
-        raise TypeError(f"grad_dtype {grad_dtype} not supported")
-    if BWD_MODE not in ("split", "atomic"):
-        raise ValueError(f"BWD_MODE must be 'split' or 'atomic', got {BWD_MODE!r}")
-
     dk = torch.empty((B, Sk, Hkv, D), dtype=grad_dtype, device=q.device)
     dv = torch.empty_like(dk)
     if Sq == 0 or Sk == 0 or B * Hq == 0:
@@ -267,169 +238,183 @@ def backward(dout, q, k, v, out, lse, causal, softmax_scale, delta=None, grad_dt
             delta = _compute_delta(_last_dim_unit(out), dout, (B, Hq, Sq))
         else:
             delta = delta.float()
-        qk_scale = float(softmax_scale) * LOG2E
-        common = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=bool(causal))
-        buckets = (_bucket(Sq), _bucket(Sk))
-
-        def grid_kv(meta):
-            return (triton.cdiv(Sk, meta["BLOCK_N"]), B * Hkv)
-
-        doc = doc_dkdv = None
-        if q_doc is not None:
-            from . import triton_document_dkdv as doc_dkdv
-            from . import triton_document_launch as doc
-
+        scales = (float(softmax_scale), float(softmax_scale) * LOG2E)
+        docs = None if q_doc is None else (q_doc, k_doc)
         if BWD_MODE == "atomic":
-            if _tma_available(q.device) and D % 4 == 0:
-                # (B, Hq, Sq, D) so that each head's rows are one contiguous 2D block.
-                dq_acc = torch.zeros((B, Hq, Sq, D), dtype=torch.float32, device=q.device)
-                desc = TensorDescriptor(
-                    dq_acc.view(B * Hq * Sq, D), [B * Hq * Sq, D], [D, 1], [16, 16]
-                )  # box set per config by _set_dq_block
-                dq_view = dq_acc.transpose(1, 2)
-                kernel, tma = (doc_dkdv._dkdv_atomic_tma if doc else _dkdv_atomic_tma), True
-            else:
-                dq_acc = torch.zeros((B, Sq, Hq, D), dtype=torch.float32, device=q.device)
-                desc, dq_view, tma = dq_acc, dq_acc, False
-                kernel = doc_dkdv._dkdv_atomic if doc else _dkdv_atomic
-            if doc:
-                doc.launch_dkdv(
-                    kernel,
-                    q,
-                    k,
-                    v,
-                    dout,
-                    lse,
-                    delta,
-                    dk,
-                    dv,
-                    dq_view,
-                    desc,
-                    q_doc,
-                    k_doc,
-                    causal,
-                    float(softmax_scale),
-                    qk_scale,
-                    dq_atomic=True,
-                    dq_tma=tma,
-                )
-            else:
-                kernel[grid_kv](
-                    q,
-                    k,
-                    v,
-                    dout,
-                    lse,
-                    delta,
-                    dk,
-                    dv,
-                    dq_view,
-                    desc,
-                    *q.stride(),
-                    *k.stride(),
-                    *v.stride(),
-                    *dout.stride(),
-                    *lse.stride(),
-                    *delta.stride(),
-                    *dk.stride(),
-                    *dv.stride(),
-                    *dq_view.stride(),
-                    Hkv,
-                    Hq // Hkv,
-                    Sq,
-                    Sk,
-                    float(softmax_scale),
-                    qk_scale,
-                    *buckets,
-                    DQ_ATOMIC=True,
-                    DQ_TMA=tma,
-                    **common,
-                )
-            dq = dq_view.to(grad_dtype, memory_format=torch.contiguous_format)
-            return dq, dk, dv
-
-        dq = torch.empty((B, Sq, Hq, D), dtype=grad_dtype, device=q.device)
-        if doc:
-            doc.launch_dkdv(
-                doc_dkdv._dkdv_split,
-                q,
-                k,
-                v,
-                dout,
-                lse,
-                delta,
-                dk,
-                dv,
-                dq,
-                dq,
-                q_doc,
-                k_doc,
-                causal,
-                float(softmax_scale),
-                qk_scale,
-                dq_atomic=False,
-                dq_tma=False,
-            )
-            doc.launch_dq(q, k, v, dout, lse, delta, dq, q_doc, k_doc, causal, float(softmax_scale), qk_scale)
-            return dq, dk, dv
-        # dq is passed as the unused DQ / DQ_DESC arguments of the split dK/dV kernel.
-        _dkdv_split[grid_kv](
-            q,
-            k,
-            v,
-            dout,
-            lse,
-            delta,
-            dk,
-            dv,
-            dq,
-            dq,
-            *q.stride(),
-            *k.stride(),
-            *v.stride(),
-            *dout.stride(),
-            *lse.stride(),
-            *delta.stride(),
-            *dk.stride(),
-            *dv.stride(),
-            *dq.stride(),
-            Hkv,
-            Hq // Hkv,
-            Sq,
-            Sk,
-            float(softmax_scale),
-            qk_scale,
-            *buckets,
-            DQ_ATOMIC=False,
-            DQ_TMA=False,
-            **common,
-        )
-
-        def grid_q(meta):
-            return (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)
-
-        _dq_tuned[grid_q](
-            q,
-            k,
-            v,
-            dout,
-            lse,
-            delta,
-            dq,
-            *q.stride(),
-            *k.stride(),
-            *v.stride(),
-            *dout.stride(),
-            *lse.stride(),
-            *delta.stride(),
-            *dq.stride(),
-            Hq,
-            Hq // Hkv,
-            Sq,
-            Sk,
-            float(softmax_scale),
-            qk_scale,
-            *buckets,
-            **common,
-        )
+            dq = _backward_atomic(q, k, v, dout, lse, delta, dk, dv, causal, scales, docs, grad_dtype)
+        else:
+            dq = _backward_split(q, k, v, dout, lse, delta, dk, dv, causal, scales, docs, grad_dtype)
     return dq, dk, dv
+
+
+def _check_backward(dout, q, k, v, out, lse, causal, delta, grad_dtype):
+    """The arguments' checks; returns grad_dtype resolved (None -> q.dtype)."""
+    _check_qkv(q, k, v, causal)
+    B, Sq, Hq, D = q.shape
+    if dout.shape != q.shape:
+        raise ValueError(f"dout shape {tuple(dout.shape)} != q shape {tuple(q.shape)}")
+    if tuple(lse.shape) != (B, Hq, Sq):
+        raise ValueError(f"lse must be (B, Hq, Sq) = {(B, Hq, Sq)}, got {tuple(lse.shape)}")
+    if delta is None and out is None:
+        raise ValueError("backward needs `out` (or a precomputed `delta`)")
+    if delta is not None and tuple(delta.shape) != (B, Hq, Sq):
+        raise ValueError(f"delta must be (B, Hq, Sq) = {(B, Hq, Sq)}, got {tuple(delta.shape)}")
+    if grad_dtype is None:
+        grad_dtype = q.dtype
+    if grad_dtype not in _DTYPES:
+        raise TypeError(f"grad_dtype {grad_dtype} not supported")
+    if BWD_MODE not in ("split", "atomic"):
+        raise ValueError(f"BWD_MODE must be 'split' or 'atomic', got {BWD_MODE!r}")
+    return grad_dtype
+
+
+def _backward_atomic(q, k, v, dout, lse, delta, dk, dv, causal, scales, docs, grad_dtype):
+    """ "atomic" mode: one dK/dV kernel that also adds dQ into an fp32 buffer with atomics
+    (TMA reduce-adds where available); returns dq in grad_dtype."""
+    B, Sq, Hq, D = q.shape
+    if tma_available(q.device) and D % 4 == 0:
+        # (B, Hq, Sq, D) so that each head's rows are one contiguous 2D block.
+        dq_acc = torch.zeros((B, Hq, Sq, D), dtype=torch.float32, device=q.device)
+        desc = TensorDescriptor(
+            dq_acc.view(B * Hq * Sq, D), [B * Hq * Sq, D], [D, 1], [16, 16]
+        )  # box set per config by triton_tiles.with_dq_desc_hook
+        dq_view = dq_acc.transpose(1, 2)
+        flavour, tma = "atomic_tma", True
+    else:
+        dq_acc = torch.zeros((B, Sq, Hq, D), dtype=torch.float32, device=q.device)
+        desc, dq_view, tma = dq_acc, dq_acc, False
+        flavour = "atomic"
+    _run_dkdv(
+        flavour, q, k, v, dout, lse, delta, dk, dv, dq_view, desc, causal, scales, docs, dq_atomic=True, dq_tma=tma
+    )
+    return dq_view.to(grad_dtype, memory_format=torch.contiguous_format)
+
+
+def _backward_split(q, k, v, dout, lse, delta, dk, dv, causal, scales, docs, grad_dtype):
+    """ "split" mode (deterministic): the dK/dV kernel, then the dQ kernel; returns dq."""
+    B, Sq, Hq, D = q.shape
+    dq = torch.empty((B, Sq, Hq, D), dtype=grad_dtype, device=q.device)
+    # dq is passed as the unused DQ / DQ_DESC arguments of the split dK/dV kernel.
+    _run_dkdv("split", q, k, v, dout, lse, delta, dk, dv, dq, dq, causal, scales, docs, dq_atomic=False, dq_tma=False)
+    if docs is None:
+        _launch_dq(q, k, v, dout, lse, delta, dq, causal, *scales)
+    else:
+        from . import triton_document_launch
+
+        triton_document_launch.launch_dq(q, k, v, dout, lse, delta, dq, *docs, causal, *scales)
+    return dq
+
+
+def _run_dkdv(flavour, q, k, v, dout, lse, delta, dk, dv, dq, dq_desc, causal, scales, docs, *, dq_atomic, dq_tma):
+    """The dK/dV kernel of this flavour ("split", "atomic", "atomic_tma"): the dense one,
+    or with document ids (`docs`) the document-masked one over its block map."""
+    if docs is None:
+        kernel = {"split": dkdv_split, "atomic": dkdv_atomic, "atomic_tma": dkdv_atomic_tma}[flavour]
+        _launch_dkdv(kernel, q, k, v, dout, lse, delta, dk, dv, dq, dq_desc, causal, *scales, dq_atomic, dq_tma)
+        return
+    from . import triton_document_dkdv, triton_document_launch
+
+    kernel = {
+        "split": triton_document_dkdv.document_dkdv_split,
+        "atomic": triton_document_dkdv.document_dkdv_atomic,
+        "atomic_tma": triton_document_dkdv.document_dkdv_atomic_tma,
+    }[flavour]
+    triton_document_launch.launch_dkdv(
+        kernel,
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dk,
+        dv,
+        dq,
+        dq_desc,
+        *docs,
+        causal,
+        *scales,
+        dq_atomic=dq_atomic,
+        dq_tma=dq_tma,
+    )
+
+
+def _launch_dkdv(kernel, q, k, v, dout, lse, delta, dk, dv, dq, dq_desc, causal, sm_scale, qk_scale, dq_atomic, dq_tma):
+    """A dense dK/dV kernel, one program per (key tile, batch*kv-head)."""
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+
+    def grid(meta):
+        return (triton.cdiv(Sk, meta["BLOCK_N"]), B * Hkv)
+
+    kernel[grid](
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dk,
+        dv,
+        dq,
+        dq_desc,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *dout.stride(),
+        *lse.stride(),
+        *delta.stride(),
+        *dk.stride(),
+        *dv.stride(),
+        *dq.stride(),
+        Hkv,
+        Hq // Hkv,
+        Sq,
+        Sk,
+        sm_scale,
+        qk_scale,
+        length_bucket(Sq),
+        length_bucket(Sk),
+        DQ_ATOMIC=dq_atomic,
+        DQ_TMA=dq_tma,
+        HEAD_DIM=D,
+        BLOCK_D=block_d(D),
+        CAUSAL=bool(causal),
+    )
+
+
+def _launch_dq(q, k, v, dout, lse, delta, dq, causal, sm_scale, qk_scale):
+    """The dense dQ kernel of "split" mode, one program per (query tile, batch*q-head)."""
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+
+    def grid(meta):
+        return (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)
+
+    dq_tuned[grid](
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dq,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *dout.stride(),
+        *lse.stride(),
+        *delta.stride(),
+        *dq.stride(),
+        Hq,
+        Hq // Hkv,
+        Sq,
+        Sk,
+        sm_scale,
+        qk_scale,
+        length_bucket(Sq),
+        length_bucket(Sk),
+        HEAD_DIM=D,
+        BLOCK_D=block_d(D),
+        CAUSAL=bool(causal),
+    )

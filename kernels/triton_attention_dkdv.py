@@ -4,22 +4,22 @@ the group's query heads and query tiles; in "atomic" mode it also adds dQ with f
 atomics (pointers, or a TMA descriptor on Hopper+)."""
 
 from .triton_tiles import (
-    _BWD_KEY,
-    _DKDV_CONFIGS,
-    _EVEN_HEURISTICS,
-    _LOG2E,
-    _autotune,
-    _load_row,
-    _load_tile,
-    _store_tile,
-    _triton,
-    _with_hook,
+    BWD_KEY,
+    DKDV_CONFIGS,
+    EVEN_HEURISTICS,
+    TL_LOG2E,
+    autotune,
+    load_row,
+    load_tile,
+    store_tile,
     tl,
+    triton_or_shim,
+    with_dq_desc_hook,
 )
 
 
-@_triton.jit
-def _delta_kernel(
+@triton_or_shim.jit
+def delta_kernel(
     Out,
     DO,
     Delta,
@@ -68,7 +68,7 @@ def _delta_kernel(
     tl.store(t_ptrs, delta, mask=rows < seqlen_q)
 
 
-@_triton.jit
+@triton_or_shim.jit
 def _dkdv_inner(
     dk,
     dv,
@@ -111,18 +111,18 @@ def _dkdv_inner(
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + offs_mb
-        q = _load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
-        lse = _load_row(lse_ptrs, rows, seqlen_q, EVEN_M)
+        q = load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
+        lse = load_row(lse_ptrs, rows, seqlen_q, EVEN_M)
         s_t = tl.dot(k, tl.trans(q), input_precision="ieee")
-        p_t = tl.math.exp2(s_t * qk_scale - (lse * _LOG2E)[None, :])
+        p_t = tl.math.exp2(s_t * qk_scale - (lse * TL_LOG2E)[None, :])
         if MASK == 1:
             p_t = tl.where(rows[None, :] >= offs_n[:, None], p_t, 0.0)
         if not EVEN_N:
             # zero-loaded keys past seqlen_k would get p = exp(-lse), possibly inf
             p_t = tl.where(offs_n[:, None] < seqlen_k, p_t, 0.0)
-        do = _load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
+        do = load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")
-        delta = _load_row(delta_ptrs, rows, seqlen_q, EVEN_M)
+        delta = load_row(delta_ptrs, rows, seqlen_q, EVEN_M)
         dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
         ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
         dk = tl.dot(ds_t, q, dk, input_precision="ieee")
@@ -147,7 +147,7 @@ def _dkdv_inner(
     return dk, dv
 
 
-@_triton.jit
+@triton_or_shim.jit
 def _dkdv_kernel(
     Q,
     K,
@@ -238,8 +238,8 @@ def _dkdv_kernel(
         + tl.arange(0, BLOCK_N)[:, None] * stride_vs
         + offs_d[None, :] * stride_vd
     )
-    k = _load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
-    v = _load_tile(v_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+    k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+    v = load_tile(v_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -363,17 +363,17 @@ def _dkdv_kernel(
         + tl.arange(0, BLOCK_N)[:, None] * stride_dvs
         + offs_d[None, :] * stride_dvd
     )
-    _store_tile(dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
-    _store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+    store_tile(dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+    store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
 
 
-_dkdv_split = _autotune(_DKDV_CONFIGS, key=_BWD_KEY)(_triton.heuristics(_EVEN_HEURISTICS)(_dkdv_kernel))
+dkdv_split = autotune(DKDV_CONFIGS, key=BWD_KEY)(triton_or_shim.heuristics(EVEN_HEURISTICS)(_dkdv_kernel))
 # Autotuning the atomic flavour runs it several times: dQ must be re-zeroed each time.
-_dkdv_atomic = _autotune(_DKDV_CONFIGS, key=_BWD_KEY, reset_to_zero=["DQ"])(
-    _triton.heuristics(_EVEN_HEURISTICS)(_dkdv_kernel)
+dkdv_atomic = autotune(DKDV_CONFIGS, key=BWD_KEY, reset_to_zero=["DQ"])(
+    triton_or_shim.heuristics(EVEN_HEURISTICS)(_dkdv_kernel)
 )
 
 
-_dkdv_atomic_tma = _autotune(_with_hook(_DKDV_CONFIGS), key=_BWD_KEY, reset_to_zero=["DQ"])(
-    _triton.heuristics(_EVEN_HEURISTICS)(_dkdv_kernel)
+dkdv_atomic_tma = autotune(with_dq_desc_hook(DKDV_CONFIGS), key=BWD_KEY, reset_to_zero=["DQ"])(
+    triton_or_shim.heuristics(EVEN_HEURISTICS)(_dkdv_kernel)
 )

@@ -2,20 +2,20 @@
 it): one program per (query tile, batch*q-head) looping over key tiles."""
 
 from .triton_tiles import (
-    _BWD_KEY,
-    _DQ_CONFIGS,
-    _EVEN_HEURISTICS,
-    _LOG2E,
-    _autotune,
-    _load_row,
-    _load_tile,
-    _store_tile,
-    _triton,
+    BWD_KEY,
+    DQ_CONFIGS,
+    EVEN_HEURISTICS,
+    TL_LOG2E,
+    autotune,
+    load_row,
+    load_tile,
+    store_tile,
     tl,
+    triton_or_shim,
 )
 
 
-@_triton.jit
+@triton_or_shim.jit
 def _dq_inner(
     dq,
     q,
@@ -42,8 +42,8 @@ def _dq_inner(
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_nb
-        k = _load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
-        v = _load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+        k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+        v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
         p = tl.math.exp2(s * qk_scale - lse2[:, None])
         if MASK == 1:
@@ -58,7 +58,7 @@ def _dq_inner(
     return dq
 
 
-@_triton.jit
+@triton_or_shim.jit
 def _dq_kernel(
     Q,
     K,
@@ -141,18 +141,18 @@ def _dq_kernel(
         + offs_mb[:, None] * stride_ds
         + offs_d[None, :] * stride_dd
     )
-    q = _load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
-    do = _load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
-    lse = _load_row(
+    q = load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
+    do = load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
+    lse = load_row(
         LSE + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + rows * stride_ls, rows, seqlen_q, EVEN_M
     )
-    delta = _load_row(
+    delta = load_row(
         Delta + off_b.to(tl.int64) * stride_tb + off_h.to(tl.int64) * stride_th + rows * stride_ts,
         rows,
         seqlen_q,
         EVEN_M,
     )
-    lse2 = lse * _LOG2E
+    lse2 = lse * TL_LOG2E
 
     k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
     v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
@@ -294,7 +294,7 @@ def _dq_kernel(
         + offs_mb[:, None] * stride_dqs
         + offs_d[None, :] * stride_dqd
     )
-    _store_tile(dq_ptrs, dq.to(DQ.dtype.element_ty), rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
+    store_tile(dq_ptrs, dq.to(DQ.dtype.element_ty), rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
 
 
-_dq_tuned = _autotune(_DQ_CONFIGS, key=_BWD_KEY)(_triton.heuristics(_EVEN_HEURISTICS)(_dq_kernel))
+dq_tuned = autotune(DQ_CONFIGS, key=BWD_KEY)(triton_or_shim.heuristics(EVEN_HEURISTICS)(_dq_kernel))

@@ -3,18 +3,18 @@
 key tail masked, online softmax in base 2, lse in natural log."""
 
 from .triton_tiles import (
-    _EVEN_HEURISTICS,
-    _FWD_CONFIGS,
-    _LN2,
-    _autotune,
-    _load_tile,
-    _store_tile,
-    _triton,
+    EVEN_HEURISTICS,
+    FWD_CONFIGS,
+    TL_LN2,
+    autotune,
+    load_tile,
+    store_tile,
     tl,
+    triton_or_shim,
 )
 
 
-@_triton.jit
+@triton_or_shim.jit
 def _fwd_inner(
     acc,
     l_i,
@@ -42,7 +42,7 @@ def _fwd_inner(
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        k = _load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+        k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
         if MASK == 0:
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
@@ -62,7 +62,7 @@ def _fwd_inner(
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+        v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         m_i = m_new
         k_ptrs += step_k
@@ -70,10 +70,10 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
-@_autotune(_FWD_CONFIGS, key=["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "CAUSAL"])
-@_triton.heuristics(_EVEN_HEURISTICS)
-@_triton.jit
-def _fwd_kernel(
+@autotune(FWD_CONFIGS, key=["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "CAUSAL"])
+@triton_or_shim.heuristics(EVEN_HEURISTICS)
+@triton_or_shim.jit
+def fwd_kernel(
     Q,
     K,
     V,
@@ -137,7 +137,7 @@ def _fwd_kernel(
     step_v = BLOCK_N * stride_vs
 
     q_ptrs = q_base + start_m.to(tl.int64) * stride_qs + offs_mb[:, None] * stride_qs + offs_d[None, :] * stride_qd
-    q = _load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
+    q = load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -266,7 +266,7 @@ def _fwd_kernel(
 
     inv_l = 1.0 / l_i
     acc = acc * inv_l[:, None]
-    lse = (m_i + tl.math.log2(l_i)) * _LN2
+    lse = (m_i + tl.math.log2(l_i)) * TL_LN2
 
     o_ptrs = (
         Out
@@ -276,7 +276,7 @@ def _fwd_kernel(
         + offs_mb[:, None] * stride_os
         + offs_d[None, :] * stride_od
     )
-    _store_tile(o_ptrs, acc.to(Out.dtype.element_ty), rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
+    store_tile(o_ptrs, acc.to(Out.dtype.element_ty), rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
     l_ptrs = LSE + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + rows * stride_ls
     if EVEN_M:
         tl.store(l_ptrs, lse)

@@ -34,9 +34,6 @@ from typing import NamedTuple
 
 import torch
 
-from . import triton_tiles as tt
-from .triton_tiles import _triton, triton
-
 
 class BlockMap(NamedTuple):
     """Compressed tile map; rows are the outer tiles of a kernel (query tiles for the
@@ -99,43 +96,3 @@ def compress(classes: torch.Tensor) -> BlockMap:
 def build_block_map(q_ids, k_ids, block_q: int, block_k: int, causal: bool, *, key_major: bool = False) -> BlockMap:
     classes = tile_classes(q_ids, k_ids, block_q, block_k, causal)
     return compress(classes.transpose(1, 2) if key_major else classes)
-
-
-# ----------------------------------------------------------------------------- configs
-
-
-def _tiles(table, head_dim: int, dtype: torch.dtype):
-    """(BLOCK_M, BLOCK_N) the kernels run with: the first config of the matching list."""
-    if dtype == torch.float32 and "fp32" in table:
-        return _tile_of(table["fp32"][0])
-    bounds = sorted(b for b in table if isinstance(b, int))
-    bound = next((b for b in bounds if tt._block_d(head_dim) <= b), bounds[-1])
-    return _tile_of(table[bound][0])
-
-
-def _tile_of(config):
-    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
-
-
-def _pruner(table):
-    base = tt._pruner(table)
-
-    def prune(configs, named_args, **kwargs):
-        args = {**named_args, **kwargs}
-        tiles = (args["MAP_M"], args["MAP_N"])
-        return [c for c in base(configs, named_args, **kwargs) if _tile_of(c) == tiles]
-
-    return prune
-
-
-def _autotune(table, **kwargs):
-    key = ["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "CAUSAL"]
-    if tt._INTERPRET or triton is None:
-        return _triton.autotune(configs=tt._all_configs(table), key=key, **kwargs)
-    return _triton.autotune(
-        configs=tt._all_configs(table),
-        key=key,
-        prune_configs_by={"early_config_prune": _pruner(table)},
-        do_bench=tt._tuned_bench,
-        **kwargs,
-    )

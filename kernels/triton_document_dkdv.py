@@ -3,11 +3,10 @@ walks, triton_document_launch.py for its launch), and its split / atomic / atomi
 flavours as in the dense backward."""
 
 from . import triton_tiles as tt
-from .triton_document import _autotune
-from .triton_tiles import _LOG2E, _load_row, _load_tile, _store_tile, _triton, tl
+from .triton_tiles import TL_LOG2E, document_autotune, load_row, load_tile, store_tile, tl, triton_or_shim
 
 
-@_triton.jit
+@triton_or_shim.jit
 def _dkdv_tile(
     dk,
     dv,
@@ -54,10 +53,10 @@ def _dkdv_tile(
     start64 = start_m.to(tl.int64)
     q_tile = offs_mb[:, None] * stride_qs + offs_d[None, :] * stride_qd
     do_tile = offs_mb[:, None] * stride_ds + offs_d[None, :] * stride_dd
-    q = _load_tile(q_base + start64 * stride_qs + q_tile, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
-    lse = _load_row(lse_base + (start64 + offs_mb) * stride_ls, rows, seqlen_q, EVEN_M)
+    q = load_tile(q_base + start64 * stride_qs + q_tile, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
+    lse = load_row(lse_base + (start64 + offs_mb) * stride_ls, rows, seqlen_q, EVEN_M)
     s_t = tl.dot(k, tl.trans(q), input_precision="ieee")
-    p_t = tl.math.exp2(s_t * qk_scale - (lse * _LOG2E)[None, :])
+    p_t = tl.math.exp2(s_t * qk_scale - (lse * TL_LOG2E)[None, :])
     if MASKED:
         # Rows with lse = -inf (no visible key anywhere) get p = inf here; the mask is a
         # select, so they become exact zeros.
@@ -68,9 +67,9 @@ def _dkdv_tile(
         if not EVEN_N:
             valid = valid & (offs_n[:, None] < seqlen_k)
         p_t = tl.where(valid, p_t, 0.0)
-    do = _load_tile(do_base + start64 * stride_ds + do_tile, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
+    do = load_tile(do_base + start64 * stride_ds + do_tile, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")
-    delta = _load_row(delta_base + (start64 + offs_mb) * stride_ts, rows, seqlen_q, EVEN_M)
+    delta = load_row(delta_base + (start64 + offs_mb) * stride_ts, rows, seqlen_q, EVEN_M)
     dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
     ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
     dk = tl.dot(ds_t, q, dk, input_precision="ieee")
@@ -88,7 +87,7 @@ def _dkdv_tile(
     return dk, dv
 
 
-@_triton.jit
+@triton_or_shim.jit
 def _dkdv_kernel(
     Q,
     K,
@@ -205,8 +204,8 @@ def _dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # Key tiles nobody sees (e.g. of a later document) loop zero times and store zeros.
-    k = _load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
-    v = _load_tile(v_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+    k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+    v = load_tile(v_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
     k_doc = tl.load(KDOC + off_b.to(tl.int64) * stride_kdb + offs_n * stride_kds, mask=offs_n < seqlen_k, other=0)
     qdoc_base = QDOC + off_b.to(tl.int64) * stride_qdb
     # GQA: this program owns kv head off_hk and reduces dK/dV over its query-head group.
@@ -320,13 +319,15 @@ def _dkdv_kernel(
         + tl.arange(0, BLOCK_N)[:, None] * stride_dvs
         + offs_d[None, :] * stride_dvd
     )
-    _store_tile(dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
-    _store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+    store_tile(dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+    store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
 
 
-_dkdv_split = _autotune(tt._DKDV_CONFIGS)(_triton.heuristics(tt._EVEN_HEURISTICS)(_dkdv_kernel))
+document_dkdv_split = document_autotune(tt.DKDV_CONFIGS)(triton_or_shim.heuristics(tt.EVEN_HEURISTICS)(_dkdv_kernel))
 # Autotuning the atomic flavour runs it several times: dQ must be re-zeroed each time.
-_dkdv_atomic = _autotune(tt._DKDV_CONFIGS, reset_to_zero=["DQ"])(_triton.heuristics(tt._EVEN_HEURISTICS)(_dkdv_kernel))
-_dkdv_atomic_tma = _autotune(tt._with_hook(tt._DKDV_CONFIGS), reset_to_zero=["DQ"])(
-    _triton.heuristics(tt._EVEN_HEURISTICS)(_dkdv_kernel)
+document_dkdv_atomic = document_autotune(tt.DKDV_CONFIGS, reset_to_zero=["DQ"])(
+    triton_or_shim.heuristics(tt.EVEN_HEURISTICS)(_dkdv_kernel)
+)
+document_dkdv_atomic_tma = document_autotune(tt.with_dq_desc_hook(tt.DKDV_CONFIGS), reset_to_zero=["DQ"])(
+    triton_or_shim.heuristics(tt.EVEN_HEURISTICS)(_dkdv_kernel)
 )

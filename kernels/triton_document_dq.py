@@ -2,11 +2,10 @@
 it walks, triton_document_launch.py for its launch)."""
 
 from . import triton_tiles as tt
-from .triton_document import _autotune
-from .triton_tiles import _LOG2E, _load_row, _load_tile, _store_tile, _triton, tl
+from .triton_tiles import TL_LOG2E, document_autotune, load_row, load_tile, store_tile, tl, triton_or_shim
 
 
-@_triton.jit
+@triton_or_shim.jit
 def _dq_tile(
     dq,
     q,
@@ -38,11 +37,11 @@ def _dq_tile(
     k_ptrs = k_base + start_n.to(tl.int64) * stride_ks + k_tile
     v_ptrs = v_base + start_n.to(tl.int64) * stride_vs + v_tile
     if MASKED:
-        k = _load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
-        v = _load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+        k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+        v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
     else:
-        k = _load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, True, PAD_D)
-        v = _load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, True, PAD_D)
+        k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, True, PAD_D)
+        v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, True, PAD_D)
     s = tl.dot(q, tl.trans(k), input_precision="ieee")
     p = tl.math.exp2(s * qk_scale - lse2[:, None])
     if MASKED:
@@ -61,10 +60,10 @@ def _dq_tile(
     return tl.dot(ds, k, dq, input_precision="ieee")
 
 
-@_autotune(tt._DQ_CONFIGS)
-@_triton.heuristics(tt._EVEN_HEURISTICS)
-@_triton.jit
-def _dq_kernel(
+@document_autotune(tt.DQ_CONFIGS)
+@triton_or_shim.heuristics(tt.EVEN_HEURISTICS)
+@triton_or_shim.jit
+def document_dq_kernel(
     Q,
     K,
     V,
@@ -168,21 +167,21 @@ def _dq_kernel(
             + offs_mb[:, None] * stride_ds
             + offs_d[None, :] * stride_dd
         )
-        q = _load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
-        do = _load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
-        lse = _load_row(
+        q = load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
+        do = load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
+        lse = load_row(
             LSE + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + rows * stride_ls,
             rows,
             seqlen_q,
             EVEN_M,
         )
-        delta = _load_row(
+        delta = load_row(
             Delta + off_b.to(tl.int64) * stride_tb + off_h.to(tl.int64) * stride_th + rows * stride_ts,
             rows,
             seqlen_q,
             EVEN_M,
         )
-        lse2 = lse * _LOG2E
+        lse2 = lse * TL_LOG2E
         q_doc = tl.load(QDOC + off_b.to(tl.int64) * stride_qdb + rows * stride_qds, mask=rows < seqlen_q, other=0)
         k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
         v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
@@ -257,4 +256,4 @@ def _dq_kernel(
         + offs_mb[:, None] * stride_dqs
         + offs_d[None, :] * stride_dqd
     )
-    _store_tile(dq_ptrs, dq.to(DQ.dtype.element_ty), rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
+    store_tile(dq_ptrs, dq.to(DQ.dtype.element_ty), rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)

@@ -3,11 +3,10 @@ triton_document_launch.py for its launch): per query tile the key tiles its map 
 full ones unmasked, the rest with the exact document mask."""
 
 from . import triton_tiles as tt
-from .triton_document import _autotune
-from .triton_tiles import _LN2, _load_tile, _store_tile, _triton, tl
+from .triton_tiles import TL_LN2, document_autotune, load_tile, store_tile, tl, triton_or_shim
 
 
-@_triton.jit
+@triton_or_shim.jit
 def _fwd_tile(
     acc,
     l_i,
@@ -38,9 +37,9 @@ def _fwd_tile(
     k_ptrs = k_base + start_n.to(tl.int64) * stride_ks + k_tile
     v_ptrs = v_base + start_n.to(tl.int64) * stride_vs + v_tile
     if MASKED:
-        k = _load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+        k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
     else:  # full tiles are never the ragged key tail (see tile_classes): unmasked loads
-        k = _load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, True, PAD_D)
+        k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, True, PAD_D)
     s = tl.dot(q, tl.trans(k), input_precision="ieee")
     if MASKED:
         if EVEN_N:
@@ -65,17 +64,17 @@ def _fwd_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if MASKED:
-        v = _load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
+        v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N, PAD_D)
     else:
-        v = _load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, True, PAD_D)
+        v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, True, PAD_D)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
     return acc, l_i, m_new
 
 
-@_autotune(tt._FWD_CONFIGS)
-@_triton.heuristics(tt._EVEN_HEURISTICS)
-@_triton.jit
-def _fwd_kernel(
+@document_autotune(tt.FWD_CONFIGS)
+@triton_or_shim.heuristics(tt.EVEN_HEURISTICS)
+@triton_or_shim.jit
+def document_fwd_kernel(
     Q,
     K,
     V,
@@ -155,7 +154,7 @@ def _fwd_kernel(
         + offs_mb[:, None] * stride_qs
         + offs_d[None, :] * stride_qd
     )
-    q = _load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
+    q = load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
     q_doc = tl.load(QDOC + off_b.to(tl.int64) * stride_qdb + rows * stride_qds, mask=rows < seqlen_q, other=0)
     k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
     v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
@@ -230,7 +229,7 @@ def _fwd_kernel(
     # No visible key: l = 0 -> out 0, lse -inf. A NaN row keeps NaN in both.
     empty = l_i == 0.0
     acc = acc * tl.where(empty, 0.0, 1.0 / l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * _LN2)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_i)) * TL_LN2)
     o_ptrs = (
         Out
         + off_b.to(tl.int64) * stride_ob
@@ -239,7 +238,7 @@ def _fwd_kernel(
         + offs_mb[:, None] * stride_os
         + offs_d[None, :] * stride_od
     )
-    _store_tile(o_ptrs, acc.to(Out.dtype.element_ty), rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
+    store_tile(o_ptrs, acc.to(Out.dtype.element_ty), rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, PAD_D)
     l_ptrs = LSE + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + rows * stride_ls
     if EVEN_M:
         tl.store(l_ptrs, lse)

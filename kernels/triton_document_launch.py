@@ -6,9 +6,10 @@ non-empty, ids are validated (B, S) ints."""
 import torch
 
 from . import triton_tiles as tt
-from .triton_document import BlockMap, _tiles, build_block_map
-from .triton_document_dq import _dq_kernel
-from .triton_document_fwd import _fwd_kernel
+from .triton_document import BlockMap, build_block_map
+from .triton_document_dq import document_dq_kernel
+from .triton_document_fwd import document_fwd_kernel
+from .triton_tiles import document_tiles
 
 
 def _ids(ids: torch.Tensor) -> torch.Tensor:
@@ -40,9 +41,9 @@ def launch_forward(q, k, v, out, lse, q_doc, k_doc, causal, qk_scale):
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     q_doc, k_doc = _ids(q_doc), _ids(k_doc)
-    block_m, block_n = _tiles(tt._FWD_CONFIGS, D, q.dtype)
+    block_m, block_n = document_tiles(tt.FWD_CONFIGS, D, q.dtype)
     bmap = build_block_map(q_doc, k_doc, block_m, block_n, causal)
-    _fwd_kernel[_grid(B * Hq, bmap)](
+    document_fwd_kernel[_grid(B * Hq, bmap)](
         q,
         k,
         v,
@@ -64,10 +65,10 @@ def launch_forward(q, k, v, out, lse, q_doc, k_doc, causal, qk_scale):
         Sq,
         Sk,
         qk_scale,
-        tt._bucket(Sq),
-        tt._bucket(Sk),
+        tt.length_bucket(Sq),
+        tt.length_bucket(Sk),
         HEAD_DIM=D,
-        BLOCK_D=tt._block_d(D),
+        BLOCK_D=tt.block_d(D),
         CAUSAL=bool(causal),
         MAP_M=block_m,
         MAP_N=block_n,
@@ -96,12 +97,12 @@ def launch_dkdv(
     dq_tma,
 ):
     """dK/dV (and with dq_atomic dQ by atomics into `dq`) through `kernel`, one of
-    _dkdv_split / _dkdv_atomic / _dkdv_atomic_tma of triton_document_dkdv (triton_attention picks as
-    for plain)."""
+    document_dkdv_split / document_dkdv_atomic / document_dkdv_atomic_tma of
+    triton_document_dkdv (triton_attention picks as for plain)."""
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     q_doc, k_doc = _ids(q_doc), _ids(k_doc)
-    block_m, block_n = _tiles(tt._DKDV_CONFIGS, D, q.dtype)
+    block_m, block_n = document_tiles(tt.DKDV_CONFIGS, D, q.dtype)
     bmap = build_block_map(q_doc, k_doc, block_m, block_n, causal, key_major=True)
     kernel[_grid(B * Hkv, bmap)](
         q,
@@ -135,10 +136,10 @@ def launch_dkdv(
         Sk,
         sm_scale,
         qk_scale,
-        tt._bucket(Sq),
-        tt._bucket(Sk),
+        tt.length_bucket(Sq),
+        tt.length_bucket(Sk),
         HEAD_DIM=D,
-        BLOCK_D=tt._block_d(D),
+        BLOCK_D=tt.block_d(D),
         CAUSAL=bool(causal),
         DQ_ATOMIC=dq_atomic,
         DQ_TMA=dq_tma,
@@ -151,9 +152,9 @@ def launch_dq(q, k, v, dout, lse, delta, dq, q_doc, k_doc, causal, sm_scale, qk_
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     q_doc, k_doc = _ids(q_doc), _ids(k_doc)
-    block_m, block_n = _tiles(tt._DQ_CONFIGS, D, q.dtype)
+    block_m, block_n = document_tiles(tt.DQ_CONFIGS, D, q.dtype)
     bmap = build_block_map(q_doc, k_doc, block_m, block_n, causal)
-    _dq_kernel[_grid(B * Hq, bmap)](
+    document_dq_kernel[_grid(B * Hq, bmap)](
         q,
         k,
         v,
@@ -180,10 +181,10 @@ def launch_dq(q, k, v, dout, lse, delta, dq, q_doc, k_doc, causal, sm_scale, qk_
         Sk,
         sm_scale,
         qk_scale,
-        tt._bucket(Sq),
-        tt._bucket(Sk),
+        tt.length_bucket(Sq),
+        tt.length_bucket(Sk),
         HEAD_DIM=D,
-        BLOCK_D=tt._block_d(D),
+        BLOCK_D=tt.block_d(D),
         CAUSAL=bool(causal),
         MAP_M=block_m,
         MAP_N=block_n,

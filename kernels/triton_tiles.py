@@ -43,12 +43,12 @@ except ImportError:  # no triton (e.g. macOS): keep the module importable, repor
 else:
     _shim = None
 
-_triton = triton if triton is not None else _shim
+triton_or_shim = triton if triton is not None else _shim
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634
-_LOG2E = tl.constexpr(LOG2E)  # globals read inside @triton.jit must be constexpr
-_LN2 = tl.constexpr(0.6931471805599453)
+TL_LOG2E = tl.constexpr(LOG2E)  # globals read inside @triton.jit must be constexpr
+TL_LN2 = tl.constexpr(0.6931471805599453)
 
 # Autotune keys use bucketed sequence lengths so that a new length (every ring size and
 # every layout gives different block lengths) re-tunes only when it lands in a new
@@ -57,32 +57,32 @@ _LN2 = tl.constexpr(0.6931471805599453)
 _BUCKET_CAP = 16384
 
 
-def _bucket(n: int) -> int:
+def length_bucket(n: int) -> int:
     return min(max(16, 1 << max(0, (n - 1)).bit_length()), _BUCKET_CAP)
 
 
 # ----------------------------------------------------------------------------- configs
 
 
-def _cfg(block_m, block_n, warps, stages):
-    return _triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+def tile_config(block_m, block_n, warps, stages):
+    return triton_or_shim.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
 
 
 # Each list is (head_dim upper bound -> configs). Kept short: compile time of every
 # config is paid once per (head_dim, causal, dtype, even-length) variant. BLOCK_M is the
 # query tile, BLOCK_N the key tile in every kernel.
-if _INTERPRET:
+if INTERPRET:
     # One small config per kernel (autotuning in the interpreter is slow). Non-square by
     # default so the CPU tests cover multi-tile loops, the band split with
     # BLOCK_M != BLOCK_N and ragged tails; the tests swap the shapes through
     # LONGCTX_TRITON_INTERP_TILES="fwd,dkdv,dq" (each BLOCK_MxBLOCK_N).
-    _tiles = [
+    _interp_tiles = [
         tuple(int(x) for x in t.split("x"))
         for t in os.environ.get("LONGCTX_TRITON_INTERP_TILES", "32x16,16x32,32x16").split(",")
     ]
-    _FWD_CONFIGS = {256: [_cfg(*_tiles[0], 4, 1)]}
-    _DKDV_CONFIGS = {256: [_cfg(*_tiles[1], 4, 1)]}
-    _DQ_CONFIGS = {256: [_cfg(*_tiles[2], 4, 1)]}
+    FWD_CONFIGS = {256: [tile_config(*_interp_tiles[0], 4, 1)]}
+    DKDV_CONFIGS = {256: [tile_config(*_interp_tiles[1], 4, 1)]}
+    DQ_CONFIGS = {256: [tile_config(*_interp_tiles[2], 4, 1)]}
 else:
     # Measured on H200 by benchmarks/triton_tune.py (each candidate alone, B=1 H=16 bf16,
     # 8K and 16K blocks, causal and full; results/triton_tune_h200.json): each list keeps the
@@ -90,26 +90,56 @@ else:
     # LONGCTX_TRITON_AUTOTUNE=0 uses). Candidates that spill registers at their head_dim
     # were dropped at compile time; D=256 spills in dK/dV whatever the tile (correct, not
     # tuned). fp32 (tests only) uses exact-fp32 FMA dots: one small tile.
-    _FWD_CONFIGS = {
-        64: [_cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3), _cfg(128, 128, 4, 3), _cfg(64, 64, 4, 4)],
-        128: [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3)],
-        256: [_cfg(64, 32, 4, 2), _cfg(128, 64, 8, 2), _cfg(64, 64, 8, 2)],
-        "fp32": [_cfg(32, 32, 4, 2)],
+    FWD_CONFIGS = {
+        64: [
+            tile_config(128, 64, 8, 3),
+            tile_config(128, 64, 4, 3),
+            tile_config(128, 128, 4, 3),
+            tile_config(64, 64, 4, 4),
+        ],
+        128: [
+            tile_config(128, 64, 8, 3),
+            tile_config(128, 64, 8, 4),
+            tile_config(128, 128, 8, 3),
+            tile_config(64, 64, 4, 3),
+        ],
+        256: [tile_config(64, 32, 4, 2), tile_config(128, 64, 8, 2), tile_config(64, 64, 8, 2)],
+        "fp32": [tile_config(32, 32, 4, 2)],
     }
     # dK/dV: BLOCK_N keys stay resident (K, V in shared memory, dK, dV in registers),
     # BLOCK_M queries stream through.
-    _DKDV_CONFIGS = {
-        64: [_cfg(64, 64, 4, 3), _cfg(32, 128, 4, 5), _cfg(32, 64, 4, 4), _cfg(64, 128, 8, 3)],
-        128: [_cfg(64, 128, 8, 3), _cfg(32, 64, 4, 3), _cfg(64, 128, 8, 2), _cfg(32, 128, 8, 3)],
-        256: [_cfg(32, 64, 8, 1), _cfg(16, 64, 8, 2), _cfg(32, 32, 4, 1)],
-        "fp32": [_cfg(16, 32, 4, 2)],
+    DKDV_CONFIGS = {
+        64: [
+            tile_config(64, 64, 4, 3),
+            tile_config(32, 128, 4, 5),
+            tile_config(32, 64, 4, 4),
+            tile_config(64, 128, 8, 3),
+        ],
+        128: [
+            tile_config(64, 128, 8, 3),
+            tile_config(32, 64, 4, 3),
+            tile_config(64, 128, 8, 2),
+            tile_config(32, 128, 8, 3),
+        ],
+        256: [tile_config(32, 64, 8, 1), tile_config(16, 64, 8, 2), tile_config(32, 32, 4, 1)],
+        "fp32": [tile_config(16, 32, 4, 2)],
     }
     # dQ: BLOCK_M queries stay resident, BLOCK_N keys stream through.
-    _DQ_CONFIGS = {
-        64: [_cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 32, 4, 3)],
-        128: [_cfg(128, 64, 8, 3), _cfg(128, 32, 8, 3), _cfg(64, 64, 4, 2), _cfg(64, 32, 4, 3)],
-        256: [_cfg(64, 32, 4, 2), _cfg(32, 32, 4, 2), _cfg(64, 32, 8, 2)],
-        "fp32": [_cfg(32, 32, 4, 2)],
+    DQ_CONFIGS = {
+        64: [
+            tile_config(128, 64, 4, 3),
+            tile_config(128, 64, 8, 3),
+            tile_config(64, 64, 4, 3),
+            tile_config(128, 32, 4, 3),
+        ],
+        128: [
+            tile_config(128, 64, 8, 3),
+            tile_config(128, 32, 8, 3),
+            tile_config(64, 64, 4, 2),
+            tile_config(64, 32, 4, 3),
+        ],
+        256: [tile_config(64, 32, 4, 2), tile_config(32, 32, 4, 2), tile_config(64, 32, 8, 2)],
+        "fp32": [tile_config(32, 32, 4, 2)],
     }
 
 
@@ -141,22 +171,62 @@ def _tuned_bench(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=10, rep=40, quantiles=quantiles)
 
 
-def _autotune(table, key, **kwargs):
-    if _INTERPRET or triton is None:
-        return _triton.autotune(configs=_all_configs(table), key=key, **kwargs)
+def autotune(table, key, **kwargs):
+    if INTERPRET or triton is None:
+        return triton_or_shim.autotune(configs=_all_configs(table), key=key, **kwargs)
     prune = {"early_config_prune": _pruner(table)}
     try:
-        return _triton.autotune(
+        return triton_or_shim.autotune(
             configs=_all_configs(table), key=key, prune_configs_by=prune, do_bench=_tuned_bench, **kwargs
         )
     except TypeError:  # triton < 3.2 has no do_bench hook: default timing, slower tuning
-        return _triton.autotune(configs=_all_configs(table), key=key, prune_configs_by=prune, **kwargs)
+        return triton_or_shim.autotune(configs=_all_configs(table), key=key, prune_configs_by=prune, **kwargs)
+
+
+# The document kernels (triton_document_{fwd,dkdv,dq}.py) run with fixed tile sizes per head
+# dim, because their block maps (triton_document.py) depend on them: the autotuner only
+# chooses among configs with those tile sizes (warps, stages).
+def document_tiles(table, head_dim: int, dtype: torch.dtype):
+    """(BLOCK_M, BLOCK_N) the kernels run with: the first config of the matching list."""
+    if dtype == torch.float32 and "fp32" in table:
+        return _tile_of(table["fp32"][0])
+    bounds = sorted(b for b in table if isinstance(b, int))
+    bound = next((b for b in bounds if block_d(head_dim) <= b), bounds[-1])
+    return _tile_of(table[bound][0])
+
+
+def _tile_of(config):
+    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+
+
+def _document_pruner(table):
+    base = _pruner(table)
+
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        tiles = (args["MAP_M"], args["MAP_N"])
+        return [c for c in base(configs, named_args, **kwargs) if _tile_of(c) == tiles]
+
+    return prune
+
+
+def document_autotune(table, **kwargs):
+    key = ["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "CAUSAL"]
+    if INTERPRET or triton is None:
+        return triton_or_shim.autotune(configs=_all_configs(table), key=key, **kwargs)
+    return triton_or_shim.autotune(
+        configs=_all_configs(table),
+        key=key,
+        prune_configs_by={"early_config_prune": _document_pruner(table)},
+        do_bench=_tuned_bench,
+        **kwargs,
+    )
 
 
 # What the dense backward kernels are tuned for (the forward names the same list).
-_BWD_KEY = ["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "CAUSAL"]
+BWD_KEY = ["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "CAUSAL"]
 
-_EVEN_HEURISTICS = {
+EVEN_HEURISTICS = {
     "EVEN_M": lambda a: a["seqlen_q"] % a["BLOCK_M"] == 0,
     "EVEN_N": lambda a: a["seqlen_k"] % a["BLOCK_N"] == 0,
 }
@@ -164,8 +234,8 @@ _EVEN_HEURISTICS = {
 # ----------------------------------------------------------------------------- helpers
 
 
-@_triton.jit
-def _load_tile(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, EVEN: tl.constexpr, PAD_D: tl.constexpr):
+@triton_or_shim.jit
+def load_tile(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, EVEN: tl.constexpr, PAD_D: tl.constexpr):
     """Load a [rows, BLOCK_D] tile; masks only where the shape needs them."""
     if EVEN:
         if PAD_D:
@@ -180,8 +250,8 @@ def _load_tile(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, EVEN: tl.cons
     return x
 
 
-@_triton.jit
-def _store_tile(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, EVEN: tl.constexpr, PAD_D: tl.constexpr):
+@triton_or_shim.jit
+def store_tile(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, EVEN: tl.constexpr, PAD_D: tl.constexpr):
     if EVEN:
         if PAD_D:
             tl.store(ptrs, x, mask=offs_d[None, :] < HEAD_DIM)
@@ -194,8 +264,8 @@ def _store_tile(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, EVEN: tl.
             tl.store(ptrs, x, mask=rows[:, None] < n_rows)
 
 
-@_triton.jit
-def _load_row(ptrs, rows, n_rows, EVEN: tl.constexpr):
+@triton_or_shim.jit
+def load_row(ptrs, rows, n_rows, EVEN: tl.constexpr):
     """Per-row fp32 statistic (lse, delta); out-of-range rows read 0 (they stay inert)."""
     if EVEN:
         x = tl.load(ptrs)
@@ -212,11 +282,13 @@ def _set_dq_block(nargs):
     nargs["DQ_DESC"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_D"]]
 
 
-def _with_hook(table):
+def with_dq_desc_hook(table):
     return (
         {
             b: [
-                _triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_set_dq_block)
+                triton_or_shim.Config(
+                    dict(c.kwargs), num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_set_dq_block
+                )
                 for c in cfgs
             ]
             for b, cfgs in table.items()
@@ -226,5 +298,5 @@ def _with_hook(table):
     )
 
 
-def _block_d(head_dim: int) -> int:
+def block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())

@@ -146,18 +146,19 @@ def test_triton_every_listed_config(kernel, D, monkeypatch):
     on ragged, GQA, causal and Sq != Sk shapes: a config that is fast but wrong at some
     shape would otherwise only show in training."""
     from longctx.kernels import triton_attention as ta
+    from longctx.kernels import triton_tiles as tt
 
     _require("triton")
-    table = {"fwd": ta._FWD_CONFIGS, "dkdv": ta._DKDV_CONFIGS, "dq": ta._DQ_CONFIGS}[kernel]
+    table = {"fwd": tt.FWD_CONFIGS, "dkdv": tt.DKDV_CONFIGS, "dq": tt.DQ_CONFIGS}[kernel]
     monkeypatch.setenv("LONGCTX_TRITON_AUTOTUNE", "1")  # the pruner hands over the pinned list
     for cfg in list(table[D]):
         monkeypatch.setitem(table, D, [cfg])
-        for tuned in (ta._fwd_kernel, ta._dkdv_split, ta._dq_tuned):
+        for tuned in (ta.fwd_kernel, ta.dkdv_split, ta.dq_tuned):
             tuned.cache.clear()
         for shape in ((2, 1000, 1000, 8, 2, D, True), (1, 384, 1000, 4, 1, D, False)):
             try:
                 check("triton", shape)
             except AssertionError as e:
                 raise AssertionError(f"{kernel} config {cfg}: {e}") from None
-    for tuned in (ta._fwd_kernel, ta._dkdv_split, ta._dq_tuned):
+    for tuned in (ta.fwd_kernel, ta.dkdv_split, ta.dq_tuned):
         tuned.cache.clear()  # later tests autotune over the restored lists
