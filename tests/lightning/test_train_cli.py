@@ -301,13 +301,24 @@ def test_context_parallel_8_on_cpu(tmp_path, cache_env):
         "false",
     ]
     proc = _train(
-        ["--context-parallel", "8", "--max-steps", "3", *small_data, "--output-dir", str(tmp_path)],
+        # Two steps and a one-batch validation: 8 processes share 2 cores in CI.
+        [
+            "--context-parallel",
+            "8",
+            "--max-steps",
+            "2",
+            "--run.val_batches",
+            "1",
+            *small_data,
+            "--output-dir",
+            str(tmp_path),
+        ],
         cache_env,
         timeout=400,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "world 8 = dp 1 x cp 8" in proc.stdout
-    assert sorted(_losses(tmp_path / "metrics.csv")) == [0, 1, 2]
+    assert sorted(_losses(tmp_path / "metrics.csv")) == [0, 1]
 
 
 def test_one_peak_flops_table():
