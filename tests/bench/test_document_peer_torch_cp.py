@@ -18,6 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_cp_flex_documents_match_float64_on_cpu(tmp_path):
     # mean1k at 2048 tokens, seed 2: documents of 585, 674 and 789 tokens (no block or
     # shard boundary aligned, none a multiple of 4).

@@ -3,7 +3,9 @@
 * a short run of the tiny preset writes metrics.csv (step, train_loss), config.yaml,
   loss.png and complete checkpoints, and prints the layout;
 * resume exactness: the run above checkpoints at step 3 of 6; resuming from that
-  checkpoint in a fresh directory reproduces the losses of steps 3..5 bit for bit;
+  checkpoint in a fresh directory reproduces the losses of steps 3..5 bit for bit; a second
+  launch with the same seed, killed right after that checkpoint and resumed, logs the same
+  losses bit for bit, one metrics.csv row per step;
 * an option reached only through a class's signature lands in the module (and its
   optimizer); ``--print_config`` prints a config that gives the same run with ``--config``;
 * atomic checkpoints: a save killed (SIGKILL) mid-write leaves the previous last.ckpt whole,
@@ -124,16 +126,6 @@ def test_end_to_end_outputs(full_run):
     assert ckpt["hyper_parameters"]["weight_decay"] == 0.05
     decays = sorted(g["weight_decay"] for g in ckpt["optimizer_states"][0]["param_groups"])
     assert decays == [0.0, 0.05]
-
-
-@pytest.mark.slow
-def test_same_seed_gives_bit_identical_losses(full_run, tmp_path, cache_env):
-    """Seeded mode: a second run with the same seed logs the same losses, bit for bit."""
-    out, _ = full_run
-    proc = _train([*SMALL, "--output-dir", str(tmp_path / "again")], cache_env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    first, second = _losses(out / "metrics.csv"), _losses(tmp_path / "again" / "metrics.csv")
-    assert len(first) == 6 and first == second
 
 
 @pytest.mark.slow
@@ -301,13 +293,24 @@ def test_context_parallel_8_on_cpu(tmp_path, cache_env):
         "false",
     ]
     proc = _train(
-        ["--context-parallel", "8", "--max-steps", "3", *small_data, "--output-dir", str(tmp_path)],
+        # Two steps and a one-batch validation: 8 processes share 2 cores in CI.
+        [
+            "--context-parallel",
+            "8",
+            "--max-steps",
+            "2",
+            "--run.val_batches",
+            "1",
+            *small_data,
+            "--output-dir",
+            str(tmp_path),
+        ],
         cache_env,
         timeout=400,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "world 8 = dp 1 x cp 8" in proc.stdout
-    assert sorted(_losses(tmp_path / "metrics.csv")) == [0, 1, 2]
+    assert sorted(_losses(tmp_path / "metrics.csv")) == [0, 1]
 
 
 def test_one_peak_flops_table():
@@ -342,15 +345,14 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 @pytest.mark.slow
-def test_metrics_csv_whole_after_a_kill_right_after_a_checkpoint(tmp_path, cache_env):
-    """SIGKILL between a checkpoint's save and its step's metrics row (Lightning logs the row
-    after the save), then --resume: metrics.csv has one row per step, that step's included,
-    with the logged values of the uninterrupted run."""
-    one = ["--context-parallel", "1", "--devices", "1", "--val-every", "0", "--checkpoint-every", "4"]
+def test_same_seed_and_a_kill_right_after_a_checkpoint_give_the_same_losses(full_run, tmp_path, cache_env):
+    """The run above again (same seed, CP=2), SIGKILLed between step 3's checkpoint save and
+    its metrics row (Lightning logs the row after the save), then --resume: metrics.csv has one
+    row per step, that step's included, and every logged loss equals the uninterrupted run's,
+    bit for bit (steps 0..2 from the second launch with the same seed, then the resumed ones)."""
     out = tmp_path / "run"
-    args = [*SMALL, *one, "--max-steps", "8", "--output-dir", str(out)]
     killed = subprocess.run(
-        [sys.executable, "-c", KILL_AFTER_SAVE.format(step=4), str(TRAIN), *args],
+        [sys.executable, "-c", KILL_AFTER_SAVE.format(step=3), str(TRAIN), *SMALL, "--output-dir", str(out)],
         cwd=REPO,
         env=cache_env,
         capture_output=True,
@@ -358,17 +360,16 @@ def test_metrics_csv_whole_after_a_kill_right_after_a_checkpoint(tmp_path, cache
         timeout=240,
     )
     assert killed.returncode == -9, killed.stdout[-3000:] + killed.stderr[-3000:]
-    assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
+    assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
     with open(out / "logs" / "version_0" / "metrics.csv", newline="") as f:
-        assert [int(r["step"]) for r in csv.DictReader(f)] == [0, 1, 2]  # step 3's row died with the process
+        assert [int(r["step"]) for r in csv.DictReader(f)] == [0, 1]  # step 2's row died with the process
     resumed = _train(["--resume", str(out)], cache_env)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     with open(out / "metrics.csv", newline="") as f:
         steps = [int(r["step"]) for r in csv.DictReader(f)]
-    assert steps == list(range(8)), steps
-    whole = _train([*SMALL, *one, "--max-steps", "8", "--output-dir", str(tmp_path / "whole")], cache_env)
-    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-5000:]
-    assert _losses(out / "metrics.csv") == _losses(tmp_path / "whole" / "metrics.csv")
+    assert steps == list(range(6)), steps
+    # Exact: the CSV holds the logged fp32 values; identical strings = identical bits.
+    assert _losses(out / "metrics.csv") == _losses(full_run[0] / "metrics.csv")
 
 
 def test_metrics_csv_has_one_row_per_step_over_launches(tmp_path):

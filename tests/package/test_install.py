@@ -74,5 +74,12 @@ def test_wheel_installs_every_subpackage_and_train_py_runs_from_the_checkout(ven
     checkout = _files(venv, REPO)
     assert all(Path(path).is_relative_to(REPO) for path in checkout.values()), checkout
     out = tmp_path / "run"
-    _run([str(venv), "train.py", "--max-steps", "1", "--output-dir", str(out)], REPO, LONGCTX_CACHE_DIR=str(tmp_path))
+    # Small data (two stdlib packages, a 512-token vocabulary): the install is what is tested,
+    # not the default corpus, whose tokenizer this fresh cache would train from scratch.
+    small = ["--data", "stdlib:json,email", "--model.model.vocab_size", "512", "--seq-len", "64"]
+    _run(
+        [str(venv), "train.py", *small, "--max-steps", "1", "--output-dir", str(out)],
+        REPO,
+        LONGCTX_CACHE_DIR=str(tmp_path),
+    )
     assert (out / "metrics.csv").is_file()

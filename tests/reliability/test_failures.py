@@ -47,6 +47,7 @@ def test_dump_wait_is_left_alone(clean_env, failure_timeout, backend):
     assert NCCL_DUMP_WAIT_ENV not in os.environ
 
 
+@pytest.mark.slow
 def test_a_second_fit_is_watched_afresh():
     """Two watched fits in a row in the same processes over one rendezvous store: fit 1's
     failure does not end fit 2, and fit 2 still sees its peer die (tests/reliability/refit_worker.py)."""

@@ -8,9 +8,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 HERE = os.path.dirname(__file__)
 
 
+@pytest.mark.slow
 def test_raising_rank_ends_the_job_and_is_named():
     # MASTER_PORT too: an in-process fit earlier in the session may have set it and still hold
     # that port (its process group lives on); the job must pick its own.

@@ -379,6 +379,7 @@ def _balanced_vs_unbalanced(rank, world, seed):
     return errors, nan_rows
 
 
+@pytest.mark.slow
 def test_ring_on_balanced_batch_equals_unbalanced_over_gloo():
     seed = random.randrange(1 << 30)  # fresh inputs every run; printed on failure
     per_rank = run_distributed(_balanced_vs_unbalanced, 4, seed)
