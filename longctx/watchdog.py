@@ -177,12 +177,6 @@ class RankWatchdog:
         )
         self._store_host = self._describe_store_host(store)
         self._stop = threading.Event()
-        self._read_failure = threading.Lock()  # one "read" count per process (both threads read)
-        self._counted_read = False
-        # The job's failure once this process has read or published it: a thread that then
-        # finds the store gone (its host exited after the others read it) repeats it instead
-        # of blaming the store's host.
-        self._known_failure: Optional[str] = None
         self._thread: Optional[threading.Thread] = None
         self._watched = (rank + 1) % world_size
 
@@ -248,19 +242,14 @@ class RankWatchdog:
                     )
             first = self._call("compare_set", "failure", "", mine).decode(errors="replace")
         except Exception as exc:  # noqa: BLE001 - the store is gone or hung
-            if symptom and self._known_failure is not None:
-                self.on_failure(f"rank {self.rank} stopping: {self._known_failure}")
-            elif symptom:
+            if symptom:
                 self.on_failure(
                     f"rank {self.rank} stopping: {self._store_lost(exc)}; this rank then failed with {text[:500]}"
                 )
             return mine
-        self._known_failure = first
         if first == mine:
-            self._publish_readers(dead=False)
             time.sleep(3 * self.interval)  # let the others read it before this process exits
         else:
-            self._count_read()
             sys.stderr.write(f"\n[longctx watchdog] rank {self.rank}: first failure of the job: {first}\n")
             sys.stderr.flush()
         return first
@@ -284,9 +273,7 @@ class RankWatchdog:
                     self._call("set", f"coll/{self.rank}", str(mine + 1))
                     self._published = mine + 1
                 if self._call("check", ["failure"]):
-                    message = self._known_failure = self._call("get", "failure").decode(errors="replace")
-                    self._count_read()
-                    self._fail(message)
+                    self._fail(self._call("get", "failure").decode(errors="replace"))
                     return
                 if self.world_size == 1 or self._call("check", [f"done/{self._watched}"]):
                     continue
@@ -302,8 +289,7 @@ class RankWatchdog:
             elif now - last_change > self.timeout:
                 self._declare(
                     f"rank {self._watched} stopped responding (no heartbeat for "
-                    f"{now - last_change:.0f}s; killed or hung)",
-                    dead=True,
+                    f"{now - last_change:.0f}s; killed or hung)"
                 )
                 return
             # A peer whose heartbeat stopped is left to the check above (dead, not stalled).
@@ -343,60 +329,21 @@ class RankWatchdog:
             f"{self.collective_timeout:.0f}s (the process-group timeout)"
         )
 
-    def _declare(self, message: str, dead: bool = False) -> None:
+    def _declare(self, message: str) -> None:
         """Publish ``message`` as the job's failure and end, naming the job's first failure
-        (another rank may have published one meanwhile). ``dead``: the message declares the
-        watched rank dead (it will never read it)."""
+        (another rank may have published one meanwhile)."""
         try:
-            first = self._known_failure = self._call("compare_set", "failure", "", message).decode(errors="replace")
-            if first == message:
-                self._publish_readers(dead)
-            else:
-                self._count_read()
-            message = first
+            message = self._call("compare_set", "failure", "", message).decode(errors="replace")
         except Exception:  # noqa: BLE001
             pass
         self._fail(message)
-
-    def _publish_readers(self, dead: bool) -> None:
-        """After this rank published the job's failure: how many ranks will read it (all, or
-        all but the one declared dead), and that this one has."""
-        try:
-            self._call("set", "failure_readers", str(self.world_size - (1 if dead else 0)))
-        except Exception:  # noqa: BLE001 - the lingering below is then bounded by time alone
-            pass
-        self._count_read()
-
-    def _count_read(self) -> None:
-        """Count this process as one that has read the job's failure (once, from either thread)."""
-        with self._read_failure:
-            if self._counted_read:
-                return
-            self._counted_read = True
-        try:
-            self._call("add", "failure_read", 1)
-        except Exception:  # noqa: BLE001 - the store is gone: nobody waits for the count
-            pass
-
-    def _linger(self) -> None:
-        """Stay up until every rank expected to read the failure has read it, at most
-        ``timeout``: the store usually lives in rank 0's process and dies with it, and a rank
-        of a busy machine may poll seconds late (it would then report the store's host dead
-        instead of the failure)."""
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline and not self._stop.is_set():
-            try:
-                readers = self._call("get", "failure_readers") if self._call("check", ["failure_readers"]) else None
-                if self._call("add", "failure_read", 0) >= (int(readers) if readers else self.world_size - 1):
-                    return
-            except Exception:  # noqa: BLE001 - the store is gone (its host exited): nobody is left to read it
-                return
-            time.sleep(self.interval / 4)
 
     def _fail(self, message: str, linger: bool = True) -> None:
         if self._stop.is_set():
             return
         if linger:
-            self._linger()
+            # Let the others still read the message: the store usually lives in rank 0's
+            # process and dies with it.
+            time.sleep(3 * self.interval)
         if not self._stop.is_set():  # a clean shutdown may have begun meanwhile
             self.on_failure(f"rank {self.rank} stopping: {message}")
