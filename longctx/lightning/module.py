@@ -38,7 +38,12 @@ from torchmetrics import MeanMetric
 
 from longctx.data.prepare import BatchPreparation
 from longctx.loss import TokenWeightedAccumulator
-from longctx.models.checkpoint_import import check_checkpoint_spec, check_run_checkpoint_sizes, load_pretrained
+from longctx.models.checkpoint_import import (
+    SIZE_FIELDS,
+    check_checkpoint_spec,
+    check_run_checkpoint_sizes,
+    load_pretrained,
+)
 from longctx.models.config import GPTConfig
 from longctx.models.gpt import GPT
 from longctx.parallel import ParallelDims, ParallelPlan, parallelize
@@ -453,18 +458,8 @@ class CausalLMModule(L.LightningModule):
         saved = (checkpoint.get("hyper_parameters") or {}).get("model")
         if not saved:
             return
-        shape_keys = (
-            "vocab_size",
-            "n_layer",
-            "n_head",
-            "n_kv_head",
-            "n_embd",
-            "intermediate_size",
-            "head_dim",
-            "tie_embeddings",
-        )
         mine = self.config.to_dict()
-        diff = {k: (saved.get(k), mine.get(k)) for k in shape_keys if saved.get(k) != mine.get(k)}
+        diff = {k: (saved.get(k), mine.get(k)) for k in SIZE_FIELDS if saved.get(k) != mine.get(k)}
         if diff:
             detail = ", ".join(f"{k}: checkpoint {a} vs model {b}" for k, (a, b) in diff.items())
             raise ValueError(f"checkpoint was saved from a different model shape ({detail})")

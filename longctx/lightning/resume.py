@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from longctx.models.checkpoint_import import SIZE_FIELDS
+
 
 def run_dir_of(checkpoint: Path) -> Path:
     parent = checkpoint.parent
@@ -64,14 +66,4 @@ def changes_what_is_trained(key: str) -> bool:
     return section == "model" and name in MODEL_KEYS
 
 
-MODEL_SHAPE_KEYS = (
-    "preset",
-    "vocab_size",
-    "n_layer",
-    "n_head",
-    "n_kv_head",
-    "n_embd",
-    "intermediate_size",
-    "head_dim",
-    "tie_embeddings",
-)
+MODEL_SHAPE_KEYS = ("preset", *SIZE_FIELDS)
