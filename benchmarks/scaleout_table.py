@@ -1,5 +1,5 @@
 """The scale-out table from train.py runs' metrics.csv files: one row per (workload, gpus) with
-the median tokens_per_s, step_s and outside_s over steps FIRST..LAST (1-based, as train.py's
+the median tokens_per_s, step_s, outside_s, mfu and peak_mem_gib over steps FIRST..LAST (1-based, as train.py's
 steps are counted), the speed-up over the same workload's one-GPU row, and outside_s as a share
 of the step's wall time.
 
@@ -18,7 +18,7 @@ import re
 import statistics
 from pathlib import Path
 
-FIELDS = ("tokens_per_s", "step_s", "outside_s")
+FIELDS = ("tokens_per_s", "step_s", "outside_s", "mfu", "peak_mem_gib")
 
 
 def run_row(path: Path, first: int, last: int) -> dict:

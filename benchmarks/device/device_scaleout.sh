@@ -7,6 +7,7 @@
 # After fa4_carry.sh's stash call; carry .carry/fa4-2 and .carry/wheels. Metrics under $OUT/runs,
 # the table in $OUT/scaleout.json. Usage: bash benchmarks/device/device_scaleout.sh
 set -u
+config=${CONFIG:-configs/llama3.2-1b-128k.yaml}
 steps=${STEPS:-20} limit=${LIMIT:-200}
 source benchmarks/device/device_env.sh || exit 3
 here=$(pwd)
@@ -14,7 +15,7 @@ mkdir -p "$OUT/runs"
 run() {  # run NAME GPUS ATTENTION [DIR]
   local name=$1 gpus=$2 attention=$3 dir=${4:-$here} path=$PYTHONPATH
   [ "$dir" != "$here" ] && path="$dir:$PYTHONPATH"  # the older tree's longctx first (staged layout)
-  (cd "$dir" && PYTHONPATH=$path timeout "$limit" python train.py --config configs/llama3.2-1b-128k.yaml \
+  (cd "$dir" && PYTHONPATH=$path timeout "$limit" python train.py --config "$config" \
     --data.stdlib_documents file --model.attention "$attention" --trainer.max_steps "$steps" \
     --trainer.devices "$gpus" --strategy.context_parallel_size "$gpus" \
     --output-dir "/tmp/runs/${name}_${gpus}gpu" --trainer.enable_progress_bar false $PLAN $EXTRA \

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 41's defaults table in one call on a 4-GPU machine, after fa4_carry.sh's stash call (carry
+# .carry/fa4-2 and .carry/wheels): train.py, dense causal attention, 131,072-token sequences, same
+# batches in every run: the Llama-3.2-1B shape on 1 GPU and on 4 (CP = 4) with the GPU defaults
+# (the memory model's plan), on 4 with `activation_checkpointing full` (the old pinned plan), and
+# the Llama-3-8B shape over CP = 4 with the defaults. Table: $OUT/defaults.json (medians of steps
+# 5..last: tokens/s, step_s, MFU, peak memory); logs and metrics in $OUT/defaults_runs.tar.gz.
+set -u
+source benchmarks/device/device_env.sh || exit 3
+mkdir -p "$OUT/runs"
+run() {  # run NAME GPUS STEPS LIMIT CONFIG [train.py flags...]
+  local name=$1 gpus=$2 steps=$3 limit=$4 config=$5
+  shift 5
+  timeout "$limit" python train.py --config "$config" --model.attention causal --trainer.max_steps "$steps" \
+    --trainer.devices "$gpus" --strategy.context_parallel_size "$gpus" --output-dir "/tmp/runs/${name}_${gpus}gpu" \
+    --trainer.enable_progress_bar false "$@" > "$OUT/runs/${name}_${gpus}gpu.log" 2>&1
+  echo "${name} ${gpus} GPUs: rc=$?"
+  cp "/tmp/runs/${name}_${gpus}gpu/metrics.csv" "$OUT/runs/${name}_${gpus}gpu_metrics.csv" 2>/dev/null
+  grep -h "run plan\|memory:\|memory (predicted\|Error\|error:" "$OUT/runs/${name}_${gpus}gpu.log" | cut -c1-300 | head -4
+}
+one_b=configs/llama3.2-1b-128k.yaml
+run dense 1 "${STEPS_1:-10}" 170 "$one_b"
+run dense 4 "${STEPS:-16}" 100 "$one_b"
+run dense-full 4 "${STEPS:-16}" 110 "$one_b" --model.parallel.activation_checkpointing full
+run 8b 4 "${STEPS_8B:-8}" "${LIMIT_8B:-200}" configs/llama3-8b-128k.yaml
+python benchmarks/scaleout_table.py --runs "$OUT/runs" --gpu "${GPU_NAME:-gpu}" --first 5 --last 99 --out "$OUT/defaults.json"
+(cd "$OUT" && tar czf defaults_runs.tar.gz runs && rm -rf runs)
