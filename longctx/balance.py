@@ -13,7 +13,8 @@ such that, sharded with the zigzag layout (2P chunks of C = S/2P tokens, rank r 
 chunks r and 2P-1-r), every rank's visible pairs are within ``TOLERANCE`` of the mean
 wherever the documents allow (plain causal: one document, exactly zigzag):
 
-* documents are placed whole on one rank wherever that keeps the balance: the costliest
+* short documents all whole, each rank filled exactly (nothing moves), where they allow it;
+* else documents are placed whole on one rank wherever that keeps the balance: the costliest
   first onto the least-loaded rank with room (a rank's two chunks take a document whole;
   one per rank may straddle them). Ranks that share no document exchange nothing;
 * a document whose work exceeds a rank's fair share, or that keeps the busiest rank over
@@ -21,7 +22,11 @@ wherever the documents allow (plain causal: one document, exactly zigzag):
   2P-1-r cost every rank the same); a rank's first such document sits at the junction of
   its two chunks, so its two pieces are one run of the shard;
 * what fits nowhere whole, and documents shorter than ``DUST`` tokens, are poured in
-  order into the room left, chunk by chunk.
+  order into the room left, chunk by chunk;
+* contiguous cuts instead (causal): rank by rank, whole documents plus at most one head and
+  one tail cut that bring the rank to exactly its token share and the mean remaining work;
+  a cut document sends only the rows before each piece, not 2P pieces' worth. Of the
+  arrangements within the tolerance, the one ``longctx.exchange_cost``'s terms price fastest.
 
 Why it is exact: ``ring_attention(document_ids=...)`` lets query i see key j iff their ids
 are equal and (causal) j <= i in the sequence it is given. The permutation keeps every
@@ -38,6 +43,7 @@ from typing import Any, Mapping
 
 import torch
 
+from .exchange_cost import H200
 from .layouts import check_layout, check_seq_len, document_work_per_rank
 from .sharding import is_sharded
 
@@ -276,6 +282,182 @@ def _whole_documents(lengths: list, world_size: int, chunk: int, causal: bool, r
     return chunks
 
 
+def _cut_pair(head_of, tail_of, tokens: int, pairs: float, chunk: int):
+    """``(a, t)``: a head ``[s, s + a)`` of piece ``head_of`` and a tail ``[e - t, e)`` of
+    piece ``tail_of`` (``(doc, s, e)`` each; the same piece allowed) that together hold
+    ``tokens`` tokens and about ``pairs`` visible pairs (causal), or None. With ``t`` tail
+    tokens the two hold ``tokens * s_head + tokens**2 / 2 + t * (e_tail - s_head - tokens)``
+    pairs: linear in ``t``, so ``t`` is solved for directly."""
+    (_, head_start, head_end), (_, tail_start, tail_end) = head_of, tail_of
+    slope = tail_end - head_start - tokens
+    if slope <= 0:
+        return None
+    t = min(max(round((pairs - tokens * head_start - tokens * tokens / 2) / slope), 0), tokens)
+    a = tokens - t
+    if t > tail_end - tail_start or a > head_end - head_start or a > chunk or t > chunk:
+        return None
+    if head_of is tail_of and a + t > head_end - head_start:
+        return None
+    return a, t
+
+
+def _whole_pieces(pool: list, work_of, tokens: int, target: float) -> list:
+    """Candidate sets of whole pieces for one rank (at most ``tokens`` tokens and ``target``
+    pairs), each ``(pieces, tokens, pairs)``: greedy over the pool by length (either way) and
+    by pairs per token, skipping the first few fits; and sets that track the rank's target
+    pairs per token as they fill (to a share of the tokens, the rest left for the cut)."""
+
+    def greedy(order, skip):
+        chosen, held, work = [], 0, 0.0
+        for p in order:
+            size, w = p[2] - p[1], work_of(p)
+            if held + size <= tokens and work + w <= target:
+                if skip:
+                    skip -= 1
+                    continue
+                chosen.append(p)
+                held, work = held + size, work + w
+        return chosen, held, work
+
+    def tracking(stop):
+        chosen, held, work, left = [], 0, 0.0, list(pool)
+        while held < stop:
+            fits = [p for p in left if held + p[2] - p[1] <= stop and work + work_of(p) <= target]
+            if not fits:
+                break
+            p = min(fits, key=lambda p: abs(work + work_of(p) - target * (held + p[2] - p[1]) / tokens))
+            left.remove(p)
+            chosen.append(p)
+            held, work = held + p[2] - p[1], work + work_of(p)
+        return chosen, held, work
+
+    orders = (
+        sorted(pool, key=lambda p: p[1] - p[2]),
+        sorted(pool, key=lambda p: -work_of(p) / (p[2] - p[1])),
+        sorted(pool, key=lambda p: p[2] - p[1]),
+    )
+    return [greedy(o, skip) for o in orders for skip in range(4)] + [tracking(tokens * f) for f in (1.0, 0.9, 0.75)]
+
+
+def _fill_rank(pool: list, work_of, lengths: list, tokens: int, target: float, chunk: int):
+    """One rank's pieces from the pool: whole pieces, then at most one head cut (kept in the
+    rank's first chunk) and one tail cut (its second chunk) that bring it to exactly
+    ``tokens`` tokens and within 2% of ``target`` pairs; of the candidates, the one whose
+    pieces need the fewest keys from elsewhere. ``(whole, cut)`` with ``cut`` None or
+    ``(head_of, a, tail_of, t)``; None where no candidate reaches the target."""
+    best = None
+    for whole, held, work in _whole_pieces(pool, work_of, tokens, target):
+        rest_tokens, rest_pairs = tokens - held, target - work
+        starts = sum(p[1] for p in whole)  # rows before each piece: held elsewhere
+        if rest_tokens == 0:
+            if abs(rest_pairs) <= 0.02 * target and (best is None or starts < best[0]):
+                best = (starts, whole, None)
+            continue
+        taken = {id(p) for p in whole}
+        left = sorted((p for p in pool if id(p) not in taken), key=lambda p: p[1] - p[2])
+        for head_of in left[:12] + left[-6:]:
+            for tail_of in left[:12] + left[-6:]:
+                cut = _cut_pair(head_of, tail_of, rest_tokens, rest_pairs, chunk)
+                if cut is None:
+                    continue
+                a, t = cut
+                d_head, s_head, _ = head_of
+                d_tail, _, e_tail = tail_of
+                got = work
+                got += _piece_work(s_head, s_head + a, lengths[d_head], True) if a else 0.0
+                got += _piece_work(e_tail - t, e_tail, lengths[d_tail], True) if t else 0.0
+                if abs(got - target) > 0.02 * target:
+                    continue
+                # The tail needs the keys before it; the head's remainder will need the head's.
+                cost = starts + (s_head + a if a else 0) + (e_tail - t if t else 0)
+                if best is None or cost < best[0]:
+                    best = (cost, whole, (head_of, a, tail_of, t))
+    return None if best is None else best[1:]
+
+
+def _take_cut(pool: list, cut) -> tuple[list, list]:
+    """Cut ``(head_of, a, tail_of, t)`` out of the pool (in place): the rank's head and tail
+    pieces; what is left of the cut pieces goes back to the pool."""
+    head_of, a, tail_of, t = cut
+    heads, tails = [], []
+    if head_of is tail_of:
+        d, s, e = head_of
+        pool.remove(head_of)
+        heads += [(d, s, s + a)] if a else []
+        tails += [(d, e - t, e)] if t else []
+        pool += [(d, s + a, e - t)] if s + a < e - t else []
+        return heads, tails
+    for piece in (head_of, tail_of):
+        pool.remove(piece)
+    d, s, e = head_of
+    heads += [(d, s, s + a)] if a else []
+    pool += [(d, s + a, e)] if a and s + a < e else ([head_of] if not a else [])
+    d, s, e = tail_of
+    tails += [(d, e - t, e)] if t else []
+    pool += [(d, s, e - t)] if t and s < e - t else ([tail_of] if not t else [])
+    return heads, tails
+
+
+def _contiguous_cuts(lengths: list, world_size: int, chunk: int):
+    """Documents cut into few contiguous pieces (causal only): rank by rank, whole documents
+    (or pieces left by earlier ranks) plus one head and one tail cut that bring the rank to
+    exactly its token share and the mean of the remaining work; the last rank takes what is
+    left. A head sits in the rank's first chunk and a tail in its second, so every cut
+    document's pieces stay in order whatever ranks take the rest. Unlike head-tail cuts into
+    2P pieces, a cut document sends only the rows before each piece. Returns the chunks'
+    pieces, or None where some rank cannot be brought to its share."""
+    pool = [(d, 0, L) for d, L in enumerate(lengths)]
+    work_of = lambda p: _piece_work(p[1], p[2], lengths[p[0]], True)  # noqa: E731
+    left_work = sum(work_of(p) for p in pool)
+    ranks = []
+    for r in range(world_size - 1):
+        fill = _fill_rank(pool, work_of, lengths, 2 * chunk, left_work / (world_size - r), chunk)
+        if fill is None:
+            return None
+        whole, cut = fill
+        taken = {id(p) for p in whole}
+        pool = [p for p in pool if id(p) not in taken]
+        heads, tails = _take_cut(pool, cut) if cut is not None else ([], [])
+        ranks.append(heads + sorted(whole) + tails)
+        left_work -= sum(work_of(p) for p in ranks[-1])
+    ranks.append(sorted(pool))
+    n = 2 * world_size
+    chunks = [[] for _ in range(n)]
+    for r, pieces in enumerate(ranks):
+        filled = 0  # the rank's first `chunk` tokens go to chunk r, the rest to chunk 2P-1-r
+        for d, start, end in pieces:
+            size = end - start
+            head = min(size, max(0, chunk - filled))
+            if head:
+                chunks[r].append((d, start, head))
+            if size - head:
+                chunks[n - 1 - r].append((d, start + head, size - head))
+            filled += size
+    return chunks
+
+
+def _exchange_ms(chunks: list, lengths: list, world_size: int, causal: bool) -> float:
+    """An arrangement's predicted attention time (``longctx.exchange_cost``'s ring terms, in
+    relative units): the busiest rank's pairs, the K/V rows the ranks receive (per document
+    and rank, the rows before its last piece there that the rank does not hold) and the
+    busiest rank's kernel calls (one, plus one per rank it needs keys from)."""
+    n = len(chunks)
+    pieces: dict = {}
+    for c, on_chunk in enumerate(chunks):
+        for d, start, size in on_chunk:
+            pieces.setdefault(d, []).append((min(c, n - 1 - c), start, size))
+    moved, sources = 0, [set() for _ in range(world_size)]
+    for d, held in pieces.items():
+        for r in {rank for rank, _, _ in held}:
+            end = max(start + size for rank, start, size in held if rank == r)
+            mine = sum(size for rank, start, size in held if rank == r)
+            moved += end - mine
+            sources[r] |= {rank for rank, start, _ in held if rank != r and start < end}
+    work = _rank_work(chunks, lengths, world_size, causal)
+    calls = 1 + max(len(s) for s in sources)
+    return H200.pair_ms * max(work) / 1e8 + H200.ring_row_ms * moved / 1e4 + H200.call_ms * calls
+
+
 def _rank_work(chunks: list, lengths: list, world_size: int, causal: bool) -> list:
     work = [0.0] * world_size
     n = len(chunks)
@@ -286,20 +468,36 @@ def _rank_work(chunks: list, lengths: list, world_size: int, causal: bool) -> li
 
 
 def _balanced_chunks(lengths: list, world_size: int, chunk: int, causal: bool) -> tuple[list, float]:
-    """The arrangement within ``TOLERANCE`` and its busiest rank over the mean: while the
-    busiest rank is over it, the longest document it holds a piece of (not yet cut, at least
-    2P tokens) is cut head-tail too; where none is left, the best arrangement seen."""
-    n = 2 * world_size
+    """The arrangement within ``TOLERANCE`` predicted fastest (``_exchange_ms``), and its
+    busiest rank over the mean. Short documents all whole when they allow it (nothing
+    moves); else the fewer rows of contiguous cuts (``_contiguous_cuts``) and head-tail cuts:
+    while the busiest rank is over the tolerance, the longest document it holds a piece of
+    (not yet cut, at least 2P tokens) is cut head-tail too. Where none is within it, the
+    best arrangement seen."""
+
+    def ratio_of(chunks):
+        work = _rank_work(chunks, lengths, world_size, causal)
+        return max(work) * world_size / sum(work) if sum(work) else 1.0
+
     # Short documents that can all stay whole: nothing moves between ranks at all.
-    best = None
-    for reserve in WHOLE_RESERVES:
-        whole = _whole_documents(lengths, world_size, chunk, causal, reserve)
-        if whole is not None:
-            work = _rank_work(whole, lengths, world_size, causal)
-            ratio = max(work) * world_size / sum(work) if sum(work) else 1.0
-            best = min(best or (whole, ratio), (whole, ratio), key=lambda arrangement: arrangement[1])
-    if best is not None:
-        return best
+    whole = [w for w in (_whole_documents(lengths, world_size, chunk, causal, r) for r in WHOLE_RESERVES) if w]
+    if whole:
+        return min(((w, ratio_of(w)) for w in whole), key=lambda arrangement: arrangement[1])
+    candidates = [_head_tail_arrangement(lengths, world_size, chunk, causal)]
+    contiguous = _contiguous_cuts(lengths, world_size, chunk) if causal else None
+    if contiguous is not None:
+        candidates.append((contiguous, ratio_of(contiguous)))
+    within = [c for c in candidates if c[1] <= TOLERANCE]
+    if within:
+        return min(within, key=lambda c: _exchange_ms(c[0], lengths, world_size, causal))
+    return min(candidates, key=lambda c: c[1])
+
+
+def _head_tail_arrangement(lengths: list, world_size: int, chunk: int, causal: bool) -> tuple[list, float]:
+    """Whole documents, cut head-tail into 2P pieces while the busiest rank is over
+    ``TOLERANCE`` (the longest it holds a piece of, not yet cut, at least 2P tokens); the
+    first arrangement within it, else the best seen, with its busiest rank over the mean."""
+    n = 2 * world_size
     split: set = set()
     best = None
     while True:

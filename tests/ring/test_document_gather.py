@@ -113,6 +113,17 @@ def _balanced_cases(group, seed):
                 group, "zigzag", causal, *(batch[n] for n in ("q", "k", "v", "dout", "document_ids"))
             )
             results.append(((world, "balanced", causal, moved), errors, info))
+        # Documents of 1/16 to 3/16 of the sequence (mean 16K at 128K, scaled): the balance cuts
+        # them into contiguous pieces (balance._contiguous_cuts), not head-tail.
+        g = torch.Generator().manual_seed(seed + 200)
+        seq = 2 * world * 16
+        lengths = [12, 4, 6, 10, 11, 10, 11] if world == 2 else [9, 8, 7, 9, 18, 10, 9, 18, 8]
+        lengths = lengths if world < 4 else [15, 11, 20, 24, 10, 8, 24, 16]
+        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).expand(2, seq)
+        q, k, v, dout = (torch.randn(2, seq, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
+        batch = balance_documents(dict(document_ids=ids, q=q, k=k, v=v, dout=dout), world_size=world)
+        errors, info = _compare(group, "zigzag", True, *(batch[n] for n in ("q", "k", "v", "dout", "document_ids")))
+        results.append(((world, "contiguous cuts", True, True), errors, info))
     finally:
         balance.DUST = dust
     return results
