@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Issue 42's GPU evaluation in one call (2 GPUs; after fa4_carry.sh's stash call, carry .carry/fa4-2
 # and .carry/wheels): a Llama-3.2-1B-shape checkpoint (train.py, 2 steps at 8,192 tokens: the
-# config's 131,072-token RoPE, its own tokenizer), then evaluate.py on it at up to 131,072 tokens
+# config's 131,072-token RoPE, its own tokenizer; the final last.ckpt only), then evaluate.py on it at up to 131,072 tokens
 # on 1 GPU and on 2 (CP = 2, ring prefill): passkey lengths x depths and loss by position. Into
 # $OUT: eval_1b_{1,2}gpu.json (evaluate.py's records, with their wall seconds) and the logs.
 set -u
 source benchmarks/device/device_env.sh || exit 3
 mkdir -p "$OUT/logs"
 run=/tmp/eval_1b
-timeout "${TRAIN_LIMIT:-150}" python train.py --config configs/llama3.2-1b-128k.yaml --seq-len 8192 \
-  --trainer.devices 1 --strategy.context_parallel_size 1 --trainer.max_steps 2 --checkpoint-every 2 \
+start=$(date +%s)
+timeout "${TRAIN_LIMIT:-240}" python train.py --config configs/llama3.2-1b-128k.yaml --seq-len 8192 \
+  --trainer.devices 1 --strategy.context_parallel_size 1 --trainer.max_steps 2 --checkpoint-every 0 \
   --output-dir "$run" --trainer.enable_progress_bar false > "$OUT/logs/train.log" 2>&1
-echo "train: rc=$?"; tail -3 "$OUT/logs/train.log"
+echo "train: rc=$? in $(( $(date +%s) - start )) s (the end's last.ckpt included)"; tail -3 "$OUT/logs/train.log"
+ls -la "$run/checkpoints" 2>&1 | tail -2
 for n in ${GPUS:-1 2}; do
   start=$(date +%s)
   CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout "${EVAL_LIMIT:-150}" torchrun --standalone --nproc-per-node "$n" \
