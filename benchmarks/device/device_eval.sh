@@ -8,9 +8,10 @@ set -u
 source benchmarks/device/device_env.sh || exit 3
 mkdir -p "$OUT/logs"
 run=/tmp/eval_1b
+rm -rf "$run"
 start=$(date +%s)
 timeout "${TRAIN_LIMIT:-240}" python train.py --config configs/llama3.2-1b-128k.yaml --seq-len 8192 \
-  --trainer.devices 1 --strategy.context_parallel_size 1 --trainer.max_steps 2 --checkpoint-every 0 \
+  --trainer.devices 1 --strategy.context_parallel_size 1 --trainer.max_steps 2 --checkpoint-every 0 ${TRAIN_FLAGS---strategy.data_parallel ddp} \
   --output-dir "$run" --trainer.enable_progress_bar false > "$OUT/logs/train.log" 2>&1
 echo "train: rc=$? in $(( $(date +%s) - start )) s (the end's last.ckpt included)"; tail -3 "$OUT/logs/train.log"
 ls -la "$run/checkpoints" 2>&1 | tail -2
