@@ -186,8 +186,9 @@ def summarize_run(trainer: Any, out: Path, *, title: str, resumed: bool, stopped
     if val:  # with its step: after a resume the newest validation may be the earlier launch's
         step, loss = val[-1]
         summary += f"; val loss {loss:.3f} at step {step} (ppl {math.exp(min(loss, 50.0)):.1f})"
+    last = out / "checkpoints" / "last.ckpt"
     if stopped is None:
-        checkpoint = f"  checkpoint {out / 'checkpoints' / 'last.ckpt'}\n"
+        checkpoint = f"  checkpoint {last}\n" if last.exists() else "  checkpoint none (--checkpoint-every 0)\n"
     elif stopped.checkpoint:
         checkpoint = f"  checkpoint {stopped.checkpoint} (continue: --resume {out})\n"
     else:

@@ -120,6 +120,8 @@ def test_train_py_host_prediction_holds_on_cpu(tmp_path):
     plan = next(line for line in proc.stdout.splitlines() if line.startswith("run plan:"))
     assert "precision=32-true" in plan and "fuse_pointwise=False" in plan
     assert yaml.safe_load((out / "config.yaml").read_text())["trainer"]["precision"] == "32-true"
+    # No checkpoints asked for: the summary names none (it once named a last.ckpt never written).
+    assert "  checkpoint none (--checkpoint-every 0)" in proc.stdout and not (out / "checkpoints").exists()
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
