@@ -3,7 +3,10 @@
 # and .carry/wheels): a Llama-3.2-1B-shape checkpoint (train.py, 2 steps at 8,192 tokens: the
 # config's 131,072-token RoPE, its own tokenizer), then evaluate.py on it at up to 131,072 tokens
 # on 1 GPU and on 2 (CP = 2, ring prefill): passkey lengths x depths and loss by position. Into
-# $OUT: eval_1b_{1,2}gpu.json (TOKENIZER=FILE: no training, a seeded random init of the shape) (evaluate.py's records, with their wall seconds) and the logs.
+# $OUT: eval_1b_{1,2}gpu.json (evaluate.py's records, with their wall seconds), pictures and the logs.
+# TOKENIZER=FILE (inside the checkout, so that it travels): no training, a seeded random init of
+# the shape with that tokenizer (the 1B config's: train.py writes it as
+# ~/.cache/longctx/tokenizers/spm-32768-*.model).
 set -u
 source benchmarks/device/device_env.sh || exit 3
 mkdir -p "$OUT/logs"
