@@ -177,7 +177,7 @@ def resolve_run_checkpoint(spec: PathLike) -> Path:
             raise DamagedCheckpointError(
                 f"{spec} holds no intact checkpoint (no checkpoints/last.ckpt; "
                 + "; ".join(" ".join(s.split()) for s in skipped)
-                + "): name a checkpoint explicitly, or resume the run to save a new one"
+                + ")"
             )
         if found is None:
             kept = sorted(p.name for d in (path, path / "checkpoints") if d.is_dir() for p in d.glob("*.ckpt"))
@@ -296,6 +296,8 @@ def run_tokenizer(spec: PathLike) -> Any:
     from .gguf_tokenizer import GGUFTokenizer
 
     checkpoint = resolve_run_checkpoint(spec)
+    if checkpoint.is_dir():
+        _sharded_hparams(checkpoint)  # a damaged folder is said now, before any tokenizer work
     run = run_directory(checkpoint)
     if run is None:
         raise ValueError(
