@@ -144,14 +144,18 @@ def _checkpoint_in(directory: Path) -> tuple[Optional[Path], list[str]]:
 
 def _looks_like_run(path: Path) -> bool:
     """A train.py run folder or its checkpoints/ folder, whether or not a checkpoint is in it
-    (a Hugging Face directory has a config.json)."""
-    if (path / "config.json").exists():
+    (not a Hugging Face directory: a config.json or tokenizer files)."""
+    if any((path / name).exists() for name in HF_FILES):
         return False
     return (
         (path / "config.yaml").is_file()
         or (path / "checkpoints").is_dir()
         or any(_is_checkpoint(p) for p in path.glob("*.ckpt"))
     )
+
+
+# Files that make a folder a Hugging Face model or tokenizer directory, not a run.
+HF_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def is_run_checkpoint(spec: Any) -> bool:

@@ -87,6 +87,18 @@ def test_sharded_folder_gives_the_model_weights_and_reads_no_optimizer_state(tmp
     assert torch.equal(loaded(ids), model.eval()(ids))
 
 
+def test_reading_a_sharded_folder_imports_no_lightning(tmp_path):
+    folder = tmp_path / "step000001.ckpt"
+    _save_sharded(folder, _model(0), 1)
+    code = (
+        "import sys\nfrom longctx.models.run_checkpoint import load_run_checkpoint\n"
+        f"config, state = load_run_checkpoint({str(folder)!r})\n"
+        "assert len(state) == 20 and 'lightning' not in sys.modules, sorted(sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_run_folder_stands_for_last_else_the_newest_intact_step(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
