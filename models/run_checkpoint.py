@@ -1,11 +1,19 @@
 """This project's own checkpoints as a starting point: a train.py run folder or its ``.ckpt``.
 
+A run checkpoint is a single ``.ckpt`` file (DDP runs) or a sharded ``.ckpt`` folder (FSDP2
+runs, the default on GPUs: torch.distributed.checkpoint shards with a ``manifest.json``). A run
+folder (or its ``checkpoints/`` folder) stands for its ``checkpoints/last.ckpt``, else for its
+newest intact ``step*.ckpt`` (by the step stored in it; a warning names each one skipped).
+
 ``load_run_checkpoint(spec)`` gives ``(GPTConfig, state_dict)`` like the Hugging Face and
 GGUF loaders of ``checkpoint_import`` (which dispatches here, so ``--init-from runs/NAME``
 and ``load_pretrained("runs/NAME/checkpoints/step000200.ckpt")`` work): the config is the
 resolved one ``CausalLMModule`` saved in ``hyper_parameters["model"]``, the tensors those of
-the GPT under the module's ``model.`` prefix. The file is read as data only (tensors and
-plain containers); unpickling arbitrary objects, which can run code, needs ``trust_code``.
+the GPT under the module's ``model.`` prefix. A file is read as data only (tensors and plain
+containers); unpickling arbitrary objects, which can run code, needs ``trust_code``. A sharded
+folder is verified against its manifest and only its model tensors are read, full, in one
+process (``longctx.checkpoint_verify.read_sharded_tensors``): not the optimizer state, and
+never an arbitrary pickle (``trust_code`` changes nothing there).
 
 ``run_tokenizer(spec)`` is the tokenizer that run trained with, from the run's config.yaml:
 its ``data.tokenizer``, else its model's (``init_from`` / ``hf_model``), else the SentencePiece
@@ -15,10 +23,23 @@ again, deterministically, where the cache is gone).
 
 from __future__ import annotations
 
+import pickle
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
+
+from longctx.checkpoint_verify import (
+    DCP_METADATA_NAME,
+    MANIFEST_NAME,
+    CorruptCheckpointError,
+    read_checkpoint_metadata,
+    read_manifest,
+    read_sharded_tensors,
+    sharded_problem,
+)
 
 from .config import GPTConfig
 
@@ -29,15 +50,20 @@ PathLike = Union[str, "Path"]
 WRAPPER_PREFIXES = ("model.", "module.", "_orig_mod.", "_forward_module.")
 
 
+def gpt_name(key: str, wanted: set[str]) -> Optional[str]:
+    """The GPT's name (one of ``wanted``) for a (wrapped) state-dict key, or None."""
+    while key not in wanted and key.startswith(WRAPPER_PREFIXES):
+        key = key.split(".", 1)[1]
+    return key if key in wanted else None
+
+
 def extract_gpt_state(state: dict, wanted: set[str]) -> tuple[dict, list[str]]:
     """The GPT tensors of a (wrapped) state dict and the keys that were not the GPT's."""
     out: dict = {}
     other: list[str] = []
     for key, value in state.items():
-        k = key
-        while k not in wanted and k.startswith(WRAPPER_PREFIXES):
-            k = k.split(".", 1)[1]
-        if k in wanted and isinstance(value, torch.Tensor):
+        k = gpt_name(key, wanted)
+        if k is not None and isinstance(value, torch.Tensor):
             if k in out:
                 raise ValueError(f"checkpoint holds {k!r} twice (as {key!r} and another key)")
             out[k] = value
@@ -51,8 +77,6 @@ def torch_load_data(path: Path, *, trust_code: bool = False) -> Any:
     with the explicit ``trust_code`` opt-in."""
     if trust_code:
         return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    import pickle
-
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as exc:
@@ -62,33 +86,117 @@ def torch_load_data(path: Path, *, trust_code: bool = False) -> Any:
         ) from None
 
 
-def _checkpoint_in(directory: Path) -> Optional[Path]:
-    for candidate in (directory / "checkpoints" / "last.ckpt", directory / "last.ckpt"):
-        if candidate.is_file():
-            return candidate
+class DamagedCheckpointError(ValueError):
+    """A checkpoint file failed an integrity check; the message names the file (one line)."""
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    """A folder torch.distributed.checkpoint wrote (train.py's FSDP2 checkpoints)."""
+    return path.is_dir() and ((path / MANIFEST_NAME).exists() or (path / DCP_METADATA_NAME).exists())
+
+
+def _is_checkpoint(path: Path) -> bool:
+    return path.suffix == ".ckpt" and (path.is_file() or is_sharded_checkpoint(path))
+
+
+def _step_of(path: Path) -> int:
+    """The training step stored in a checkpoint (the manifest's, or the file's ``global_step``)."""
+    if path.is_dir():
+        return read_manifest(path)["global_step"]
+    step = torch_load_data(path).get("global_step")  # mmap: the small pickle only
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValueError("it stores no global_step")
+    return step
+
+
+def _problem(path: Path) -> Optional[str]:
+    """What makes a checkpoint unreadable, found without reading its tensors, or None."""
+    if path.is_dir():
+        return sharded_problem(path, shard_crcs=False)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            if not any(n.endswith("data.pkl") for n in archive.namelist()):
+                return f"{path} is not a torch.save archive (no data.pkl)"
+    except (OSError, zipfile.BadZipFile) as exc:
+        return f"{path} is unreadable ({exc})"
     return None
 
 
+def _checkpoint_in(directory: Path) -> tuple[Optional[Path], list[str]]:
+    """A run folder's (or its checkpoints/ folder's) checkpoint: ``last.ckpt``, else the newest
+    intact ``step*.ckpt`` (None where it holds none); and why each one skipped was skipped."""
+    folders = [d for d in (directory / "checkpoints", directory) if d.is_dir()]
+    for folder in folders:
+        if _is_checkpoint(folder / "last.ckpt"):
+            return folder / "last.ckpt", []
+    ranked, skipped = [], []
+    for candidate in (p for d in folders for p in sorted(d.glob("step*.ckpt")) if _is_checkpoint(p)):
+        problem = _problem(candidate)
+        if problem is None:
+            try:
+                ranked.append((_step_of(candidate), candidate.name, candidate))
+                continue
+            except Exception as exc:  # noqa: BLE001 - an unreadable candidate is skipped, loudly
+                problem = f"{candidate}: {type(exc).__name__}: {exc}"
+        skipped.append(problem)
+    return (max(ranked)[2] if ranked else None), skipped
+
+
+def _looks_like_run(path: Path) -> bool:
+    """A train.py run folder or its checkpoints/ folder, whether or not a checkpoint is in it
+    (not a Hugging Face directory: a config.json or tokenizer files)."""
+    if any((path / name).exists() for name in HF_FILES):
+        return False
+    return (
+        (path / "config.yaml").is_file()
+        or (path / "checkpoints").is_dir()
+        or any(_is_checkpoint(p) for p in path.glob("*.ckpt"))
+    )
+
+
+# Files that make a folder a Hugging Face model or tokenizer directory, not a run.
+HF_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 def is_run_checkpoint(spec: Any) -> bool:
-    """A ``.ckpt`` file, or a run folder (or its checkpoints/ folder) holding ``last.ckpt``."""
+    """A ``.ckpt`` file or sharded ``.ckpt`` folder, or a train.py run folder (or its
+    checkpoints/ folder), even one without a checkpoint (``resolve_run_checkpoint`` says so)."""
     if not isinstance(spec, (str, Path)):
         return False
     path = Path(spec).expanduser()
     if path.is_file():
         return path.suffix == ".ckpt"
-    return path.is_dir() and _checkpoint_in(path) is not None
+    return path.is_dir() and (is_sharded_checkpoint(path) or _looks_like_run(path))
 
 
 def resolve_run_checkpoint(spec: PathLike) -> Path:
-    """The ``.ckpt`` file ``spec`` names (a run folder: its ``checkpoints/last.ckpt``)."""
+    """The ``.ckpt`` file or sharded folder ``spec`` names (a run folder: its
+    ``checkpoints/last.ckpt``, else its newest intact ``checkpoints/step*.ckpt``)."""
     path = Path(spec).expanduser()
+    if is_sharded_checkpoint(path):
+        return path
     if path.is_dir():
-        found = _checkpoint_in(path)
+        found, skipped = _checkpoint_in(path)
+        if found is None and skipped:
+            raise DamagedCheckpointError(
+                f"{spec} holds no intact checkpoint (no checkpoints/last.ckpt; "
+                + "; ".join(" ".join(s.split()) for s in skipped)
+                + ")"
+            )
         if found is None:
-            raise FileNotFoundError(f"{spec}: no checkpoints/last.ckpt or last.ckpt in this folder")
+            kept = sorted(p.name for d in (path, path / "checkpoints") if d.is_dir() for p in d.glob("*.ckpt"))
+            raise FileNotFoundError(
+                f"{spec} holds no checkpoint to load (no checkpoints/last.ckpt or checkpoints/step*.ckpt"
+                + (f"; found {', '.join(kept)}" if kept else "")
+                + "); train.py saves them with --checkpoint-every N"
+            )
+        for problem in skipped:
+            warnings.warn(f"{found} is the newest intact checkpoint of {spec}; skipped {problem}", stacklevel=2)
         return found
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {str(spec)!r} does not exist (give a .ckpt file or a run folder)")
+        raise FileNotFoundError(
+            f"checkpoint {str(spec)!r} does not exist (give a .ckpt file or folder, or a run folder)"
+        )
     return path
 
 
@@ -107,13 +215,42 @@ def _gpt_keys(config: GPTConfig) -> set[str]:
         return set(GPT(config).state_dict())
 
 
-def load_run_checkpoint(spec: PathLike, *, trust_code: bool = False) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """``(config, state_dict)`` of the GPT in a train.py checkpoint (``.ckpt`` or run folder)."""
-    path = resolve_run_checkpoint(spec)
-    ckpt = torch_load_data(path, trust_code=trust_code)
+def _read_sharded(path: Path, read: Any) -> Any:
+    """``read()`` of a sharded folder, its integrity and data-only refusals as one
+    ``DamagedCheckpointError`` naming the bad file."""
+    try:
+        return read()
+    except (CorruptCheckpointError, pickle.UnpicklingError) as exc:
+        message = " ".join(str(exc).split())
+        raise DamagedCheckpointError(message if str(path) in message else f"{path}: {message}") from None
+
+
+def _sharded_hparams(path: Path) -> dict:
+    def read() -> dict:
+        problem = sharded_problem(path, shard_crcs=False)
+        if problem is not None:
+            raise CorruptCheckpointError(f"sharded checkpoint {path} failed verification: {problem}")
+        return read_checkpoint_metadata(path)
+
+    return _hparams(path, _read_sharded(path, read))
+
+
+def _hparams(path: Path, ckpt: Any) -> dict:
     if not isinstance(ckpt, dict):
         raise TypeError(f"{path}: expected a checkpoint dict, got {type(ckpt).__name__}")
-    hparams = ckpt.get("hyper_parameters") or {}
+    return ckpt.get("hyper_parameters") or {}
+
+
+def run_checkpoint_hparams(spec: PathLike, *, trust_code: bool = False) -> tuple[Path, dict]:
+    """The checkpoint ``spec`` names and the ``hyper_parameters`` saved in it (a sharded
+    folder's from its ``metadata.pt``, verified against the manifest); no tensors read."""
+    path = resolve_run_checkpoint(spec)
+    if path.is_dir():
+        return path, _sharded_hparams(path)
+    return path, _hparams(path, torch_load_data(path, trust_code=trust_code))
+
+
+def _model_config(path: Path, hparams: dict) -> GPTConfig:
     if hparams.get("hf_model"):
         raise ValueError(
             f"{path} trained the Hugging Face model {hparams['hf_model']!r} (hf_model), not a GPT: "
@@ -122,7 +259,29 @@ def load_run_checkpoint(spec: PathLike, *, trust_code: bool = False) -> tuple[GP
     saved = hparams.get("model")
     if not isinstance(saved, dict):
         raise ValueError(f"{path} carries no model config (hyper_parameters['model']): not a checkpoint of train.py")
-    config = GPTConfig.from_dict(dict(saved))
+    return GPTConfig.from_dict(dict(saved))
+
+
+# A sharded folder's model tensors: Lightning's checkpoint["state_dict"], saved under this name.
+SHARDED_STATE_KEY = "state_dict."
+
+
+def load_run_checkpoint(spec: PathLike, *, trust_code: bool = False) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """``(config, state_dict)`` of the GPT in a train.py checkpoint (``.ckpt`` file or sharded
+    folder, or a run folder). A sharded folder: its model tensors only, full, one process."""
+    path = resolve_run_checkpoint(spec)
+    if path.is_dir():
+        config = _model_config(path, _sharded_hparams(path))
+        wanted = _gpt_keys(config)
+
+        def keep(name: str) -> bool:
+            return name.startswith(SHARDED_STATE_KEY) and gpt_name(name[len(SHARDED_STATE_KEY) :], wanted) is not None
+
+        tensors = _read_sharded(path, lambda: read_sharded_tensors(path, keep))
+        state, _ = extract_gpt_state({k[len(SHARDED_STATE_KEY) :]: v for k, v in tensors.items()}, wanted)
+        return config, state
+    ckpt = torch_load_data(path, trust_code=trust_code)
+    config = _model_config(path, _hparams(path, ckpt))
     state, _ = extract_gpt_state(ckpt.get("state_dict", ckpt), _gpt_keys(config))
     return config, state
 
@@ -135,12 +294,14 @@ def _read_run_config(run: Path) -> dict:
 
 
 def run_tokenizer(spec: PathLike) -> Any:
-    """The tokenizer the run at ``spec`` (run folder or ``.ckpt``) trained with."""
+    """The tokenizer the run at ``spec`` (run folder, or ``.ckpt`` file or folder) trained with."""
     from longctx.data import as_text_tokenizer
 
     from .gguf_tokenizer import GGUFTokenizer
 
     checkpoint = resolve_run_checkpoint(spec)
+    if checkpoint.is_dir():
+        _sharded_hparams(checkpoint)  # a damaged folder is said now, before any tokenizer work
     run = run_directory(checkpoint)
     if run is None:
         raise ValueError(

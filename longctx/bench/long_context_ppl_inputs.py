@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from longctx.checkpoint_verify import read_manifest
+
 # The data half moved to longctx.data.eval_stream (the evaluation tool reads the same stream).
 from longctx.data.eval_stream import (
     AUTO_FALLBACK,
@@ -15,7 +17,7 @@ from longctx.data.eval_stream import (
     resolve_eval_corpus,
     tree_corpus,
 )
-from longctx.models.run_checkpoint import extract_gpt_state
+from longctx.models.run_checkpoint import extract_gpt_state, load_run_checkpoint, resolve_run_checkpoint
 from longctx.models.run_checkpoint import torch_load_data as _torch_load
 
 __all__ = [
@@ -49,11 +51,19 @@ def load_checkpoint_model(
     from longctx.models.checkpoint_import import load_checkpoint, load_into
 
     p = Path(path)
-    if p.is_dir():  # a run directory or its checkpoints/ directory
-        for cand in (p / "checkpoints" / "last.ckpt", p / "last.ckpt"):
-            if cand.is_file():
-                p = cand
-                break
+    if p.is_dir():  # a run directory, its checkpoints/ directory or a sharded .ckpt folder
+        p = resolve_run_checkpoint(p)
+    if p.is_dir():  # sharded (an FSDP2 run's): its model tensors and saved config only
+        config, gpt_state = load_run_checkpoint(p)
+        model = GPT(config.replace(**overrides) if overrides else config)
+        load_into(model, gpt_state, source=str(p))
+        info = {
+            "checkpoint": str(p),
+            "config_from": "checkpoint hyper_parameters",
+            "ignored_keys": 0,
+            "global_step": read_manifest(p)["global_step"],
+        }
+        return model, info
     if not p.is_file():
         raise FileNotFoundError(f"checkpoint {path!r} does not exist (give a .ckpt file or a run directory)")
     ckpt = _torch_load(p, trust_code=trust_code)

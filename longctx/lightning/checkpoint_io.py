@@ -15,7 +15,7 @@ Two kinds, both written so that a crash mid-save never leaves something a resume
 by file time) and takes the newest intact one, warning about each one it skips.
 Every pickle is read with ``weights_only=True`` or an allowlist: a checkpoint is data.
 The integrity checks and the data-only DCP readers (and the names and manifest format
-they read) are checkpoint_verify's.
+they read) are longctx.checkpoint_verify's (Lightning-free: models/ reads run checkpoints with it).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from .checkpoint_verify import (
+from longctx.checkpoint_verify import (
     DCP_METADATA_NAME,
     MANIFEST_FORMAT,
     MANIFEST_NAME,

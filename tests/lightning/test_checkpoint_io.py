@@ -28,6 +28,7 @@ import pytest
 import torch
 from helpers.dist_harness import run_distributed
 
+from longctx.checkpoint_verify import MANIFEST_NAME, CorruptCheckpointError, is_complete_checkpoint
 from longctx.lightning.checkpoint_io import (
     AtomicCheckpointIO,
     consolidate_checkpoint,
@@ -35,7 +36,6 @@ from longctx.lightning.checkpoint_io import (
     load_sharded_checkpoint,
     save_sharded_checkpoint,
 )
-from longctx.lightning.checkpoint_verify import MANIFEST_NAME, CorruptCheckpointError, is_complete_checkpoint
 
 
 def _dead_pid() -> int:

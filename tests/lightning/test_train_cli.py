@@ -101,7 +101,7 @@ def full_run(tmp_path_factory, cache_env) -> tuple[Path, subprocess.CompletedPro
 
 @pytest.mark.slow
 def test_end_to_end_outputs(full_run):
-    from longctx.lightning.checkpoint_verify import is_complete_checkpoint
+    from longctx.checkpoint_verify import is_complete_checkpoint
 
     out, proc = full_run
     assert "world 2 = dp 1 x cp 2" in proc.stdout and "tokens per step 128" in proc.stdout

@@ -2,23 +2,28 @@
 intact (single files: the zip CRC of every member, which ``torch.load`` never checks; sharded
 folders: the size and crc32 of every file against ``manifest.json``), and reading a sharded
 one as data only (DCP's ``.metadata`` and non-tensor entries through allowlists, where DCP
-itself would unpickle anything); with the file names and manifest format they read."""
+itself would unpickle anything); with the file names and manifest format they read.
+
+``read_sharded_tensors`` reads chosen tensors of a sharded folder (e.g. a run's model weights,
+not its optimizer state) into full tensors in one process, without a process group. Torch
+alone: models/ imports this module without Lightning."""
 
 from __future__ import annotations
 
 import io
 import json
 import pickle
+import warnings
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
 MANIFEST_NAME = "manifest.json"
 METADATA_NAME = "metadata.pt"  # rank 0's ``metadata`` dict (trainer progress, hparams, step)
@@ -79,8 +84,13 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def sharded_problem(path: Path, rank: int = 0, world_size: int = 1) -> Optional[str]:
-    """The first problem with ``path``'s files (this rank's share of them), or None."""
+def sharded_problem(path: Path, rank: int = 0, world_size: int = 1, *, shard_crcs: bool = True) -> Optional[str]:
+    """The first problem with ``path``'s files (this rank's share of them), or None.
+
+    ``shard_crcs=False``: the DCP shard files (``*.distcp``) are checked for their size only,
+    the others (``.metadata``, ``metadata.pt``) for size and crc32 as always; a reader of part
+    of the shards (the model weights, not the optimizer state) then reads no more than it uses.
+    """
     try:
         files = read_manifest(path)["files"]
     except CorruptCheckpointError as exc:
@@ -88,7 +98,12 @@ def sharded_problem(path: Path, rank: int = 0, world_size: int = 1) -> Optional[
     for name in sorted(files)[rank::world_size]:
         expected, file = files[name], path / name
         try:
-            size, crc = size_and_crc32(file)
+            if shard_crcs or not name.endswith(".distcp"):
+                size, crc = size_and_crc32(file)
+            else:
+                size, crc = file.stat().st_size, expected.get("crc32")
+        except FileNotFoundError:
+            return f"{file} is missing (the manifest lists it)"
         except OSError as exc:
             return f"{file} is unreadable ({exc})"
         if size != expected.get("size"):
@@ -190,3 +205,41 @@ class SafeLoadPlanner(_WeightsOnlyBytes, dcp.DefaultLoadPlanner):
 # uses: the public dcp.load only fills the keys it is given).
 class SafeConsolidatePlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
     pass
+
+
+def read_checkpoint_metadata(path: PathLike) -> dict[str, Any]:
+    """A sharded folder's ``metadata.pt`` (trainer progress, ``hyper_parameters``, the step),
+    read as data only (``weights_only=True``)."""
+    file = Path(path) / METADATA_NAME
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise pickle.UnpicklingError(f"{file}: holds objects other than plain data ({exc})") from None
+
+
+def read_sharded_tensors(path: PathLike, select: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """The full (unsharded) tensors of the sharded folder ``path`` whose DCP names ``select``
+    accepts (e.g. ``state_dict.model.embed.weight``), in the dtype they were saved in; one
+    process, no process group.
+
+    Verified first (``CorruptCheckpointError`` naming the bad file): the manifest, every file's
+    size, the crc32 of ``.metadata`` and ``metadata.pt`` (``sharded_problem(shard_crcs=False)``:
+    the shard files hold the entries not selected too, an optimizer's state three times a
+    model's, and a whole-file crc32 would read them all). Only the selected entries' bytes are
+    read; ``.metadata`` through the allowlist of ``read_dcp_metadata``.
+    """
+    path = Path(path)
+    problem = sharded_problem(path, shard_crcs=False)
+    if problem is not None:
+        raise CorruptCheckpointError(f"sharded checkpoint {path} failed verification: {problem}")
+    metadata = read_dcp_metadata(path)
+    state = {
+        name: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for name, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata) and select(name)
+    }
+    if state:
+        with warnings.catch_warnings():  # "no process group: assuming one process", meant
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=True)
+    return state
