@@ -267,6 +267,17 @@ class ParallelPlan:
             document_exchange=("auto" if gpu else "ring") if exchange is None else exchange,
         )
 
+    def check_decided(self, user: str) -> None:
+        """Raise ``ValueError`` (one line) where activation checkpointing is still "auto": what
+        ``user`` (``parallelize``, the memory model) applies or counts is one decided mode, and
+        "auto" is decided before the model is built (``longctx.run_plan.resolve_run``)."""
+        if self.activation_checkpointing == "auto":
+            raise ValueError(
+                f"{user} needs a decided activation_checkpointing ({', '.join(map(repr, CHECKPOINTING))}), got "
+                "'auto': 'auto' is decided before the model is built (longctx.run_plan.resolve_run; "
+                "CausalLMModule does it)"
+            )
+
     def check_device(self, device) -> None:
         """Raise ``ValueError`` (one line) where ``attention_backend`` cannot run on ``device``
         (e.g. "fa4" without FlashAttention-4 or off an sm90/sm100 GPU), or ``float8`` (no sm89+
@@ -401,12 +412,8 @@ def _hand_over_to_hf(model: nn.Module, cp: CPContext, plan: ParallelPlan) -> Non
 def _apply_run_settings(model: nn.Module, plan: ParallelPlan) -> None:
     """The plan's settings that change how the model runs, not its layout (checkpointing,
     fusion, loss chunk, offload, MLP tiling, attention head chunks), through the model's setters."""
+    plan.check_decided("parallelize")
     ac = plan.activation_checkpointing
-    if ac == "auto":
-        raise ValueError(
-            "activation_checkpointing='auto' is decided before the model is built "
-            "(longctx.run_plan.resolve_run; CausalLMModule does it): give parallelize 'none', 'selective' or 'full'"
-        )
     if hasattr(model, "set_activation_checkpointing"):
         model.set_activation_checkpointing(ac)
     elif ac != "none":
