@@ -103,11 +103,11 @@ class RunPlan:
     memory: MemoryChoices
     estimate: Any = dataclasses.field(default=None, compare=False)
     notes: tuple = dataclasses.field(default=(), compare=False)
+    model: ParallelPlan = dataclasses.field(init=False, repr=False, compare=False)
 
-    def model_plan(self) -> ParallelPlan:
-        """The ``ParallelPlan`` that ``parallelize`` applies (and ``hparams["parallel"]`` records)."""
+    def __post_init__(self) -> None:
         p = self.parallel
-        return ParallelPlan(
+        model = ParallelPlan(
             cp_attention=p.cp_attention,
             attention_backend=p.attention_backend,
             document_backend=p.document_backend,
@@ -116,6 +116,13 @@ class RunPlan:
             float8=p.float8,
             **dataclasses.asdict(self.memory),
         )
+        model.check_decided("a run plan")
+        object.__setattr__(self, "model", model)  # frozen: made once, here
+
+    def model_plan(self) -> ParallelPlan:
+        """The ``ParallelPlan`` that ``parallelize`` applies (and ``hparams["parallel"]`` records):
+        ``model``, made once with the plan."""
+        return self.model
 
     def to_dict(self) -> dict:
         return {"parallel": dataclasses.asdict(self.parallel), "memory": dataclasses.asdict(self.memory)}
