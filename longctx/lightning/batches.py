@@ -31,14 +31,12 @@ class DocumentBatches:
         self,
         *,
         attention: str,
-        rope_positions: str,
         load_balance: Optional[bool],
         heads: int,
         kv_heads: Optional[int],
         head_dim: int,
     ) -> None:
         self.documents = attention == "document"
-        self.rope_positions = rope_positions
         self.load_balance = load_balance
         self.attention_shape = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim)
         self.reported = False
@@ -56,7 +54,7 @@ class DocumentBatches:
             cp_size=cp,
             cp_rank=int(getattr(strategy, "cp_rank", 0)) if cp > 1 else 0,
             layout=getattr(strategy, "layout", "zigzag"),
-            rope_positions=self.rope_positions,
+            rope_positions=run_plan.parallel.rope_positions,
             balance=bool(run_plan.parallel.balance_documents),
             plan=self.documents,
             exchange=run_plan.parallel.document_exchange,
@@ -76,7 +74,7 @@ class DocumentBatches:
         if not (isinstance(batch, Mapping) and "document_ids" in batch):
             return batch
         balance_over = self.balance_over(batch, trainer, run_plan)
-        if self.rope_positions == "document":
+        if run_plan.parallel.rope_positions == "document":
             batch = {**batch, "position_ids": document_position_ids(batch["document_ids"])}
         if balance_over is not None:
             batch = balance_documents(batch, world_size=balance_over[0], layout=balance_over[1])

@@ -47,7 +47,6 @@ from longctx.models.checkpoint_import import (
 from longctx.models.config import GPTConfig
 from longctx.models.gpt import GPT
 from longctx.parallel import ParallelDims, ParallelPlan, parallelize
-from longctx.run_plan import resolve_rope_positions
 from longctx.validation import ArgumentValueError, check_choice, check_number
 
 from .batches import DocumentBatches
@@ -174,7 +173,7 @@ class CausalLMModule(L.LightningModule):
             )
         )
         self.attention = attention
-        self.rope_positions = resolve_rope_positions(rope_positions, documents=attention == "document")
+        self.rope_positions = rope_positions  # as asked for: the run plan resolves it
         self.load_balance = load_balance
         if isinstance(model, GPTConfig):
             model = model.to_dict()
@@ -199,7 +198,6 @@ class CausalLMModule(L.LightningModule):
         self._check_first_batch = False
         self.document_batches = DocumentBatches(
             attention=attention,
-            rope_positions=self.rope_positions,
             load_balance=load_balance,
             heads=self.config.n_head,
             kv_heads=self.config.n_kv_head,
@@ -315,7 +313,7 @@ class CausalLMModule(L.LightningModule):
             batch_size=datamodule.batch_size,
             attention=args["attention"],
             load_balance=args["load_balance"],
-            rope_positions=resolve_rope_positions(args["rope_positions"], documents=args["attention"] == "document"),
+            rope_positions=args["rope_positions"],
             n_params=config.num_params(),
             memory_check=True,
             hf_modules=args["hf_model"] is not None,
