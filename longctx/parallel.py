@@ -13,7 +13,7 @@ and ``parallelize``, which applies them to an architecture-only model from outsi
 * ``ParallelPlan``: the runtime policy of one model: activation checkpointing, pointwise
   fusion, ring or Ulysses, kernel backends, loss chunk size, memory settings, FP8 linears. A
   run resolves its "auto"s and the settings it leaves unset (``defaults_for``: per device) once
-  (``longctx.run_plan.resolve_run``); the training module owns the result.
+  (``longctx.run_plan.resolve_run``): the resolved plan's ``model`` is what ``parallelize`` gets.
 * ``parallelize(model, dims, plan)``: applies both, FSDP2 last (per block, an untied input
   embedding, then the root).
 

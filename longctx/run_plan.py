@@ -12,10 +12,17 @@ frozen ``RunPlan`` of two parts kept apart:
   offloaded blocks, loss chunk: the requested settings, escalated where the memory model
   (``longctx.memory``; one ladder: ``longctx.memory_fit.fitting_plan``) predicts they do not fit the GPU.
 
-``RunPlan.model_plan()`` is the ``ParallelPlan`` ``parallelize`` applies (once, kernels named:
-the layers run what the plan says, nothing re-resolves "auto"); ``config_entries()`` the options
-that reproduce the run when written to its config.yaml; ``line()`` the line printed at start.
-A plan resolved again from its own entries is the same plan.
+``RunPlan.model`` (``model_plan()``) is the ``ParallelPlan`` ``parallelize`` applies, made once
+with the plan (kernels named, activation checkpointing decided: the layers run what the plan
+says, nothing re-resolves "auto"); ``config_entries()`` the options that reproduce the run when
+written to its config.yaml; ``line()`` the line printed at start. A plan resolved again from its
+own entries is the same plan.
+
+Who reads what (``CausalLMModule`` resolves the plan in ``setup``, through
+``longctx.lightning.planning.plan_run``, and hands it down once): the strategy its data-parallel
+mode (``ContextParallelStrategy.use_run_plan``), ``parallelize`` its ``model``, the batch pipeline
+the document balance, exchange and RoPE positions (``longctx.lightning.batches``), train.py's
+config.yaml ``config_entries()``.
 
 Defaults: what the run leaves unset (None) is decided here, by device, in one place
 (``ParallelPlan.defaults_for``): on a CUDA GPU the fastest plan the memory model predicts to

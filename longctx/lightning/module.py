@@ -1,7 +1,9 @@
 """CausalLMModule: the LightningModule for (long-context) causal-LM training.
 
 It wraps ``longctx.models.GPT`` (architecture only) and a ``longctx.ParallelPlan`` (how it
-runs). ``configure_model`` applies both with ``longctx.parallelize`` under the layout the
+runs, as asked for). ``setup`` resolves the run plan once (``longctx.run_plan.RunPlan``, through
+``planning.plan_run``) and hands it to the strategy (``use_run_plan``: the data-parallel mode);
+``configure_model`` applies its ``model`` part with ``longctx.parallelize`` under the layout the
 strategy describes (``ContextParallelStrategy.parallel_dims``: CP context, FSDP2 or DDP);
 the strategy shards every batch. What this module adds:
 
@@ -85,7 +87,7 @@ class CausalLMModule(L.LightningModule):
             resolved once in ``setup``, before ``configure_model``
             (``longctx.run_plan.resolve_run``: kernels, memory settings, with the strategy's
             data-parallel mode and the document balance): ``run_plan``, printed at the start
-            of a fit; ``plan`` / ``hparams["parallel"]`` its model part, which train.py's
+            of a fit; ``plan`` (``run_plan.model``) / ``hparams["parallel"]`` its model part, which train.py's
             config.yaml records (with the resolved ``load_balance`` and ``rope_positions``) so
             that the run reproduces.
         attention: ``"document"`` (default): a token attends only to earlier tokens of its own
