@@ -12,7 +12,7 @@ frozen ``RunPlan`` of two parts kept apart:
   offloaded blocks, loss chunk: the requested settings, escalated where the memory model
   (``longctx.memory``; one ladder: ``longctx.memory_fit.fitting_plan``) predicts they do not fit the GPU.
 
-``RunPlan.model`` (``model_plan()``) is the ``ParallelPlan`` ``parallelize`` applies, made once
+``RunPlan.model`` is the ``ParallelPlan`` ``parallelize`` applies, made once
 with the plan (kernels named, activation checkpointing decided: the layers run what the plan
 says, nothing re-resolves "auto"); ``config_entries()`` the options that reproduce the run when
 written to its config.yaml; ``line()`` the line printed at start. A plan resolved again from its
@@ -102,9 +102,10 @@ class MemoryChoices:
 
 @dataclass(frozen=True)
 class RunPlan:
-    """A run's decisions: ``parallel`` and ``memory``. ``estimate`` (the memory model's
-    prediction, None where not checked) and ``notes`` (what was changed to fit) are reports,
-    not decisions: they do not take part in equality."""
+    """A run's decisions: ``parallel`` and ``memory``. ``model``: the ``ParallelPlan`` that
+    ``parallelize`` applies (and ``hparams["parallel"]`` records), made from them once, here.
+    ``estimate`` (the memory model's prediction, None where not checked) and ``notes`` (what was
+    changed to fit) are reports, not decisions: they do not take part in equality."""
 
     parallel: ParallelChoices
     memory: MemoryChoices
@@ -126,11 +127,6 @@ class RunPlan:
         model.check_decided("a run plan")
         object.__setattr__(self, "model", model)  # frozen: made once, here
 
-    def model_plan(self) -> ParallelPlan:
-        """The ``ParallelPlan`` that ``parallelize`` applies (and ``hparams["parallel"]`` records):
-        ``model``, made once with the plan."""
-        return self.model
-
     def to_dict(self) -> dict:
         return {"parallel": dataclasses.asdict(self.parallel), "memory": dataclasses.asdict(self.memory)}
 
@@ -139,7 +135,7 @@ class RunPlan:
         the model's ``parallel`` section, its document balance and RoPE positions, the
         Trainer's precision and, under the longctx strategy, its data-parallel mode."""
         entries: dict = {
-            "model.parallel": self.model_plan().to_dict(),
+            "model.parallel": self.model.to_dict(),
             "model.load_balance": self.parallel.balance_documents,
             "model.rope_positions": self.parallel.rope_positions,
             "trainer.precision": self.parallel.precision,
@@ -466,7 +462,7 @@ def check_memory(
         cpu_offload=p.cpu_offload,
         local_ranks=local_ranks,
     )
-    plan = run.model_plan()
+    plan = run.model
     kw = _memory_kw(
         p.data_parallel,
         world,
