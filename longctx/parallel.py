@@ -218,11 +218,9 @@ class ParallelPlan:
 
     def __post_init__(self) -> None:
         ac = self.activation_checkpointing
-        ac = {False: "none", True: "full"}.get(ac, ac) if isinstance(ac, bool) else ac
-        if ac is not None and ac not in PLAN_CHECKPOINTING:
+        if ac is not None and (not isinstance(ac, str) or ac not in PLAN_CHECKPOINTING):
             choices = f"{PLAN_CHECKPOINTING} (or null: the run's default)"
             raise ArgumentValueError("activation_checkpointing", f"must be one of {choices}, got {ac!r}")
-        object.__setattr__(self, "activation_checkpointing", ac)  # frozen: normalised once, here
         for name in ("fuse_pointwise", "float8"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "fuse_pointwise" and value is None):
