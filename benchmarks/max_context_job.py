@@ -138,7 +138,9 @@ class Job:
         torch.manual_seed(0)
         with self.device:  # initialise on the device: a CPU init of 350M weights takes seconds
             self.gpt = GPT(self.cfg)
-        self.plan = ParallelPlan(activation_checkpointing=self.ckpt, attention_backend=args.backend)
+        self.plan = ParallelPlan(
+            activation_checkpointing="full" if self.ckpt else "none", attention_backend=args.backend
+        )
         parallelize(self.gpt, ParallelDims(cp=CPContext(dist.group.WORLD if self.p > 1 else None)), self.plan)
         net = LossModule(self.gpt)
         # DDP as Lightning's strategy uses it (defaults: separate gradient buckets).

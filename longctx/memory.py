@@ -255,10 +255,7 @@ def estimate(
         seq_len, cp, dp, batch_size, data_parallel, attention_kernel, device, precision, cpu_offload
     )
     plan = as_plan(plan).defaults_for(None)  # settings left to a run that none resolved: the plain model
-    if plan.activation_checkpointing == "auto":
-        raise ValueError(
-            "estimate needs a decided activation_checkpointing ('none', 'selective' or 'full'), got 'auto'"
-        )
+    plan.check_decided("estimate")
     s = model_shape(config)
     if attention_kernel == "auto":  # the plan's backend; "auto" as the kernels will choose it
         chosen = plan.attention_backend

@@ -13,7 +13,7 @@ and ``parallelize``, which applies them to an architecture-only model from outsi
 * ``ParallelPlan``: the runtime policy of one model: activation checkpointing, pointwise
   fusion, ring or Ulysses, kernel backends, loss chunk size, memory settings, FP8 linears. A
   run resolves its "auto"s and the settings it leaves unset (``defaults_for``: per device) once
-  (``longctx.run_plan.resolve_run``); the training module owns the result.
+  (``longctx.run_plan.resolve_run``): the resolved plan's ``model`` is what ``parallelize`` gets.
 * ``parallelize(model, dims, plan)``: applies both, FSDP2 last (per block, an untied input
   embedding, then the root).
 
@@ -218,11 +218,9 @@ class ParallelPlan:
 
     def __post_init__(self) -> None:
         ac = self.activation_checkpointing
-        ac = {False: "none", True: "full"}.get(ac, ac) if isinstance(ac, bool) else ac
-        if ac is not None and ac not in PLAN_CHECKPOINTING:
+        if ac is not None and (not isinstance(ac, str) or ac not in PLAN_CHECKPOINTING):
             choices = f"{PLAN_CHECKPOINTING} (or null: the run's default)"
             raise ArgumentValueError("activation_checkpointing", f"must be one of {choices}, got {ac!r}")
-        object.__setattr__(self, "activation_checkpointing", ac)  # frozen: normalised once, here
         for name in ("fuse_pointwise", "float8"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "fuse_pointwise" and value is None):
@@ -266,6 +264,17 @@ class ParallelPlan:
             fuse_pointwise=(gpu and fusable) if fuse is None else fuse,
             document_exchange=("auto" if gpu else "ring") if exchange is None else exchange,
         )
+
+    def check_decided(self, user: str) -> None:
+        """Raise ``ValueError`` (one line) where activation checkpointing is still "auto": what
+        ``user`` (``parallelize``, the memory model) applies or counts is one decided mode, and
+        "auto" is decided before the model is built (``longctx.run_plan.resolve_run``)."""
+        if self.activation_checkpointing == "auto":
+            raise ValueError(
+                f"{user} needs a decided activation_checkpointing ({', '.join(map(repr, CHECKPOINTING))}), got "
+                "'auto': 'auto' is decided before the model is built (longctx.run_plan.resolve_run; "
+                "CausalLMModule does it)"
+            )
 
     def check_device(self, device) -> None:
         """Raise ``ValueError`` (one line) where ``attention_backend`` cannot run on ``device``
@@ -401,12 +410,8 @@ def _hand_over_to_hf(model: nn.Module, cp: CPContext, plan: ParallelPlan) -> Non
 def _apply_run_settings(model: nn.Module, plan: ParallelPlan) -> None:
     """The plan's settings that change how the model runs, not its layout (checkpointing,
     fusion, loss chunk, offload, MLP tiling, attention head chunks), through the model's setters."""
+    plan.check_decided("parallelize")
     ac = plan.activation_checkpointing
-    if ac == "auto":
-        raise ValueError(
-            "activation_checkpointing='auto' is decided before the model is built "
-            "(longctx.run_plan.resolve_run; CausalLMModule does it): give parallelize 'none', 'selective' or 'full'"
-        )
     if hasattr(model, "set_activation_checkpointing"):
         model.set_activation_checkpointing(ac)
     elif ac != "none":

@@ -12,10 +12,17 @@ frozen ``RunPlan`` of two parts kept apart:
   offloaded blocks, loss chunk: the requested settings, escalated where the memory model
   (``longctx.memory``; one ladder: ``longctx.memory_fit.fitting_plan``) predicts they do not fit the GPU.
 
-``RunPlan.model_plan()`` is the ``ParallelPlan`` ``parallelize`` applies (once, kernels named:
-the layers run what the plan says, nothing re-resolves "auto"); ``config_entries()`` the options
-that reproduce the run when written to its config.yaml; ``line()`` the line printed at start.
-A plan resolved again from its own entries is the same plan.
+``RunPlan.model`` is the ``ParallelPlan`` ``parallelize`` applies, made once
+with the plan (kernels named, activation checkpointing decided: the layers run what the plan
+says, nothing re-resolves "auto"); ``config_entries()`` the options that reproduce the run when
+written to its config.yaml; ``line()`` the line printed at start. A plan resolved again from its
+own entries is the same plan.
+
+Who reads what (``CausalLMModule`` resolves the plan in ``setup``, through
+``longctx.lightning.planning.plan_run``, and hands it down once): the strategy its data-parallel
+mode (``ContextParallelStrategy.use_run_plan``), ``parallelize`` its ``model``, the batch pipeline
+the document balance, exchange and RoPE positions (``longctx.lightning.batches``), train.py's
+config.yaml ``config_entries()``.
 
 Defaults: what the run leaves unset (None) is decided here, by device, in one place
 (``ParallelPlan.defaults_for``): on a CUDA GPU the fastest plan the memory model predicts to
@@ -95,19 +102,20 @@ class MemoryChoices:
 
 @dataclass(frozen=True)
 class RunPlan:
-    """A run's decisions: ``parallel`` and ``memory``. ``estimate`` (the memory model's
-    prediction, None where not checked) and ``notes`` (what was changed to fit) are reports,
-    not decisions: they do not take part in equality."""
+    """A run's decisions: ``parallel`` and ``memory``. ``model``: the ``ParallelPlan`` that
+    ``parallelize`` applies (and ``hparams["parallel"]`` records), made from them once, here.
+    ``estimate`` (the memory model's prediction, None where not checked) and ``notes`` (what was
+    changed to fit) are reports, not decisions: they do not take part in equality."""
 
     parallel: ParallelChoices
     memory: MemoryChoices
     estimate: Any = dataclasses.field(default=None, compare=False)
     notes: tuple = dataclasses.field(default=(), compare=False)
+    model: ParallelPlan = dataclasses.field(init=False, repr=False, compare=False)
 
-    def model_plan(self) -> ParallelPlan:
-        """The ``ParallelPlan`` that ``parallelize`` applies (and ``hparams["parallel"]`` records)."""
+    def __post_init__(self) -> None:
         p = self.parallel
-        return ParallelPlan(
+        model = ParallelPlan(
             cp_attention=p.cp_attention,
             attention_backend=p.attention_backend,
             document_backend=p.document_backend,
@@ -116,6 +124,8 @@ class RunPlan:
             float8=p.float8,
             **dataclasses.asdict(self.memory),
         )
+        model.check_decided("a run plan")
+        object.__setattr__(self, "model", model)  # frozen: made once, here
 
     def to_dict(self) -> dict:
         return {"parallel": dataclasses.asdict(self.parallel), "memory": dataclasses.asdict(self.memory)}
@@ -125,7 +135,7 @@ class RunPlan:
         the model's ``parallel`` section, its document balance and RoPE positions, the
         Trainer's precision and, under the longctx strategy, its data-parallel mode."""
         entries: dict = {
-            "model.parallel": self.model_plan().to_dict(),
+            "model.parallel": self.model.to_dict(),
             "model.load_balance": self.parallel.balance_documents,
             "model.rope_positions": self.parallel.rope_positions,
             "trainer.precision": self.parallel.precision,
@@ -452,7 +462,7 @@ def check_memory(
         cpu_offload=p.cpu_offload,
         local_ranks=local_ranks,
     )
-    plan = run.model_plan()
+    plan = run.model
     kw = _memory_kw(
         p.data_parallel,
         world,

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -42,6 +42,7 @@ from longctx.layouts import position_ids as layout_position_ids
 from longctx.offload import BlockOffloader, offload_count
 from longctx.parallel import CHECKPOINTING, ContextParallelAttention, CPContext
 from longctx.tiled import check_tile_size, tiled_apply, tiled_sum
+from longctx.validation import check_choice
 
 from .config import GPTConfig
 from .pointwise import RMSNorm, apply_rope_qk, fused, rope_cos_sin, swiglu_gate
@@ -366,11 +367,9 @@ class GPT(nn.Module):
         for block in self.blocks:
             block.mlp.tile_size = tile_size
 
-    def set_activation_checkpointing(self, mode: Union[bool, str]) -> None:
+    def set_activation_checkpointing(self, mode: str) -> None:
         """``"none"``, ``"full"`` (recompute whole blocks) or ``"selective"`` (never the ring)."""
-        mode = {False: "none", True: "full"}.get(mode, mode) if isinstance(mode, bool) else mode
-        if mode not in CHECKPOINTING:
-            raise ValueError(f"activation_checkpointing must be one of {CHECKPOINTING}, got {mode!r}")
+        check_choice("activation_checkpointing", mode, CHECKPOINTING)
         for block in self.blocks:
             block.activation_checkpointing = mode
 

@@ -14,8 +14,6 @@ from longctx.balance import balance_documents
 from longctx.data.prepare import BatchPreparation, PreparedBatch
 from longctx.documents import plan_documents
 from longctx.exchange_cost import choose_plan
-from longctx.parallel import ParallelPlan
-from longctx.run_plan import balances_documents
 from longctx.sharding import document_position_ids, is_sharded
 
 from .planning import cp_size
@@ -25,22 +23,20 @@ class DocumentBatches:
     """Document positions, balance and plan of a module's batches.
 
     ``heads`` / ``kv_heads`` / ``head_dim``: the model's attention, what ``longctx.exchange_cost``
-    prices. Each call takes the module's ``trainer`` (None outside a fit), its ``run_plan`` (None
-    before ``setup``) and its ``plan`` (the parallel plan, for the defaults without a run plan).
+    prices. Each call takes the module's ``trainer`` (None outside a fit) and its ``run_plan``
+    (``longctx.run_plan.RunPlan``: the balance and the document exchange are its fields).
     """
 
     def __init__(
         self,
         *,
         attention: str,
-        rope_positions: str,
         load_balance: Optional[bool],
         heads: int,
         kv_heads: Optional[int],
         head_dim: int,
     ) -> None:
         self.documents = attention == "document"
-        self.rope_positions = rope_positions
         self.load_balance = load_balance
         self.attention_shape = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim)
         self.reported = False
@@ -58,14 +54,14 @@ class DocumentBatches:
             cp_size=cp,
             cp_rank=int(getattr(strategy, "cp_rank", 0)) if cp > 1 else 0,
             layout=getattr(strategy, "layout", "zigzag"),
-            rope_positions=self.rope_positions,
+            rope_positions=run_plan.parallel.rope_positions,
             balance=bool(run_plan.parallel.balance_documents),
             plan=self.documents,
             exchange=run_plan.parallel.document_exchange,
             **self.attention_shape,
         )
 
-    def after_transfer(self, batch: Any, trainer: Optional["L.Trainer"], run_plan: Any, plan: ParallelPlan) -> Any:
+    def after_transfer(self, batch: Any, trainer: Optional["L.Trainer"], run_plan: Any) -> Any:
         """``batch`` on the device, before the strategy shards it: a prepared one as it is (its
         plan reported once), an unprepared one with its document positions, balance and plan."""
         if isinstance(batch, PreparedBatch):  # made ready in the data pipeline
@@ -77,26 +73,22 @@ class DocumentBatches:
         # restart per document need the whole sequence, and so does the load balance.
         if not (isinstance(batch, Mapping) and "document_ids" in batch):
             return batch
-        balance_over = self.balance_over(batch, trainer, run_plan, plan)
-        if self.rope_positions == "document":
+        balance_over = self.balance_over(batch, trainer, run_plan)
+        if run_plan.parallel.rope_positions == "document":
             batch = {**batch, "position_ids": document_position_ids(batch["document_ids"])}
         if balance_over is not None:
             batch = balance_documents(batch, world_size=balance_over[0], layout=balance_over[1])
         if self.documents and not is_sharded(batch):
-            batch = {**batch, "document_plan": self.document_plan(batch["document_ids"], trainer, run_plan, plan)}
+            batch = {**batch, "document_plan": self.document_plan(batch["document_ids"], trainer, run_plan)}
         return batch
 
-    def document_plan(
-        self, document_ids: torch.Tensor, trainer: Optional["L.Trainer"], run_plan: Any, plan: ParallelPlan
-    ):
+    def document_plan(self, document_ids: torch.Tensor, trainer: Optional["L.Trainer"], run_plan: Any):
         """This rank's plan of a full batch that reached the device unprepared."""
         strategy = getattr(trainer, "strategy", None) if trainer is not None else None
         cp = cp_size(trainer) if trainer is not None else 1
         rank = int(getattr(strategy, "cp_rank", 0)) if cp > 1 else 0
         layout = getattr(strategy, "layout", "zigzag")
-        exchange = (
-            run_plan.parallel.document_exchange if run_plan is not None else plan.defaults_for(None).document_exchange
-        )
+        exchange = run_plan.parallel.document_exchange
         where = dict(world_size=cp, rank=rank, layout=layout, device=document_ids.device)
         if exchange == "auto":
             _, document_plan = choose_plan({"as given": document_ids}, **where, **self.attention_shape)
@@ -118,22 +110,13 @@ class DocumentBatches:
             print(document_report(document_plan), flush=True)
 
     def balance_over(
-        self, batch: Mapping[str, Any], trainer: Optional["L.Trainer"], run_plan: Any, plan: ParallelPlan
+        self, batch: Mapping[str, Any], trainer: Optional["L.Trainer"], run_plan: Any
     ) -> Optional[tuple[int, str]]:
         """(CP size, layout) to balance ``batch`` for (the run plan's ``balance_documents``), None for none."""
         if trainer is None:
             return None
         cp, layout = cp_size(trainer), getattr(trainer.strategy, "layout", "zigzag")
-        if run_plan is not None:
-            balance = run_plan.parallel.balance_documents
-        else:  # the hook called outside a fit: the same rule
-            balance = balances_documents(
-                self.load_balance,
-                documents=self.documents,
-                cp=cp,
-                layout=layout,
-                cp_attention=plan.cp_attention,
-            )
+        balance = run_plan.parallel.balance_documents
         # A batch the user sharded already cannot be reordered; only an explicit True insists (and raises).
         if not balance or (self.load_balance is None and is_sharded(batch)):
             return None

@@ -1,7 +1,9 @@
 """CausalLMModule: the LightningModule for (long-context) causal-LM training.
 
 It wraps ``longctx.models.GPT`` (architecture only) and a ``longctx.ParallelPlan`` (how it
-runs). ``configure_model`` applies both with ``longctx.parallelize`` under the layout the
+runs, as asked for). ``setup`` resolves the run plan once (``longctx.run_plan.RunPlan``, through
+``planning.plan_run``) and hands it to the strategy (``use_run_plan``: the data-parallel mode);
+``configure_model`` applies its ``model`` part with ``longctx.parallelize`` under the layout the
 strategy describes (``ContextParallelStrategy.parallel_dims``: CP context, FSDP2 or DDP);
 the strategy shards every batch. What this module adds:
 
@@ -47,12 +49,12 @@ from longctx.models.checkpoint_import import (
 from longctx.models.config import GPTConfig
 from longctx.models.gpt import GPT
 from longctx.parallel import ParallelDims, ParallelPlan, parallelize
-from longctx.run_plan import resolve_rope_positions
 from longctx.validation import ArgumentValueError, check_choice, check_number
 
 from .batches import DocumentBatches
 from .planning import check_batch_memory, cp_size, memory_totals, model_config, plan_run
 from .step_metrics import StepMetrics
+from .strategy import ContextParallelStrategy
 
 Attention = Literal["document", "causal"]
 RopePositions = Literal["document", "global"]
@@ -85,7 +87,7 @@ class CausalLMModule(L.LightningModule):
             resolved once in ``setup``, before ``configure_model``
             (``longctx.run_plan.resolve_run``: kernels, memory settings, with the strategy's
             data-parallel mode and the document balance): ``run_plan``, printed at the start
-            of a fit; ``plan`` / ``hparams["parallel"]`` its model part, which train.py's
+            of a fit; ``plan`` (``run_plan.model``) / ``hparams["parallel"]`` its model part, which train.py's
             config.yaml records (with the resolved ``load_balance`` and ``rope_positions``) so
             that the run reproduces.
         attention: ``"document"`` (default): a token attends only to earlier tokens of its own
@@ -152,7 +154,8 @@ class CausalLMModule(L.LightningModule):
         memory_check: bool = True,
     ) -> None:
         super().__init__()
-        _check_arguments(
+        # The plan as asked for, validated once (ParallelPlan); resolved in setup (run_plan).
+        self.requested_plan = _check_arguments(
             dict(
                 model=model,
                 parallel=parallel,
@@ -172,16 +175,15 @@ class CausalLMModule(L.LightningModule):
             )
         )
         self.attention = attention
-        self.rope_positions = resolve_rope_positions(rope_positions, documents=attention == "document")
+        self.rope_positions = rope_positions  # as asked for: the run plan resolves it
         self.load_balance = load_balance
         if isinstance(model, GPTConfig):
             model = model.to_dict()
         model = dict(model or {})
-        self.plan = ParallelPlan.from_dict(parallel)
         if hf_model is not None:
             from longctx.models.hf_lm import HFCausalLM
 
-            self.model = HFCausalLM.from_pretrained(hf_model, cp_attention=self.plan.cp_attention)
+            self.model = HFCausalLM.from_pretrained(hf_model, cp_attention=self.requested_plan.cp_attention)
         elif init_from is not None:
             self.model = load_pretrained(init_from, **model)
         else:
@@ -190,7 +192,7 @@ class CausalLMModule(L.LightningModule):
         # the model (load_from_checkpoint needs no gguf/HF files; an HF model needs its directory).
         self.save_hyperparameters(ignore=["model", "init_from", "parallel"])
         self.hparams["model"] = self.model.config.to_dict()
-        self.hparams["parallel"] = self.plan.to_dict()
+        self.hparams["parallel"] = self.requested_plan.to_dict()  # the resolved plan's, from setup on
         self.config = self.model.config
         self.seq_len = seq_len
         self.memory_check = memory_check
@@ -198,7 +200,6 @@ class CausalLMModule(L.LightningModule):
         self._check_first_batch = False
         self.document_batches = DocumentBatches(
             attention=attention,
-            rope_positions=self.rope_positions,
             load_balance=load_balance,
             heads=self.config.n_head,
             kv_heads=self.config.n_kv_head,
@@ -216,17 +217,25 @@ class CausalLMModule(L.LightningModule):
         first fit on it would (the plan's kernels, ``ParallelPlan.check_device``)."""
         bound = inspect.signature(cls.__init__).bind(None, **kwargs)
         bound.apply_defaults()
-        _check_arguments({k: v for k, v in bound.arguments.items() if k != "self"})
+        plan = _check_arguments({k: v for k, v in bound.arguments.items() if k != "self"})
         if device is not None:
-            ParallelPlan.from_dict(bound.arguments["parallel"]).check_device(device)
+            plan.check_device(device)
+
+    @property
+    def plan(self) -> Optional[ParallelPlan]:
+        """The ``ParallelPlan`` the model runs with: the run plan's (``run_plan.model``), from
+        ``setup`` on; None before."""
+        return None if self.run_plan is None else self.run_plan.model
 
     def configure_model(self) -> None:
         # Lightning calls this once the processes exist and before the strategy wraps or
         # moves anything: the place to apply the parallel layout (torchtitan's pattern).
         if getattr(self.model, "_longctx_parallelized", False):
             return
+        if self.run_plan is None:  # called without setup: the plan resolved here, the same way
+            self.setup("configure")
         dims = getattr(self._trainer.strategy, "parallel_dims", None) if self._trainer is not None else None
-        parallelize(self.model, dims or ParallelDims(), self.plan)
+        parallelize(self.model, dims or ParallelDims(), self.run_plan.model)
 
     # -- training -----------------------------------------------------------------------
 
@@ -240,7 +249,9 @@ class CausalLMModule(L.LightningModule):
         return self.document_batches.preparation(self._trainer, self.run_plan)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return self.document_batches.after_transfer(batch, self._trainer, self.run_plan, self.plan)
+        # Outside a fit (no setup) the hook's plan is resolved the same way, for this call.
+        run = self.run_plan if self.run_plan is not None else self._resolve_run(memory_check=False)
+        return self.document_batches.after_transfer(batch, self._trainer, run)
 
     def setup(self, stage: str) -> None:
         # Before configure_model: every "auto" of the run resolved once (longctx.run_plan), on the
@@ -250,8 +261,10 @@ class CausalLMModule(L.LightningModule):
             return
         fit = stage == "fit"
         self.run_plan = self._resolve_run(memory_check=fit and self.memory_check)
-        self.plan = self.run_plan.model_plan()
-        self.hparams["parallel"] = self.plan.to_dict()
+        self.hparams["parallel"] = self.run_plan.model.to_dict()  # the checkpoint's record
+        strategy = getattr(self._trainer, "strategy", None)
+        if isinstance(strategy, ContextParallelStrategy):  # handed over once: its data-parallel mode
+            strategy.use_run_plan(self.run_plan)
         self._check_first_batch = fit and self.memory_check and self.run_plan.estimate is None
         if fit and self._trainer is not None and self.trainer.global_rank == 0:
             for line in (*self.run_plan.notes, self.run_plan.line()):  # the plan configure_model applies
@@ -266,7 +279,7 @@ class CausalLMModule(L.LightningModule):
         return plan_run(
             self.config,
             trainer,
-            requested=self.plan,
+            requested=self.requested_plan,
             seq_len=self.seq_len or getattr(datamodule, "seq_len", None),
             batch_size=getattr(datamodule, "batch_size", None),
             attention=self.attention,
@@ -302,7 +315,7 @@ class CausalLMModule(L.LightningModule):
             batch_size=datamodule.batch_size,
             attention=args["attention"],
             load_balance=args["load_balance"],
-            rope_positions=resolve_rope_positions(args["rope_positions"], documents=args["attention"] == "document"),
+            rope_positions=args["rope_positions"],
             n_params=config.num_params(),
             memory_check=True,
             hf_modules=args["hf_model"] is not None,
@@ -360,7 +373,7 @@ class CausalLMModule(L.LightningModule):
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        if self.plan.float8:  # FSDP2's float8 all-gather: next step's weight scales in one all-reduce
+        if self.run_plan.parallel.float8:  # FSDP2's float8 all-gather: next step's weight scales in one all-reduce
             from longctx.float8 import after_optimizer_step
 
             after_optimizer_step(self.model)
@@ -465,8 +478,9 @@ class CausalLMModule(L.LightningModule):
             raise ValueError(f"checkpoint was saved from a different model shape ({detail})")
 
 
-def _check_arguments(args: Mapping[str, Any]) -> None:
-    """Every value of CausalLMModule's arguments, refused before anything is built."""
+def _check_arguments(args: Mapping[str, Any]) -> ParallelPlan:
+    """Every value of CausalLMModule's arguments, refused before anything is built; returns
+    the ``parallel`` argument as the ``ParallelPlan`` it asks for."""
     check_choice("attention", args["attention"], ATTENTION)
     if args["rope_positions"] is not None:
         check_choice("rope_positions", args["rope_positions"], ROPE_POSITIONS)
@@ -492,7 +506,7 @@ def _check_arguments(args: Mapping[str, Any]) -> None:
     )
     check_number("seq_len", args["seq_len"], low=1, integer=True, optional=True)
     try:
-        ParallelPlan.from_dict(args["parallel"])
+        requested = ParallelPlan.from_dict(args["parallel"])
     except ArgumentValueError as e:  # named as the option it came from: parallel.cp_attention
         raise e.within("parallel") from None
     except ValueError as e:
@@ -512,3 +526,4 @@ def _check_arguments(args: Mapping[str, Any]) -> None:
         check_run_checkpoint_sizes(init_from, model)  # a train.py checkpoint's sizes, before any data work
     elif not isinstance(model, GPTConfig):
         GPTConfig.from_dict(dict(model or {}))  # unknown keys and bad sizes
+    return requested

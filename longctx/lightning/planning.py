@@ -34,7 +34,7 @@ def plan_run(
     batch_size: Optional[int],
     attention: str,
     load_balance: Optional[bool],
-    rope_positions: str,
+    rope_positions: Optional[str],
     n_params: int,
     memory_check: bool,
     hf_modules: bool,

@@ -20,7 +20,8 @@ Data parallelism (``data_parallel``) runs over the whole ``dp x cp`` world:
   memory, else ``"ddp"`` (faster for small models: no per-layer all-gather); always
   ``"ddp"`` on CPU and for modules that do not apply ``longctx.parallelize`` themselves.
   Decided once (``longctx.run_plan``): with ``CausalLMModule`` as part of its run plan, in
-  its ``setup``, before the model is built; for other modules when ``parallel_dims`` is built.
+  its ``setup``, before the model is built, and handed to the strategy (``use_run_plan``); for
+  other modules when ``parallel_dims`` is built.
 
 What the strategy does, so that a LightningModule and a DataLoader work unchanged:
 
@@ -75,8 +76,8 @@ from ..data.prepare import PreparingCollate
 from ..layouts import Layout, check_layout
 from ..parallel import CPContext, ParallelDims, parallelize
 from ..ring_comm import connect_peers, new_ring_group
+from ..run_plan import RunPlan, check_replica_fits, resolve_data_parallel
 from ..run_plan import World as RunWorld
-from ..run_plan import check_replica_fits, resolve_data_parallel
 from ..validation import ArgumentValueError, check_choice, check_number
 from .checkpoint_io import AtomicCheckpointIO, load_training_state, save_training_state
 from .dataloaders import DpSampling
@@ -207,7 +208,7 @@ class ContextParallelStrategy(ModelParallelStrategy):
 
     @property
     def data_parallel(self) -> str:
-        """``"fsdp"`` or ``"ddp"`` once resolved (by ``configure_model``), else the requested mode."""
+        """``"fsdp"`` or ``"ddp"`` once resolved (``use_run_plan``, else ``parallel_dims``), else the requested mode."""
         return self._data_parallel or self._data_parallel_arg
 
     @property
@@ -238,23 +239,30 @@ class ContextParallelStrategy(ModelParallelStrategy):
             cpu_offload=self.cpu_offload,
         )
 
+    def use_run_plan(self, run: RunPlan) -> None:
+        """Take the run plan a module resolved from ``run_world`` (``CausalLMModule`` hands it over
+        once, in ``setup``, before ``configure_model``): its data-parallel mode is the one
+        ``parallel_dims`` and the wrapping use."""
+        mode = run.parallel.data_parallel
+        if self._parallel_dims is not None and self._parallel_dims.data_parallel != mode:
+            raise RuntimeError(
+                f"the run plan's data_parallel={mode!r} comes after the strategy was set up with "
+                f"{self._parallel_dims.data_parallel!r}: hand it over in the module's setup"
+            )
+        self._data_parallel = mode
+
     def _resolve_data_parallel(self) -> str:
-        # The module's run plan decided it (CausalLMModule, in setup); a module without one by
-        # the same rule (longctx.run_plan.resolve_data_parallel).
+        # A module without a run plan (use_run_plan): the same rule (longctx.run_plan.resolve_data_parallel).
         if self._data_parallel is None:
             module = self.lightning_module
-            run = getattr(module, "run_plan", None)
-            if run is not None and run.parallel.data_parallel != "none":
-                self._data_parallel = run.parallel.data_parallel
-            else:
-                on_gpu = self.root_device.type == "cuda"
-                self._data_parallel = resolve_data_parallel(
-                    self._data_parallel_arg,
-                    n_params=sum(p.numel() for p in module.parameters()) if module else 0,
-                    device_type=self.root_device.type,
-                    gpu_total=torch.cuda.get_device_properties(self.root_device).total_memory if on_gpu else None,
-                    parallelizes=module is not None and is_overridden("configure_model", module),
-                )
+            on_gpu = self.root_device.type == "cuda"
+            self._data_parallel = resolve_data_parallel(
+                self._data_parallel_arg,
+                n_params=sum(p.numel() for p in module.parameters()) if module else 0,
+                device_type=self.root_device.type,
+                gpu_total=torch.cuda.get_device_properties(self.root_device).total_memory if on_gpu else None,
+                parallelizes=module is not None and is_overridden("configure_model", module),
+            )
         return self._data_parallel
 
     def _compute_dtype(self) -> Optional[torch.dtype]:

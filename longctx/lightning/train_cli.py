@@ -480,9 +480,7 @@ class TrainCLI(LightningCLI):
         if trainer.is_global_zero:
             self.config.resume = None
             # The run plan as resolved (every "auto" decided): loaded back, it resolves the same.
-            plan = module.run_plan
-            entries = plan.config_entries() if plan is not None else {"model.parallel": module.plan.to_dict()}
-            for key, value in entries.items():
+            for key, value in module.run_plan.config_entries().items():
                 self.config[key] = value
             write_atomic(self.out / "config.yaml", self.dump())
 

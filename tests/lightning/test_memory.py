@@ -270,7 +270,7 @@ def test_the_fitting_plan_is_decided_before_the_model_is_built(monkeypatch, caps
     printed = capsys.readouterr().out
     assert "does not fit; running with" in printed
     assert module.run_plan.line() in printed.splitlines()  # printed at start: the plan it runs with
-    assert module.plan == module.run_plan.model_plan() and module.plan.mlp_tile_size is not None
+    assert module.plan == module.run_plan.model and module.plan.mlp_tile_size is not None
     assert module.hparams["parallel"] == module.plan.to_dict()
     assert {block.mlp.tile_size for block in module.model.blocks} == {module.plan.mlp_tile_size}
     assert module.model.offload_activations == module.plan.offload_activations

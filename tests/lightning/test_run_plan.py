@@ -124,7 +124,7 @@ def test_printed_plan_is_the_recorded_plan_is_the_plan_the_model_runs(name, caps
     module, strategy, printed = _fit(strategy_kw, module_kw, capsys)
     run: RunPlan = module.run_plan
     assert run.line() in printed.splitlines()  # printed at start
-    plan = run.model_plan()
+    plan = run.model
     assert module.plan == plan and module.hparams["parallel"] == plan.to_dict()  # hparams, the checkpoint
     entries = run.config_entries()  # what train.py writes into the run's config.yaml
     assert entries["model.parallel"] == plan.to_dict()

@@ -103,7 +103,7 @@ def test_memory_model_counts_the_casts_and_the_plan_names_float8(monkeypatch):
         cfg, world, "cuda", requested={"float8": True, "attention_backend": "torch"}, gpu_total=2**40, **run_kw
     )
     assert run.parallel.float8 and "float8=True" in run.line()
-    assert run.config_entries()["model.parallel"]["float8"] is True and run.model_plan().float8
+    assert run.config_entries()["model.parallel"]["float8"] is True and run.model.float8
     tiled = resolve_run(
         cfg,
         world,
