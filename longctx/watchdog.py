@@ -177,6 +177,10 @@ class RankWatchdog:
         )
         self._store_host = self._describe_store_host(store)
         self._stop = threading.Event()
+        # The job's failure once this process has read or published it: a thread that then
+        # finds the store gone (its host exited after the others read it) repeats it instead
+        # of blaming the store's host.
+        self._known_failure: Optional[str] = None
         self._thread: Optional[threading.Thread] = None
         self._watched = (rank + 1) % world_size
 
@@ -241,8 +245,14 @@ class RankWatchdog:
                         "(alive, not joining the collective)"
                     )
             first = self._call("compare_set", "failure", "", mine).decode(errors="replace")
+            self._known_failure = first
         except Exception as exc:  # noqa: BLE001 - the store is gone or hung
-            if symptom:
+            if symptom and self._known_failure is not None:
+                # This rank's watchdog thread read the job's failure and is lingering before it
+                # exits; meanwhile a peer that read it earlier exited (closing this rank's
+                # collective) and the store's host too: the failure, not the host, is the cause.
+                self.on_failure(f"rank {self.rank} stopping: {self._known_failure}")
+            elif symptom:
                 self.on_failure(
                     f"rank {self.rank} stopping: {self._store_lost(exc)}; this rank then failed with {text[:500]}"
                 )
@@ -273,7 +283,8 @@ class RankWatchdog:
                     self._call("set", f"coll/{self.rank}", str(mine + 1))
                     self._published = mine + 1
                 if self._call("check", ["failure"]):
-                    self._fail(self._call("get", "failure").decode(errors="replace"))
+                    message = self._known_failure = self._call("get", "failure").decode(errors="replace")
+                    self._fail(message)
                     return
                 if self.world_size == 1 or self._call("check", [f"done/{self._watched}"]):
                     continue
@@ -333,7 +344,7 @@ class RankWatchdog:
         """Publish ``message`` as the job's failure and end, naming the job's first failure
         (another rank may have published one meanwhile)."""
         try:
-            message = self._call("compare_set", "failure", "", message).decode(errors="replace")
+            message = self._known_failure = self._call("compare_set", "failure", "", message).decode(errors="replace")
         except Exception:  # noqa: BLE001
             pass
         self._fail(message)

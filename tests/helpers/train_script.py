@@ -1,9 +1,10 @@
 """train.py loaded as a module (it is a script, not part of the package), for tests that
-call its functions in-process."""
+call its functions in-process; and launched (``run_train``), with the short run ``SMALL``."""
 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,3 +18,23 @@ def load_train(name: str):
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+TRAIN = REPO / "train.py"
+# A short CP=2 run of the tiny preset on CPU (tests/lightning/conftest.py's ``full_run``): 6
+# steps, checkpoints at 3 and 6, validation every 3.
+SMALL = [
+    *("--data", "stdlib:json,email,http,logging,xml", "--preset", "tiny", "--model.model.vocab_size", "512"),
+    *("--seq-len", "64", "--batch-size", "2", "--max-steps", "6", "--lr", "3e-3", "--warmup-steps", "2"),
+    *("--context-parallel", "2", "--devices", "2", "--accelerator", "cpu", "--precision", "32-true"),
+    *("--checkpoint-every", "3", "--run.keep_checkpoints", "-1", "--val-every", "3", "--run.val_batches", "2"),
+    *("--trainer.enable_progress_bar", "false"),
+    *("--model.weight_decay", "0.05"),  # no short flag: the option comes from CausalLMModule's signature
+]
+
+
+def run_train(args: list[str], env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``python train.py ARGS`` from the repository's root, output captured."""
+    return subprocess.run(
+        [sys.executable, str(TRAIN), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )

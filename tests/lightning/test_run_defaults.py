@@ -9,8 +9,6 @@ counts is the same on any machine.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -132,34 +130,33 @@ def _run_plan_lines(stdout: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_config_yaml_reproduces_the_run_plan(tmp_path):
-    """The tiny CPU run (the README's first command, small data and one step): its config.yaml
-    holds every resolved value (no null left for the plan, the balance or the RoPE positions),
-    and ``--config`` that file prints the same run plan line."""
-    env_cache = ["--data", "stdlib:json,email,http,logging,xml", "--model.model.vocab_size", "512"]
-    small = [*env_cache, "--seq-len", "64", "--batch-size", "2", "--trainer.enable_progress_bar", "false"]
+def test_config_yaml_reproduces_the_run_plan(full_run, cache_env, tmp_path, train, monkeypatch):  # noqa: F811
+    """A tiny CPU run at the CPU defaults (tests/lightning/conftest.py's ``full_run``: CP 2,
+    documents, 32-bit; its flags set no plan value): its config.yaml holds every resolved value
+    (no null left for the plan, the balance or the RoPE positions), and ``--config`` that file
+    resolves the run plan the run printed: train.py's own objects for that command
+    (``prepare``: the Trainer, strategy and data module a launch would build), resolved as the
+    fit's ``setup`` does (``CausalLMModule.check_fit``, the call train.py makes before
+    launching), without a second 2-process launch."""
+    from longctx.lightning.module import CausalLMModule
 
-    def run(args):
-        import os
-
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-        env["LONGCTX_CACHE_DIR"] = str(tmp_path / "cache")
-        proc = subprocess.run(
-            [sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=env, capture_output=True, text=True
-        )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-        return proc
-
-    first = run(["--trainer.max_steps", "1", *small, "--output-dir", str(tmp_path / "first")])
-    cfg = yaml.safe_load((tmp_path / "first" / "config.yaml").read_text())
+    out, first = full_run
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
     model = cfg["model"]
     assert model["load_balance"] is True and model["rope_positions"] == "document"  # CP 2, documents
     assert None not in (model["parallel"]["activation_checkpointing"], model["parallel"]["fuse_pointwise"])
     assert model["parallel"]["activation_checkpointing"] == "none" and model["parallel"]["fuse_pointwise"] is False
     assert model["parallel"]["float8"] is False and cfg["strategy"]["data_parallel"] == "ddp"
-    again = run(["--config", str(tmp_path / "first" / "config.yaml"), "--output-dir", str(tmp_path / "again")])
     lines = _run_plan_lines(first.stdout)
-    assert len(lines) == 1 and lines == _run_plan_lines(again.stdout), (first.stdout, again.stdout)
+    assert len(lines) == 1, first.stdout
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", cache_env["LONGCTX_CACHE_DIR"])
+    cli = train.prepare(["--config", str(out / "config.yaml"), "--output-dir", str(tmp_path / "again")])
+    cli.run_lock.close()
+    again = CausalLMModule.check_fit(cli.trainer, cli.datamodule, host_total=None, **cli.config.model.as_dict())
+    assert again is not None and again.line() == lines[0], (again and again.line(), lines[0])
 
 
 def test_float8_on_cpu_is_one_line_and_exit_code_2_through_train_py(train, capsys, cache):  # noqa: F811

@@ -5,19 +5,21 @@
 * resume exactness: the run above checkpoints at step 3 of 6; resuming from that
   checkpoint in a fresh directory reproduces the losses of steps 3..5 bit for bit; a second
   launch with the same seed, killed right after that checkpoint and resumed, logs the same
-  losses bit for bit, one metrics.csv row per step;
+  losses bit for bit, one metrics.csv row per step (that resume, of the moved run folder,
+  also extends it to 8 steps: the override printed, the lr schedule kept);
 * an option reached only through a class's signature lands in the module (and its
   optimizer); ``--print_config`` prints a config that gives the same run with ``--config``;
 * atomic checkpoints: a save killed (SIGKILL) mid-write leaves the previous last.ckpt whole,
   and resume picks the newest complete checkpoint.
 
-One tokenised corpus cache (a small stdlib subset) is shared by all runs of the session.
+One tokenised corpus cache (a small stdlib subset) is shared by all runs of the session; the
+run above and the cache are fixtures of tests/lightning/conftest.py (test_run_defaults.py reads
+that run too).
 """
 
 from __future__ import annotations
 
 import csv
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,78 +27,16 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers.train_script import SMALL
+from helpers.train_script import run_train as _train
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "train.py"
-SMALL = [
-    "--data",
-    "stdlib:json,email,http,logging,xml",
-    "--preset",
-    "tiny",
-    "--model.model.vocab_size",
-    "512",
-    "--seq-len",
-    "64",
-    "--batch-size",
-    "2",
-    "--max-steps",
-    "6",
-    "--lr",
-    "3e-3",
-    "--warmup-steps",
-    "2",
-    "--context-parallel",
-    "2",
-    "--devices",
-    "2",
-    "--accelerator",
-    "cpu",
-    "--precision",
-    "32-true",
-    "--checkpoint-every",
-    "3",
-    "--run.keep_checkpoints",
-    "-1",
-    "--val-every",
-    "3",
-    "--run.val_batches",
-    "2",
-    "--trainer.enable_progress_bar",
-    "false",
-    "--model.weight_decay",
-    "0.05",  # no short flag: the option comes from CausalLMModule's signature
-]
-
-
-@pytest.fixture(scope="session")
-def cache_env(tmp_path_factory) -> dict:
-    env = dict(os.environ)
-    env["LONGCTX_CACHE_DIR"] = str(tmp_path_factory.mktemp("longctx-cache"))
-    # A process group an earlier test made in this process leaves its rendezvous variables
-    # (MASTER_PORT pointing at a store that may still listen): train.py must pick its own.
-    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return env
-
-
-def _train(args: list[str], env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, str(TRAIN), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-    )
-    return proc
 
 
 def _losses(path: Path) -> dict[int, str]:
     with open(path, newline="") as f:
         return {int(r["step"]): r["train_loss"] for r in csv.DictReader(f) if r["train_loss"]}
-
-
-@pytest.fixture(scope="session")
-def full_run(tmp_path_factory, cache_env) -> tuple[Path, subprocess.CompletedProcess]:
-    out = tmp_path_factory.mktemp("run-full")
-    proc = _train([*SMALL, "--output-dir", str(out)], cache_env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return out, proc
 
 
 @pytest.mark.slow
@@ -254,30 +194,6 @@ def test_every_shipped_config_resolves(path):
 
 
 @pytest.mark.slow
-def test_resume_extends_the_run_in_its_own_folder(full_run, tmp_path, cache_env):
-    """--resume RUN --max-steps 8: the run's own config (only the override printed), the lr
-    schedule kept, metrics.csv covering all 8 steps, the summary naming its val step."""
-    import shutil
-
-    out, _ = full_run
-    run = tmp_path / "run"
-    shutil.copytree(out, run)  # a moved run folder: its config.yaml still names the old place
-    proc = _train(["--resume", str(run), "--max-steps", "8"], cache_env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "overridden here: trainer.max_steps 6 -> 8" in proc.stdout and "keeps ending at step 6" in proc.stdout
-    losses = _losses(run / "metrics.csv")
-    assert sorted(losses) == list(range(8))
-    assert {s: losses[s] for s in range(6)} == _losses(out / "metrics.csv")  # earlier steps kept as logged
-    cfg = yaml.safe_load((run / "config.yaml").read_text())
-    assert cfg["run"]["output_dir"] == str(run) and cfg["trainer"]["max_steps"] == 8
-    assert cfg["model"]["decay_steps"] == 6 and cfg["model"]["lr"] == 3e-3 and cfg["model"]["warmup_steps"] == 2
-    with open(run / "metrics.csv", newline="") as f:
-        last_val = [r for r in csv.DictReader(f) if r["val_loss"]][-1]
-    assert f"val loss {float(last_val['val_loss']):.3f} at step {last_val['step']}" in proc.stdout
-    assert "train loss " + f"{float(losses[0]):.3f}" in proc.stdout  # the summary starts at step 0
-
-
-@pytest.mark.slow
 def test_context_parallel_8_on_cpu(tmp_path, cache_env):
     """The headline command on a CPU machine: devices follow --context-parallel."""
     small_data = [
@@ -345,11 +261,17 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 @pytest.mark.slow
-def test_same_seed_and_a_kill_right_after_a_checkpoint_give_the_same_losses(full_run, tmp_path, cache_env):
+def test_a_kill_right_after_a_checkpoint_then_resume_extending_the_moved_run(full_run, tmp_path, cache_env):
     """The run above again (same seed, CP=2), SIGKILLed between step 3's checkpoint save and
-    its metrics row (Lightning logs the row after the save), then --resume: metrics.csv has one
-    row per step, that step's included, and every logged loss equals the uninterrupted run's,
-    bit for bit (steps 0..2 from the second launch with the same seed, then the resumed ones)."""
+    its metrics row (Lightning logs the row after the save); its folder moved (its config.yaml
+    still names the old place), then ``--resume RUN --max-steps 8``: the run's own config (only
+    the override printed), the lr schedule kept (decay still ends at step 6), metrics.csv with
+    one row per step over all 8, that step's included, and every loss of steps 0..5 equal to
+    the uninterrupted run's, bit for bit (steps 0..2 from the second launch with the same seed,
+    3..5 resumed); the summary names its val step. (One launch serves the kill and the
+    extension: each resume is a train.py launch of two processes.)"""
+    import shutil
+
     out = tmp_path / "run"
     killed = subprocess.run(
         [sys.executable, "-c", KILL_AFTER_SAVE.format(step=3), str(TRAIN), *SMALL, "--output-dir", str(out)],
@@ -363,13 +285,24 @@ def test_same_seed_and_a_kill_right_after_a_checkpoint_give_the_same_losses(full
     assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
     with open(out / "logs" / "version_0" / "metrics.csv", newline="") as f:
         assert [int(r["step"]) for r in csv.DictReader(f)] == [0, 1]  # step 2's row died with the process
-    resumed = _train(["--resume", str(out)], cache_env)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
-    with open(out / "metrics.csv", newline="") as f:
+    run = tmp_path / "moved"
+    shutil.move(out, run)
+    proc = _train(["--resume", str(run), "--max-steps", "8"], cache_env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "overridden here: trainer.max_steps 6 -> 8" in proc.stdout and "keeps ending at step 6" in proc.stdout
+    with open(run / "metrics.csv", newline="") as f:
         steps = [int(r["step"]) for r in csv.DictReader(f)]
-    assert steps == list(range(6)), steps
+    assert steps == list(range(8)), steps
+    losses = _losses(run / "metrics.csv")
     # Exact: the CSV holds the logged fp32 values; identical strings = identical bits.
-    assert _losses(out / "metrics.csv") == _losses(full_run[0] / "metrics.csv")
+    assert {s: losses[s] for s in range(6)} == _losses(full_run[0] / "metrics.csv")
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    assert cfg["run"]["output_dir"] == str(run) and cfg["trainer"]["max_steps"] == 8
+    assert cfg["model"]["decay_steps"] == 6 and cfg["model"]["lr"] == 3e-3 and cfg["model"]["warmup_steps"] == 2
+    with open(run / "metrics.csv", newline="") as f:
+        last_val = [r for r in csv.DictReader(f) if r["val_loss"]][-1]
+    assert f"val loss {float(last_val['val_loss']):.3f} at step {last_val['step']}" in proc.stdout
+    assert "train loss " + f"{float(losses[0]):.3f}" in proc.stdout  # the summary starts at step 0
 
 
 def test_metrics_csv_has_one_row_per_step_over_launches(tmp_path):

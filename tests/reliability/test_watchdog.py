@@ -261,3 +261,39 @@ def test_a_later_generation_sees_none_of_an_earlier_ones_keys():
         time.sleep(0.05)
     second.stop()
     assert ended and ended[0].startswith("rank 0 stopping: rank 1 stopped responding (no heartbeat"), ended
+
+
+def test_a_failure_read_before_the_store_went_away_is_the_one_named(monkeypatch):
+    """A bystander rank (rank 2 of 3) whose watchdog read the job's failure lingers before it
+    exits; a peer that read it earlier exits meanwhile, closing this rank's collective (gloo's
+    "Connection closed by peer" in its main thread), and the store's host (rank 0) is gone too.
+    The rank names the failure it read, not the store's host: test_stalled_rank_ends_every_rank_
+    and_is_named saw rank 2 blame rank 0 that way. A rank that read nothing still names the host
+    (here a HashStore's: "the process hosting the rendezvous store")."""
+    closed = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:58292. This is typically caused by a remote worker crashing."
+    )
+    stalled = "rank 1 is stalled: alive (its heartbeat moves) but it has not joined collective #3"
+
+    def store_gone(*args, **kwargs):
+        raise dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
+
+    ended = []
+    bystander = RankWatchdog(2, 3, timeout=5.0, interval=0.1, store=dist.HashStore(), on_failure=ended.append)
+    bystander._call("set", "failure", stalled)
+    bystander.start()
+    deadline = time.monotonic() + 10
+    while not ended and time.monotonic() < deadline:  # its thread read the failure (and lingered)
+        time.sleep(0.05)
+    assert ended == [f"rank 2 stopping: {stalled}"], ended
+    monkeypatch.setattr(bystander, "_call", store_gone)
+    bystander.report_failure(closed)
+    assert ended[-1] == f"rank 2 stopping: {stalled}", ended
+    bystander._stop.set()
+
+    unaware = []
+    other = RankWatchdog(2, 3, timeout=5.0, interval=0.1, store=dist.HashStore(), on_failure=unaware.append)
+    monkeypatch.setattr(other, "_call", store_gone)
+    other.report_failure(closed)
+    assert len(unaware) == 1 and unaware[0].startswith("rank 2 stopping: the process hosting the rendezvous store died")
