@@ -53,6 +53,7 @@ VALUES = {
     "--stop-grace-period": ["30"],
     "--strategy.cpu_offload": ["true"],
     "--eval-every": ["50"],
+    "--checkpoint-every": ["0"],
     "--eval.lengths": ["[256]"],
     "--eval.depths": ["[0, 1]"],
     "--seq-len": ["1024"],
