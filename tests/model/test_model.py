@@ -78,9 +78,9 @@ def _cp_worker(rank: int, world: int, seq_len: int) -> dict:
     cp = dist.new_group(list(range(world)))
     errors = {}
     for case, (layout, ckpt, explicit_pos, seed, documents) in {
-        "zigzag": ("zigzag", False, True, 1, False),
-        "zigzag+checkpointing+default_pos": ("zigzag", True, False, 2, False),
-        "contiguous": ("contiguous", False, True, 3, False),
+        "zigzag": ("zigzag", "none", True, 1, False),
+        "zigzag+checkpointing+default_pos": ("zigzag", "full", False, 2, False),
+        "contiguous": ("contiguous", "none", True, 3, False),
         "zigzag+selective_checkpointing": ("zigzag", "selective", True, 4, False),
         # Packed documents crossing shard boundaries, RoPE restarting per document.
         "zigzag+documents": ("zigzag", "selective", True, 5, True),
