@@ -1,5 +1,5 @@
 """train.py loaded as a module (it is a script, not part of the package), for tests that
-call its functions in-process; and launched (``run_train``), with the short run ``SMALL``."""
+call its functions in-process; and launched (``run_train``), with the short runs ``SMALL`` and ``TINY``."""
 
 from __future__ import annotations
 
@@ -30,6 +30,16 @@ SMALL = [
     *("--checkpoint-every", "3", "--run.keep_checkpoints", "-1", "--val-every", "3", "--run.val_batches", "2"),
     *("--trainer.enable_progress_bar", "false"),
     *("--model.weight_decay", "0.05"),  # no short flag: the option comes from CausalLMModule's signature
+]
+
+
+# One process of the tiny preset on CPU, no validation: the run evaluate.py, --init-from and the
+# sharded-checkpoint tests train (they add steps, checkpoints and the output folder).
+TINY = [
+    *("--data", "stdlib:json,email", "--preset", "tiny", "--model.model.vocab_size", "512"),
+    *("--seq-len", "64", "--batch-size", "2", "--warmup-steps", "1"),
+    *("--context-parallel", "1", "--devices", "1", "--accelerator", "cpu", "--val-every", "0"),
+    *("--trainer.enable_progress_bar", "false"),
 ]
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.dist_harness import run_distributed
+from helpers.train_script import TINY, run_train
 
 from longctx import CPContext, ParallelDims, parallelize
 from longctx.models import GPT, GPTConfig
@@ -115,46 +116,12 @@ def test_context_parallel_evaluation_equals_one_process(world):
 
 # ---- evaluate.py and --init-from on a train.py run ------------------------------------------
 
-TINY_RUN = [
-    "--data",
-    "stdlib:json,email",
-    "--preset",
-    "tiny",
-    "--model.model.vocab_size",
-    "512",
-    "--seq-len",
-    "64",
-    "--batch-size",
-    "2",
-    "--warmup-steps",
-    "1",
-    "--context-parallel",
-    "1",
-    "--devices",
-    "1",
-    "--accelerator",
-    "cpu",
-    "--val-every",
-    "0",
-    "--trainer.enable_progress_bar",
-    "false",
-]
-
 
 def _script(name: str):
     spec = importlib.util.spec_from_file_location(f"{name}_under_test", REPO / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _train(args: list[str], env: dict):
-    import subprocess
-    import sys
-
-    return subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=400
-    )
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +136,7 @@ def env(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, env) -> Path:
     run = tmp_path_factory.mktemp("tiny-run")
-    proc = _train([*TINY_RUN, "--max-steps", "2", "--checkpoint-every", "2", "--output-dir", str(run)], env)
+    proc = run_train([*TINY, "--max-steps", "2", "--checkpoint-every", "2", "--output-dir", str(run)], env, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return run
 
@@ -214,8 +181,8 @@ def test_init_from_a_run_folder_with_a_new_length_and_rope_scaling(tiny_run, env
     scaling; a size the config changes is one line naming the checkpoint's sizes."""
     out = tmp_path / "longer"
     scaled = ["--model.model.rope_scaling", '{"type": "linear", "factor": 2}', "--model.model.max_seq_len", "128"]
-    args = [*TINY_RUN, "--init-from", str(tiny_run), *scaled, "--seq-len", "128", "--max-steps", "1"]
-    proc = _train([*args, "--checkpoint-every", "1", "--output-dir", str(out)], env)
+    args = [*TINY, "--init-from", str(tiny_run), *scaled, "--seq-len", "128", "--max-steps", "1"]
+    proc = run_train([*args, "--checkpoint-every", "1", "--output-dir", str(out)], env, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     before = torch.load(tiny_run / "checkpoints" / "last.ckpt", weights_only=True)
     after = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.train_script import TINY, run_train
 
 from longctx.models import GPT, GPTConfig, load_pretrained
 from longctx.models.checkpoint_import import DamagedCheckpointError, pretrained_config
@@ -153,7 +154,7 @@ def test_what_cannot_be_loaded_is_one_line(tmp_path, capsys, monkeypatch):
         err = _one_line_error(capsys)
         assert err.startswith(f"evaluate.py: error: {said}"), err
         assert "sentencepiece" not in err and "instantiate" not in err, err  # not AutoTokenizer's guess
-        assert train_py.main([*TINY_RUN, "--init-from", str(spec), "--output-dir", str(tmp_path / "t")]) == 2
+        assert train_py.main([*TINY, "--init-from", str(spec), "--output-dir", str(tmp_path / "t")]) == 2
         err = _one_line_error(capsys)
         assert err.startswith("train.py: error: ") and str(spec) in err and ("neither" in err or "holds no" in err), err
 
@@ -176,37 +177,6 @@ def test_what_cannot_be_loaded_is_one_line(tmp_path, capsys, monkeypatch):
 
 # ---- a real FSDP2 run of train.py (CPU, one process) -----------------------------------------
 
-TINY_RUN = [
-    "--data",
-    "stdlib:json,email",
-    "--preset",
-    "tiny",
-    "--model.model.vocab_size",
-    "512",
-    "--seq-len",
-    "64",
-    "--batch-size",
-    "2",
-    "--warmup-steps",
-    "1",
-    "--context-parallel",
-    "1",
-    "--devices",
-    "1",
-    "--accelerator",
-    "cpu",
-    "--val-every",
-    "0",
-    "--trainer.enable_progress_bar",
-    "false",
-]
-
-
-def _train(args: list[str], env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=500
-    )
-
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict:
@@ -223,8 +193,8 @@ def fsdp_run(tmp_path_factory, env) -> dict:
     from longctx.lightning.checkpoint_io import consolidate_checkpoint
 
     run = tmp_path_factory.mktemp("fsdp-run")
-    args = [*TINY_RUN, "--data-parallel", "fsdp", "--max-steps", "2", "--checkpoint-every", "2"]
-    proc = _train([*args, "--output-dir", str(run)], env)
+    args = [*TINY, "--data-parallel", "fsdp", "--max-steps", "2", "--checkpoint-every", "2"]
+    proc = run_train([*args, "--output-dir", str(run)], env, timeout=500)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     step = run / "checkpoints" / "step000002.ckpt"
     assert step.is_dir() and (step / "manifest.json").is_file()
@@ -270,8 +240,8 @@ def test_evaluate_a_sharded_run_as_its_single_file_weights(fsdp_run, env, tmp_pa
 def test_init_from_a_sharded_run_starts_from_its_weights(fsdp_run, env, tmp_path):
     _, before = load_run_checkpoint(fsdp_run["run"])
     out = tmp_path / "finetuned"
-    args = [*TINY_RUN, "--init-from", str(fsdp_run["run"]), "--max-steps", "1", "--checkpoint-every", "1"]
-    proc = _train([*args, "--output-dir", str(out)], env)
+    args = [*TINY, "--init-from", str(fsdp_run["run"]), "--max-steps", "1", "--checkpoint-every", "1"]
+    proc = run_train([*args, "--output-dir", str(out)], env, timeout=500)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     _, after = load_run_checkpoint(out)
     # One AdamW step of lr 2e-3 from the run's weights moves each by about the lr; a fresh
