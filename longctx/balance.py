@@ -345,8 +345,11 @@ def _fill_rank(pool: list, work_of, lengths: list, tokens: int, target: float, c
     ``tokens`` tokens and within 2% of ``target`` pairs; of the candidates, the one whose
     pieces need the fewest keys from elsewhere. ``(whole, cut)`` with ``cut`` None or
     ``(head_of, a, tail_of, t)``; None where no candidate reaches the target."""
-    best = None
+    best, tried = None, set()
     for whole, held, work in _whole_pieces(pool, work_of, tokens, target):
+        if (key := frozenset(map(id, whole))) in tried:  # the orders often pick the same set
+            continue
+        tried.add(key)
         rest_tokens, rest_pairs = tokens - held, target - work
         starts = sum(p[1] for p in whole)  # rows before each piece: held elsewhere
         if rest_tokens == 0:
