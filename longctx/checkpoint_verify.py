@@ -1,8 +1,9 @@
-"""What checkpoint_io uses so that a resume never trusts a checkpoint blindly: whether it is
-intact (single files: the zip CRC of every member, which ``torch.load`` never checks; sharded
-folders: the size and crc32 of every file against ``manifest.json``), and reading a sharded
-one as data only (DCP's ``.metadata`` and non-tensor entries through allowlists, where DCP
-itself would unpickle anything); with the file names and manifest format they read.
+"""Which checkpoint to trust, for a resume (checkpoint_io) and for a run's weights
+(models.run_checkpoint): its stored step, whether it is intact (single files: the zip CRC of
+every member, which ``torch.load`` never checks; sharded folders: the size and crc32 of every
+file against ``manifest.json``), which one of a folder to take; and reading a sharded one as
+data only (DCP's ``.metadata`` and non-tensor entries through allowlists, where DCP itself
+would unpickle anything).
 
 ``read_sharded_tensors`` reads chosen tensors of a sharded folder (e.g. a run's model weights,
 not its optimizer state) into full tensors in one process, without a process group. Torch
@@ -17,7 +18,7 @@ import warnings
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -47,12 +48,12 @@ def size_and_crc32(path: Path) -> tuple[int, int]:
     return size, crc
 
 
-def _file_problem(path: Path) -> Optional[str]:
+def _file_problem(path: Path, member_crcs: bool) -> Optional[str]:
     try:
         with zipfile.ZipFile(path) as archive:
             if not any(n.endswith("data.pkl") for n in archive.namelist()):
                 return "not a torch.save archive (no data.pkl)"
-            bad_member = archive.testzip()
+            bad_member = archive.testzip() if member_crcs else None
     except Exception as exc:  # noqa: BLE001 - any way a damaged archive fails to parse
         return f"unreadable archive ({type(exc).__name__}: {exc})"
     if bad_member is not None:
@@ -113,20 +114,78 @@ def sharded_problem(path: Path, rank: int = 0, world_size: int = 1, *, shard_crc
     return None
 
 
-def checkpoint_problem(path: PathLike) -> Optional[str]:
+def checkpoint_problem(path: PathLike, *, data_crcs: bool = True) -> Optional[str]:
     """Why ``path`` (a checkpoint file or sharded folder) cannot be trusted, or None if intact.
 
-    Reads the whole checkpoint (every CRC).
+    Reads the whole checkpoint (every CRC). ``data_crcs=False``: not the tensor data's CRCs (a
+    file's zip members, a folder's shards: ``sharded_problem(shard_crcs=False)``), so a reader
+    of part of it reads no more than it uses.
     """
     path = Path(path)
     if path.is_dir():
-        return sharded_problem(path)
-    return _file_problem(path)
+        return sharded_problem(path, shard_crcs=data_crcs)
+    return _file_problem(path, data_crcs)
 
 
 def is_complete_checkpoint(path: PathLike) -> bool:
     """True when ``path`` is an intact checkpoint file or sharded folder."""
     return checkpoint_problem(path) is None
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    """A folder torch.distributed.checkpoint wrote (train.py's FSDP2 checkpoints)."""
+    return path.is_dir() and ((path / MANIFEST_NAME).exists() or (path / DCP_METADATA_NAME).exists())
+
+
+def is_checkpoint(path: Path) -> bool:
+    """A checkpoint, intact or not: a ``.ckpt`` file, a sharded folder, or a ``.ckpt`` folder
+    (a sharded save that died before its metadata)."""
+    if path.is_file():
+        return path.suffix == ".ckpt"
+    return (path.is_dir() and path.suffix == ".ckpt") or is_sharded_checkpoint(path)
+
+
+def checkpoint_step(path: PathLike) -> int:
+    """The training step a checkpoint was saved at (its ``global_step``; -1 when absent)."""
+    path = Path(path)
+    if path.is_dir():
+        return read_manifest(path)["global_step"]
+    # mmap: only the small pickle is read, not the tensors.
+    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    step = ckpt.get("global_step", -1) if isinstance(ckpt, dict) else -1
+    return step if isinstance(step, int) and not isinstance(step, bool) else -1
+
+
+def pick_checkpoint(
+    folders: Iterable[Path], *, last_first: bool = False, data_crcs: bool = True, exclude: Optional[Path] = None
+) -> tuple[Optional[Path], list[str]]:
+    """The newest intact checkpoint in ``folders`` (None where there is none), and why each one
+    passed over was skipped (``PATH: unreadable (...)`` or ``PATH: incomplete or corrupt (...)``).
+
+    Newest: the highest stored step, never file time; a ``last`` checkpoint wins a tie, or
+    comes first whatever its step with ``last_first``. Hidden entries (temp files/folders of
+    saves) and ``exclude`` are no candidates. ``data_crcs``: as for ``checkpoint_problem``.
+    """
+    ranked, skipped = [], []
+    for d in folders:
+        if not d.is_dir():
+            continue
+        for candidate in sorted(d.iterdir()):
+            if candidate.name.startswith(".") or candidate == exclude or not is_checkpoint(candidate):
+                continue
+            try:
+                step = checkpoint_step(candidate)
+            except Exception as exc:  # noqa: BLE001 - an unreadable candidate is skipped, loudly
+                skipped.append(f"{candidate}: unreadable ({type(exc).__name__}: {exc})")
+                continue
+            last = candidate.stem == "last"
+            ranked.append(((last and last_first, step, last, candidate.name), candidate))
+    for _, candidate in sorted(ranked, key=lambda r: r[0], reverse=True):
+        problem = checkpoint_problem(candidate, data_crcs=data_crcs)
+        if problem is None:
+            return candidate, skipped
+        skipped.append(f"{candidate}: incomplete or corrupt ({problem})")
+    return None, skipped
 
 
 # DCP reads its ``.metadata`` with a bare pickle.load and non-tensor entries with

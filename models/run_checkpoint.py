@@ -3,7 +3,7 @@
 A run checkpoint is a single ``.ckpt`` file (DDP runs) or a sharded ``.ckpt`` folder (FSDP2
 runs, the default on GPUs: torch.distributed.checkpoint shards with a ``manifest.json``). A run
 folder (or its ``checkpoints/`` folder) stands for its ``checkpoints/last.ckpt``, else for its
-newest intact ``step*.ckpt`` (by the step stored in it; a warning names each one skipped).
+newest intact checkpoint (by the step stored in it; a warning names each one skipped).
 
 ``load_run_checkpoint(spec)`` gives ``(GPTConfig, state_dict)`` like the Hugging Face and
 GGUF loaders of ``checkpoint_import`` (which dispatches here, so ``--init-from runs/NAME``
@@ -25,18 +25,17 @@ from __future__ import annotations
 
 import pickle
 import warnings
-import zipfile
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 
 from longctx.checkpoint_verify import (
-    DCP_METADATA_NAME,
-    MANIFEST_NAME,
     CorruptCheckpointError,
+    is_checkpoint,
+    is_sharded_checkpoint,
+    pick_checkpoint,
     read_checkpoint_metadata,
-    read_manifest,
     read_sharded_tensors,
     sharded_problem,
 )
@@ -90,58 +89,6 @@ class DamagedCheckpointError(ValueError):
     """A checkpoint file failed an integrity check; the message names the file (one line)."""
 
 
-def is_sharded_checkpoint(path: Path) -> bool:
-    """A folder torch.distributed.checkpoint wrote (train.py's FSDP2 checkpoints)."""
-    return path.is_dir() and ((path / MANIFEST_NAME).exists() or (path / DCP_METADATA_NAME).exists())
-
-
-def _is_checkpoint(path: Path) -> bool:
-    return path.suffix == ".ckpt" and (path.is_file() or is_sharded_checkpoint(path))
-
-
-def _step_of(path: Path) -> int:
-    """The training step stored in a checkpoint (the manifest's, or the file's ``global_step``)."""
-    if path.is_dir():
-        return read_manifest(path)["global_step"]
-    step = torch_load_data(path).get("global_step")  # mmap: the small pickle only
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise ValueError("it stores no global_step")
-    return step
-
-
-def _problem(path: Path) -> Optional[str]:
-    """What makes a checkpoint unreadable, found without reading its tensors, or None."""
-    if path.is_dir():
-        return sharded_problem(path, shard_crcs=False)
-    try:
-        with zipfile.ZipFile(path) as archive:
-            if not any(n.endswith("data.pkl") for n in archive.namelist()):
-                return f"{path} is not a torch.save archive (no data.pkl)"
-    except (OSError, zipfile.BadZipFile) as exc:
-        return f"{path} is unreadable ({exc})"
-    return None
-
-
-def _checkpoint_in(directory: Path) -> tuple[Optional[Path], list[str]]:
-    """A run folder's (or its checkpoints/ folder's) checkpoint: ``last.ckpt``, else the newest
-    intact ``step*.ckpt`` (None where it holds none); and why each one skipped was skipped."""
-    folders = [d for d in (directory / "checkpoints", directory) if d.is_dir()]
-    for folder in folders:
-        if _is_checkpoint(folder / "last.ckpt"):
-            return folder / "last.ckpt", []
-    ranked, skipped = [], []
-    for candidate in (p for d in folders for p in sorted(d.glob("step*.ckpt")) if _is_checkpoint(p)):
-        problem = _problem(candidate)
-        if problem is None:
-            try:
-                ranked.append((_step_of(candidate), candidate.name, candidate))
-                continue
-            except Exception as exc:  # noqa: BLE001 - an unreadable candidate is skipped, loudly
-                problem = f"{candidate}: {type(exc).__name__}: {exc}"
-        skipped.append(problem)
-    return (max(ranked)[2] if ranked else None), skipped
-
-
 def _looks_like_run(path: Path) -> bool:
     """A train.py run folder or its checkpoints/ folder, whether or not a checkpoint is in it
     (not a Hugging Face directory: a config.json or tokenizer files)."""
@@ -150,7 +97,7 @@ def _looks_like_run(path: Path) -> bool:
     return (
         (path / "config.yaml").is_file()
         or (path / "checkpoints").is_dir()
-        or any(_is_checkpoint(p) for p in path.glob("*.ckpt"))
+        or any(is_checkpoint(p) for p in path.glob("*.ckpt"))
     )
 
 
@@ -170,28 +117,25 @@ def is_run_checkpoint(spec: Any) -> bool:
 
 
 def resolve_run_checkpoint(spec: PathLike) -> Path:
-    """The ``.ckpt`` file or sharded folder ``spec`` names (a run folder: its
-    ``checkpoints/last.ckpt``, else its newest intact ``checkpoints/step*.ckpt``)."""
+    """The ``.ckpt`` file or sharded folder ``spec`` names (a run folder: its intact
+    ``checkpoints/last.ckpt``, else its newest intact checkpoint)."""
     path = Path(spec).expanduser()
     if is_sharded_checkpoint(path):
         return path
     if path.is_dir():
-        found, skipped = _checkpoint_in(path)
+        # No tensor data's CRCs: loading reads the model tensors only (a folder's, verified then).
+        found, skipped = pick_checkpoint([path, path / "checkpoints"], last_first=True, data_crcs=False)
         if found is None and skipped:
             raise DamagedCheckpointError(
-                f"{spec} holds no intact checkpoint (no checkpoints/last.ckpt; "
-                + "; ".join(" ".join(s.split()) for s in skipped)
-                + ")"
+                f"{spec} holds no intact checkpoint (" + "; ".join(" ".join(s.split()) for s in skipped) + ")"
             )
         if found is None:
-            kept = sorted(p.name for d in (path, path / "checkpoints") if d.is_dir() for p in d.glob("*.ckpt"))
             raise FileNotFoundError(
-                f"{spec} holds no checkpoint to load (no checkpoints/last.ckpt or checkpoints/step*.ckpt"
-                + (f"; found {', '.join(kept)}" if kept else "")
-                + "); train.py saves them with --checkpoint-every N"
+                f"{spec} holds no checkpoint to load (no checkpoints/last.ckpt or checkpoints/step*.ckpt); "
+                "train.py saves them with --checkpoint-every N"
             )
         for problem in skipped:
-            warnings.warn(f"{found} is the newest intact checkpoint of {spec}; skipped {problem}", stacklevel=2)
+            warnings.warn(f"{spec} stands for {found}; skipped {problem}", stacklevel=2)
         return found
     if not path.is_file():
         raise FileNotFoundError(

@@ -11,11 +11,11 @@ Two kinds, both written so that a crash mid-save never leaves something a resume
   ``load_training_state``: a Lightning checkpoint dict and an FSDP2 model with its
   optimizers, through them (what ``ContextParallelStrategy`` routes FSDP runs to).
 
-``find_resume_checkpoint`` orders both kinds by the training step stored in them (never
-by file time) and takes the newest intact one, warning about each one it skips.
-Every pickle is read with ``weights_only=True`` or an allowlist: a checkpoint is data.
-The integrity checks and the data-only DCP readers (and the names and manifest format
-they read) are longctx.checkpoint_verify's (Lightning-free: models/ reads run checkpoints with it).
+``find_resume_checkpoint`` takes the newest intact one by stored step, warning about each
+one it skips. Every pickle is read with ``weights_only=True`` or an allowlist: a checkpoint
+is data. Which checkpoint to take, the integrity checks and the data-only DCP readers (and
+the names and manifest format they read) are longctx.checkpoint_verify's (Lightning-free:
+models/ reads run checkpoints with it).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from longctx.checkpoint_verify import (
-    DCP_METADATA_NAME,
     MANIFEST_FORMAT,
     MANIFEST_NAME,
     METADATA_NAME,
@@ -49,8 +48,10 @@ from longctx.checkpoint_verify import (
     SafeFileSystemReader,
     SafeLoadPlanner,
     checkpoint_problem,
+    checkpoint_step,
+    is_checkpoint,
+    pick_checkpoint,
     read_dcp_metadata,
-    read_manifest,
     sharded_problem,
     size_and_crc32,
 )
@@ -431,25 +432,6 @@ def consolidate_checkpoint(
 # -- choosing a checkpoint ------------------------------------------------------------
 
 
-def _looks_like_checkpoint(path: Path) -> bool:
-    if path.is_file():
-        return path.suffix == ".ckpt"
-    return path.is_dir() and (
-        (path / MANIFEST_NAME).exists() or (path / DCP_METADATA_NAME).exists() or path.suffix == ".ckpt"
-    )
-
-
-def checkpoint_step(path: PathLike) -> int:
-    """The training step a checkpoint was saved at (its ``global_step``; -1 when absent)."""
-    path = Path(path)
-    if path.is_dir():
-        return read_manifest(path)["global_step"]
-    # mmap: only the small pickle is read, not the tensors.
-    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    step = ckpt.get("global_step", -1) if isinstance(ckpt, dict) else -1
-    return step if isinstance(step, int) and not isinstance(step, bool) else -1
-
-
 def nonfinite_entry(path: PathLike) -> Optional[str]:
     """The first tensor of a single-file checkpoint's weights or optimizer state that holds NaN
     or Inf, named with its count (``state_dict['w'] (3 of 64 values)``), or None. A sharded
@@ -505,8 +487,7 @@ def find_resume_checkpoint(path: PathLike) -> Path:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"--resume path {path} does not exist")
-    skip: set[Path] = set()
-    if _looks_like_checkpoint(path) or path.is_file():
+    if is_checkpoint(path) or path.is_file():
         problem = checkpoint_problem(path)
         if problem is None:
             _check_loads_as_data(path)
@@ -515,25 +496,11 @@ def find_resume_checkpoint(path: PathLike) -> Path:
             f"checkpoint {path} is incomplete or corrupt ({problem}); looking for the newest intact one beside it",
             stacklevel=2,
         )
-        search, skip = [path.parent], {path}
+        found, skipped = pick_checkpoint([path.parent], exclude=path)
     else:
-        search = [path, path / "checkpoints"]
-    candidates = [
-        p
-        for d in search
-        if d.is_dir()
-        for p in sorted(d.iterdir())
-        if not p.name.startswith(".") and p not in skip and _looks_like_checkpoint(p)
-    ]
-    ranked = []
-    for candidate in candidates:
-        try:
-            ranked.append((checkpoint_step(candidate), candidate.stem == "last", candidate.name, candidate))
-        except Exception as exc:  # noqa: BLE001 - an unreadable candidate is skipped, loudly
-            warnings.warn(f"skipping checkpoint {candidate}: unreadable ({type(exc).__name__}: {exc})", stacklevel=2)
-    for *_, candidate in sorted(ranked, key=lambda r: r[:3], reverse=True):
-        problem = checkpoint_problem(candidate)
-        if problem is None:
-            return candidate
-        warnings.warn(f"skipping checkpoint {candidate}: incomplete or corrupt ({problem})", stacklevel=2)
-    raise FileNotFoundError(f"no intact checkpoint under {path} (found {len(candidates)} candidate(s), none intact)")
+        found, skipped = pick_checkpoint([path, path / "checkpoints"])
+    for why in skipped:
+        warnings.warn(f"skipping checkpoint {why}", stacklevel=2)
+    if found is None:  # every candidate was skipped
+        raise FileNotFoundError(f"no intact checkpoint under {path} (found {len(skipped)} candidate(s), none intact)")
+    return found

@@ -16,9 +16,7 @@ def run_dir_of(checkpoint: Path) -> Path:
 
 def earlier_checkpoints(checkpoint: Path, step: int) -> list[Path]:
     """The intact checkpoints beside ``checkpoint`` saved before ``step``, newest first."""
-    from longctx.checkpoint_verify import is_complete_checkpoint
-
-    from .checkpoint_io import checkpoint_step
+    from longctx.checkpoint_verify import checkpoint_step, is_complete_checkpoint
 
     found = []
     for other in checkpoint.parent.glob("*.ckpt"):

@@ -501,7 +501,9 @@ class TrainCLI(LightningCLI):
 
     def check_resume(self) -> None:
         """Refuse a resume that cannot continue the run, and say what a flag changes."""
-        from .checkpoint_io import checkpoint_step, nonfinite_entry
+        from longctx.checkpoint_verify import checkpoint_step
+
+        from .checkpoint_io import nonfinite_entry
         from .training import say
 
         cfg, ckpt = self.config, self.resume_checkpoint
