@@ -39,7 +39,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from longctx.validation import parse_size, parse_sizes
 
@@ -162,7 +162,7 @@ def check_tokenizer_folder(spec: str) -> None:
         )
 
 
-def load_model(args: argparse.Namespace, overrides: dict):
+def load_model(args: argparse.Namespace, overrides: dict, device: Any = "cpu"):
     import torch
 
     from longctx.models import GPT, GPTConfig, load_pretrained
@@ -180,7 +180,8 @@ def load_model(args: argparse.Namespace, overrides: dict):
             return model
         return load_pretrained(args.checkpoint, **overrides)
     torch.manual_seed(args.seed)
-    return GPT(GPTConfig.from_preset(args.preset, **overrides))
+    with torch.device(device):  # a random init built where it runs (an 8B one on the host takes minutes)
+        return GPT(GPTConfig.from_preset(args.preset, **overrides))
 
 
 def default_out(args: argparse.Namespace) -> Path:
@@ -217,7 +218,7 @@ def run(args: argparse.Namespace) -> dict:
         overrides["rope_theta"] = args.rope_theta
     if args.rope_scaling is not None:
         overrides["rope_scaling"] = None if args.rope_scaling.lower() == "none" else json.loads(args.rope_scaling)
-    model = load_model(args, overrides)
+    model = load_model(args, overrides, device)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}: "
