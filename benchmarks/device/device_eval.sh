@@ -31,4 +31,17 @@ for n in ${GPUS:-1 2}; do
     > "$OUT/logs/eval_${n}gpu.log" 2>&1
   echo "eval ${n} GPU(s): rc=$? in $(( $(date +%s) - start )) s"; grep -v "Warning\|warn" "$OUT/logs/eval_${n}gpu.log" | tail -4
 done
+# PREFILL_8B=TOKENIZER_FILE: prefill (loss task, one window) of a seeded random init of the 8B
+# shape: on one GPU at PREFILL_1 tokens, on the largest of GPUS at PREFILL_N (a short first length
+# compiles the kernels before the timed ones). tokens_per_s per length in prefill_8b_{n}gpu.json.
+if [ -n "${PREFILL_8B:-}" ]; then
+  for n in 1 ${GPUS##* }; do
+    lengths=${PREFILL_1:-16384,131072}; [ "$n" = 1 ] || lengths=${PREFILL_N:-16384,131072,524288}
+    start=$(date +%s)
+    CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout "${PREFILL_LIMIT:-150}" torchrun --standalone --nproc-per-node "$n" \
+      evaluate.py --preset llama3-8b --tokenizer "$PREFILL_8B" --tasks loss --lengths "$lengths" --data auto \
+      --max-sequences 1 --out "$OUT" --tag "prefill_8b_${n}gpu" > "$OUT/logs/prefill_8b_${n}gpu.log" 2>&1
+    echo "prefill 8B ${n} GPU(s): rc=$? in $(( $(date +%s) - start )) s"; grep "tok/s\|tokens\|Error" "$OUT/logs/prefill_8b_${n}gpu.log" | tail -4
+  done
+fi
 (cd "$OUT" && tar czf eval_logs.tar.gz logs && rm -rf logs)
