@@ -6,12 +6,13 @@ Refit from measurements (one command; rerun it whenever the measured JSONs are r
 the same format) and predict P = 8, 16 at 131,072 and 1,048,576 tokens:
 
     python benchmarks/scaling_model.py \\
-        --measured benchmarks/results/document_attention_ring_ws2_h200x4.json \\
-                   benchmarks/results/document_attention_ring_ws4_h200x4.json \\
+        --measured benchmarks/results/document_attention_ring_ws2_contig_h200x4.json \\
+                   benchmarks/results/document_attention_ring_ws4_contig_h200x4.json \\
         --link benchmarks/results/ring_ws2_h200_finish.json \\
         --host-overhead benchmarks/results/fa4_host_overhead_h200.json \\
+        --prior benchmarks/results/scaling_model_h200x4_v2.json \\
         --predict 8 16 --predict-seq 131072 1048576 \\
-        --out benchmarks/results/scaling_model_h200x4_v2.json
+        --out benchmarks/results/scaling_model_h200x4_v3.json
 
 (``--rates FILE`` predicts with a written fit instead of fitting; ``--no-loo`` skips the
 leave-one-mix-out refits.)
