@@ -11,6 +11,12 @@ if [ -d .carry/wheels ]; then
   python -m pip install -q --no-deps --no-index .carry/wheels/*.whl >/tmp/longctx_wheels.log 2>&1 \
     || echo "[device_env] carried wheels did not install: $(tail -1 /tmp/longctx_wheels.log)"
 fi
+# Tokenizers train.py would otherwise train on the device first (tens of seconds each: the 1B
+# configs' spm-32768, the recipe's spm-8192), carried as .carry/tok (copied from
+# ~/.cache/longctx/tokenizers on a machine that has run them).
+if [ -d .carry/tok ]; then
+  mkdir -p ~/.cache/longctx/tokenizers && cp .carry/tok/* ~/.cache/longctx/tokenizers/
+fi
 # FlashAttention-4 (optional "fa4" backend): its compiler wheel is over one call's carry, so
 # benchmarks/device/fa4_carry.sh stages it in two halves: call 1 carries .carry/fa4-1 and runs
 # `bash .carry/fa4-1/fa4_device.sh stash`; call 2 carries .carry/fa4-2 and sources this file,
