@@ -4,8 +4,9 @@
 # fine-tuned on its long documents with context parallelism from that checkpoint (--init-from), with
 # evaluate.py before and after (passkey lengths x depths, loss by position), both over CP=2.
 #
-#   bash benchmarks/device/device_recipe.sh           # 2 GPUs, ~6 min (carry .carry/wheels)
+#   bash benchmarks/device/device_recipe.sh           # 2 GPUs, ~6 min (carry .carry/wheels, .carry/tok)
 #   bash benchmarks/device/device_recipe.sh --tiny    # CPU toy scale (TINY=1 alike): tests/bench/test_recipe.py
+#   STAGES=short STAGE_LIMIT=540 bash ...; then STAGES=long ..., then STAGES=eval ...  # a call each, one warm machine
 #
 # GPU: gpt-125m (vocab 8192) at 4,096 tokens, dp 2, SHORT_STEPS; then 32,768 tokens, linear RoPE
 # scaling x8, CP=2, LONG_STEPS, evaluated during the fine-tune every EVAL_EVERY steps (train.py
@@ -42,8 +43,12 @@ else
   SHORT_STEPS=${SHORT_STEPS:-400} LONG_STEPS=${LONG_STEPS:-150} EVAL_EVERY=${EVAL_EVERY:-50} FACTOR=8
   EVAL=(--lengths 1K,2K,4K,8K,16K,32K --depths 0,0.25,0.5,0.75,1 --trials 4 --data auto --max-sequences 8 --base-context 4K)
   EVAL_DURING=()
-  NPROC=2 LIMIT=240
+  NPROC=2 LIMIT=${STAGE_LIMIT:-240}
 fi
+# STAGES: a subset of "short long eval" (e.g. training in one device call, evaluation in the next on
+# the same warm machine: the runs stay under $WORK).
+STAGES=" ${STAGES:-short long eval} "
+want() { [[ "$STAGES" == *" $1 "* ]]; }
 COMMON=(--val-every 0 --trainer.enable_progress_bar false)
 start=$(date +%s)
 stage() {  # stage NAME COMMAND...: its output in $WORK/logs/NAME.log, the tail and the time printed
@@ -55,18 +60,24 @@ stage() {  # stage NAME COMMAND...: its output in $WORK/logs/NAME.log, the tail 
   echo "[recipe] $name: rc $rc in $(( $(date +%s) - t )) s"
   return $rc
 }
-rm -rf "$WORK/short" "$WORK/long"
 # 1. The short-context model, from scratch.
-stage short "$PY" train.py "${MODEL[@]}" "${DATA[@]}" "${SHORT[@]}" "${COMMON[@]}" --max-steps "$SHORT_STEPS" \
-  --warmup-steps $(( SHORT_STEPS / 10 )) --checkpoint-every "$SHORT_STEPS" --output-dir "$WORK/short" || exit 1
+if want short; then
+  rm -rf "$WORK/short"
+  stage short "$PY" train.py "${MODEL[@]}" "${DATA[@]}" "${SHORT[@]}" "${COMMON[@]}" --max-steps "$SHORT_STEPS" \
+    --warmup-steps $(( SHORT_STEPS / 10 )) --checkpoint-every "$SHORT_STEPS" --output-dir "$WORK/short" || exit 1
+fi
 # 2. Extended: its weights and tokenizer, RoPE positions divided by FACTOR, the long length over CP=2,
 #    evaluated as it trains.
-stage long "$PY" train.py "${MODEL[@]}" "${DATA[@]}" "${LONG[@]}" "${COMMON[@]}" --init-from "$WORK/short" \
-  --model.model.rope_scaling "{type: linear, factor: $FACTOR}" --max-steps "$LONG_STEPS" \
-  --warmup-steps $(( LONG_STEPS / 10 )) --checkpoint-every "$LONG_STEPS" --eval-every "$EVAL_EVERY" \
-  "${EVAL_DURING[@]}" --output-dir "$WORK/long" || exit 1
+if want long; then
+  rm -rf "$WORK/long"
+  stage long "$PY" train.py "${MODEL[@]}" "${DATA[@]}" "${LONG[@]}" "${COMMON[@]}" --init-from "$WORK/short" \
+    --model.model.rope_scaling "{type: linear, factor: $FACTOR}" --max-steps "$LONG_STEPS" \
+    --warmup-steps $(( LONG_STEPS / 10 )) --checkpoint-every "$LONG_STEPS" --eval-every "$EVAL_EVERY" \
+    "${EVAL_DURING[@]}" --output-dir "$WORK/long" || exit 1
+fi
 # 3. Before and after: the same evaluation of both checkpoints (each run's own RoPE), over NPROC ranks
 #    (one CP group; one process needs no launcher).
+want eval || exit 0
 launch=("$PY")
 [ "$NPROC" -gt 1 ] && launch=("$PY" -m torch.distributed.run --nproc-per-node "$NPROC")
 for name in short long; do
