@@ -139,6 +139,9 @@ def load_tokenizer(args: argparse.Namespace):
     spec = args.tokenizer or args.checkpoint
     if spec is None:
         raise ValueError("--preset alone gives a random model: name its --tokenizer")
+    if args.checkpoint and str(args.checkpoint).lower() not in SMOLLM2_ALIASES:
+        if not Path(args.checkpoint).expanduser().exists():  # not the tokenizer's path: the checkpoint's
+            raise FileNotFoundError(f"--checkpoint {args.checkpoint!r} does not exist")
     if is_run_checkpoint(spec):
         return run_tokenizer(spec)
     check_tokenizer_folder(spec)

@@ -369,3 +369,12 @@ def test_readme_evaluate_commands_pass_the_argument_checks():
     for world, argv in commands:
         args = evaluate_py.parse_args(argv)
         evaluate_py.check_arguments(args, world)
+
+
+def test_evaluate_names_a_missing_checkpoint(tmp_path, capsys):
+    """A --checkpoint that does not exist is named as the checkpoint (not as a tokenizer path)."""
+    evaluate_py = _script("evaluate")
+    missing = tmp_path / "no-such-run"
+    assert evaluate_py.main(["--checkpoint", str(missing), "--lengths", "256", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"evaluate.py: error: --checkpoint {str(missing)!r} does not exist", err
