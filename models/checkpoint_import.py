@@ -92,9 +92,8 @@ def check_checkpoint_spec(name: str, spec: PathLike) -> None:
             name, f"{spec} reads a GGUF file, which needs the optional 'gguf' package: pip install 'longctx[gguf]'"
         )
     if text not in SMOLLM2_ALIASES and not Path(spec).expanduser().exists():
-        raise ArgumentValueError(
-            name, f"{spec}: no such file or directory (a Hugging Face directory, a .gguf file or {SMOLLM2_PACKAGE})"
-        )
+        kinds = f"a train.py run folder or .ckpt, a Hugging Face directory, a .gguf file or {SMOLLM2_PACKAGE}"
+        raise ArgumentValueError(name, f"{spec}: no such file or directory ({kinds})")
 
 
 def check_run_checkpoint_sizes(spec: Any, overrides: Any) -> None:
