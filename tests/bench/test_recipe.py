@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import re
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.train_script import launch_env
 
 REPO = Path(__file__).resolve().parents[2]
 OUTPUTS = [
@@ -37,8 +37,7 @@ OUTPUTS = [
 @pytest.mark.slow
 def test_recipe_runs_end_to_end_at_toy_scale(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env.update(OUT=str(out), WORK=str(work), PYTHON=sys.executable, LONGCTX_CACHE_DIR=str(tmp_path / "cache"))
+    env = launch_env(tmp_path / "cache", OUT=str(out), WORK=str(work), PYTHON=sys.executable)
     proc = subprocess.run(
         ["bash", str(REPO / "benchmarks" / "device" / "device_recipe.sh"), "--tiny"],
         cwd=REPO,

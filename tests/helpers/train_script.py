@@ -4,6 +4,7 @@ call its functions in-process; and launched (``run_train``), with the short runs
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,16 @@ TINY = [
     *("--context-parallel", "1", "--devices", "1", "--accelerator", "cpu", "--val-every", "0"),
     *("--trainer.enable_progress_bar", "false"),
 ]
+
+
+def launch_env(cache_dir=None, **extra: str) -> dict:
+    """This process's environment for a job launched as its own: without the rank and port
+    variables an in-process fit earlier in the session may have set (its process group may
+    still hold that port), with its own tokenizer cache where ``cache_dir`` is given."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    if cache_dir is not None:
+        env["LONGCTX_CACHE_DIR"] = str(cache_dir)
+    return {**env, **extra}
 
 
 def run_train(args: list[str], env: dict, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.dist_harness import run_distributed
-from helpers.train_script import TINY, run_train
+from helpers.train_script import TINY, launch_env, run_train
 
 from longctx import CPContext, ParallelDims, parallelize
 from longctx.models import GPT, GPTConfig
@@ -126,11 +126,7 @@ def _script(name: str):
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict:
-    import os
-
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env["LONGCTX_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-    return env
+    return launch_env(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(scope="module")

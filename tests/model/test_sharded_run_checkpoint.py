@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.train_script import TINY, run_train
+from helpers.train_script import TINY, launch_env, run_train
 
 from longctx.models import GPT, GPTConfig, load_pretrained
 from longctx.models.checkpoint_import import DamagedCheckpointError, pretrained_config
@@ -180,9 +179,7 @@ def test_what_cannot_be_loaded_is_one_line(tmp_path, capsys, monkeypatch):
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env["LONGCTX_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-    return env
+    return launch_env(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,12 @@ CPU, is in the README's reliability section."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers.train_script import launch_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -18,8 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_fault_suite_subset_over_gloo(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env["LONGCTX_CACHE_DIR"] = str(tmp_path / "cache")
+    env = launch_env(tmp_path / "cache")
     out = tmp_path / "faults.json"
     proc = subprocess.run(
         [

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.train_script import launch_env
 
 from longctx.lightning.launcher import LAUNCHER_PID_ENV
 
@@ -68,9 +69,7 @@ STARTUP_S = 150  # imports, tokenizer and corpus cache (first run), rendezvous, 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env["LONGCTX_CACHE_DIR"] = str(tmp_path_factory.mktemp("longctx-cache"))
-    return env
+    return launch_env(tmp_path_factory.mktemp("longctx-cache"))
 
 
 def _start(out: Path, env: dict, *extra: str) -> subprocess.Popen:

@@ -9,15 +9,14 @@ import sys
 import time
 
 import pytest
+from helpers.train_script import launch_env
 
 HERE = os.path.dirname(__file__)
 
 
 @pytest.mark.slow
 def test_raising_rank_ends_the_job_and_is_named():
-    # MASTER_PORT too: an in-process fit earlier in the session may have set it and still hold
-    # that port (its process group lives on); the job must pick its own.
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env = launch_env()
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "strategy_failure_script.py")],
