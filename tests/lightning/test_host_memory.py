@@ -200,7 +200,7 @@ def test_cpu_runs_take_32_bit_and_no_fusion_unless_asked(train, tmp_path, monkey
 
     for path in sorted((REPO / "configs").glob("*.yaml")):
         cfg = train.resolve_config(["--config", str(path)]).config
-        assert cfg.trainer.precision in (None, "32-true"), path.name
+        assert cfg.trainer.precision is None, path.name  # the device decides: --accelerator gpu gets bf16
         assert (cfg.model.parallel or {}).get("fuse_pointwise") is None, path.name
 
     monkeypatch.setattr(longctx.memory_fit, "host_available_bytes", lambda: 64 * GiB)
@@ -220,6 +220,16 @@ def test_cpu_runs_take_32_bit_and_no_fusion_unless_asked(train, tmp_path, monkey
     asked = ["--precision", "bf16-mixed", "--model.parallel.fuse_pointwise", "true"]
     cli, run = resolved(asked, "asked")
     assert (run.parallel.precision, run.parallel.fuse_pointwise) == ("bf16-mixed", True)
+
+
+def test_the_default_job_on_a_gpu_takes_the_gpu_precision(train, tmp_path, monkeypatch):  # noqa: F811
+    """The embedded default config leaves precision to the device: `--accelerator gpu` on it
+    trains in bf16 (the config once pinned 32-true, and a GPU run of it went fp32)."""
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
+    for accelerator, precision in (("gpu", "bf16-mixed"), ("cpu", "32-true")):
+        argv = ["--accelerator", accelerator, "--output-dir", str(tmp_path / accelerator)]
+        cli = train.prepare(argv, device_checks=False)
+        assert cli.config.trainer.precision == precision, accelerator
 
 
 def test_a_gpu_run_is_checked_before_data_work_too(monkeypatch):
