@@ -6,6 +6,8 @@
     pytestmark = requires_cuda()   # a whole module
 
 so ``pytest -m gpu`` (``-m multigpu``) selects exactly the tests that need a GPU (several).
+Under pytest-xdist (``-n N --dist loadgroup``) they share one group, so they run one at a time
+on one worker while the CPU tests spread over the others.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class Marks(list):
 
 
 def requires_cuda(min_gpus: int = 1, *, fa4: bool = False) -> Marks:
-    marks = Marks([pytest.mark.gpu])
+    marks = Marks([pytest.mark.gpu, pytest.mark.xdist_group("gpu")])
     if min_gpus > 1:
         marks.append(pytest.mark.multigpu)
     count = torch.cuda.device_count()
