@@ -132,6 +132,7 @@ def _timed_first_call(key, fn):
 # their keys; a key added later is a compile in the middle of a run: logged once, naming
 # the variant, and counted in ``late_compiles``.
 _warmed_up: Optional[set] = None
+_warm_up_variants: set = set()  # the ``compile_seconds`` keys warm_up called first
 _watched: Optional[list] = None  # the caches' dicts, found once by warm_up
 late_compiles: list = []
 _JIT_FUNCTIONS = (
@@ -538,4 +539,11 @@ def warm_up(device, dtype: torch.dtype, head_dim: int, n_head: int, n_kv_head: i
     torch.cuda.empty_cache()  # the blocks (up to ~60K rows) go back before the model's own buffers
     _warmed_up = _jit_keys()
     _watched = [cache for _, cache in _jit_caches()]
+    _warm_up_variants.update(compile_seconds)
     return len(_warmed_up) - before
+
+
+def first_calls_since_warm_up() -> dict:
+    """``compile_seconds`` of the variants first called outside ``warm_up`` (all of them where
+    no warm-up ran)."""
+    return {key: s for key, s in compile_seconds.items() if key not in _warm_up_variants}

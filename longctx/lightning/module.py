@@ -412,13 +412,15 @@ class CausalLMModule(L.LightningModule):
 
     def _report_kernel_compile(self) -> None:
         """After the first step: what FlashAttention-4's first-call compiles (or loads from its
-        on-disk cache) cost, since they make step 1 slower than the rest."""
+        on-disk cache) during step 1 cost, since they make it slower than the rest (those of
+        the warm-up were reported before it)."""
         from longctx.kernels import fa4
 
-        if fa4.compile_seconds:
+        first_calls = fa4.first_calls_since_warm_up()
+        if first_calls:
             self.print(
-                f"FlashAttention-4: {len(fa4.compile_seconds)} kernel variants compiled or loaded "
-                f"in {sum(fa4.compile_seconds.values()):.1f} s (cache: {fa4.cache_dir()})"
+                f"FlashAttention-4: {len(first_calls)} kernel variants compiled or loaded in step 1 "
+                f"in {sum(first_calls.values()):.1f} s (cache: {fa4.cache_dir()})"
             )
 
     # -- validation -------------------------------------------------------------------------

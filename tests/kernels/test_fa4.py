@@ -278,6 +278,18 @@ def test_a_compile_after_warm_up_is_logged_and_counted(monkeypatch, caplog):
     assert len([r for r in caplog.records if "after the warm-up" in r.message]) == 1
 
 
+def test_step_one_reports_only_first_calls_since_the_warm_up(monkeypatch):
+    """The line after step 1 counts the variants first called after the warm-up (the warm-up's
+    own were reported before step 1: one count, not two)."""
+    monkeypatch.setattr(fa4, "compile_seconds", {"warm": 4.0})
+    monkeypatch.setattr(fa4, "_warm_up_variants", set())
+    assert fa4.first_calls_since_warm_up() == {"warm": 4.0}  # no warm-up ran: every first call
+    fa4._warm_up_variants.update(fa4.compile_seconds)
+    assert fa4.first_calls_since_warm_up() == {}
+    fa4.compile_seconds["late"] = 2.5
+    assert fa4.first_calls_since_warm_up() == {"late": 2.5}
+
+
 @requires_cuda(fa4=True)
 def test_no_fa4_compile_after_warm_up_over_random_document_layouts():
     """After ``warm_up`` (the model's head shape), document blocks of any segment count and
