@@ -6,8 +6,9 @@
 #     (pytest -m gpu: tests/helpers/run_if.py marks them; MARK=multigpu for the 2-GPU ones only;
 #     MARK= (empty) for the whole suite, as `python -m pytest tests` runs it there);
 #     XDIST=N: over N pytest-xdist workers, the GPU tests one at a time on one of them;
-#     log and JUnit XML in $OUT (gpu_tests.log, gpu_tests.xml), the last line its rc and time.
-#     Needs pytest (and hypothesis, pytest-timeout) there: carry their wheels in .carry/wheels.
+#     log (-v: a run cut by LIMIT still names each result) and JUnit XML in $OUT (gpu_tests.log,
+#     gpu_tests.xml), the last line its rc and time.
+#     pytest, hypothesis, pytest-timeout and pytest-xdist come with the device image.
 # Each part has its own time limit (LIMIT seconds, default 560) so one slow part cannot
 # eat the whole call.
 set -u
@@ -35,7 +36,7 @@ case "${1:-ring}" in
     start=$(date +%s)
     # Modules that cannot be imported here (a missing CPU-side package) are reported as errors
     # and the rc says so, but do not stop the GPU tests of the other modules.
-    timeout "${LIMIT:-560}" python -m pytest -q -rs -m "${MARK-gpu}" -p no:cacheprovider \
+    timeout "${LIMIT:-560}" python -m pytest -v -rfEs --durations=25 -m "${MARK-gpu}" -p no:cacheprovider \
       ${XDIST:+-n "$XDIST" --dist loadgroup} --continue-on-collection-errors --junitxml "$OUT/gpu_tests.xml" tests "${@:2}" > "$OUT/gpu_tests.log" 2>&1
     rc=$?
     tail -40 "$OUT/gpu_tests.log"
