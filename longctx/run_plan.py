@@ -19,7 +19,8 @@ written to its config.yaml; ``line()`` the line printed at start. A plan resolve
 own entries is the same plan.
 
 Who reads what (``CausalLMModule`` resolves the plan in ``setup``, through
-``longctx.lightning.planning.plan_run``, and hands it down once): the strategy its data-parallel
+``longctx.lightning.planning.plan_run``, or takes the one train.py resolved before the model was
+built, ``CausalLMModule.check_fit`` / ``use_run_plan``, and hands it down once): the strategy its data-parallel
 mode (``ContextParallelStrategy.use_run_plan``), ``parallelize`` its ``model``, the batch pipeline
 the document balance, exchange and RoPE positions (``longctx.lightning.batches``), train.py's
 config.yaml ``config_entries()``.
@@ -229,14 +230,17 @@ def resolve_run(
     memory_check: bool = True,
     gpu_total: Optional[int] = None,
     host_total: Optional[int] = None,
+    host_check: Optional[int] = None,
     hf_modules: bool = False,
 ) -> RunPlan:
     """Every "auto" of the run, resolved once (see the module doc).
 
     ``config``: the model's shape (``GPTConfig`` or a Hugging Face config; read duck-typed).
     ``device``: this rank's device; ``gpu_total`` / ``host_total``: its GPU's and the host's
-    bytes (None: unknown, nothing escalated). ``requested``: the run's ``ParallelPlan`` as
-    given. ``seq_len`` / ``batch_size``: the full training sequence and the per-rank batch
+    bytes (None: unknown, nothing escalated); ``host_check``: the host memory the run is refused
+    against where that is not the one it is planned for (train.py's launching process: what is
+    available now; None: ``host_total``), so that every process plans alike. ``requested``: the
+    run's ``ParallelPlan`` as given. ``seq_len`` / ``batch_size``: the full training sequence and the per-rank batch
     (None: unknown before the first batch: the plain blocks' kernel stays "auto", chosen per
     call by the kernels, and the memory is not planned). ``documents``: document-masked
     attention; ``load_balance`` / ``rope_positions``: as the module was given them (None:
@@ -294,7 +298,15 @@ def resolve_run(
     gpu_total = gpu_total if device.type == "cuda" else None  # a CPU's memory is checked, not planned
     default = asked.activation_checkpointing is None
     plan, estimate, notes = _plan_memory(
-        config, seq_len, plan, world, memory_kw, default=default, gpu_total=gpu_total, host_total=host_total
+        config,
+        seq_len,
+        plan,
+        world,
+        memory_kw,
+        default=default,
+        gpu_total=gpu_total,
+        host_total=host_total,
+        host_check=host_total if host_check is None else host_check,
     )
 
     parallel = ParallelChoices(
@@ -340,11 +352,12 @@ def _resolve_kernels(plan: ParallelPlan, device, *, precision: str, head_dim, se
     return dataclasses.replace(plan, attention_backend=plain, document_backend=document)
 
 
-def _plan_memory(config, seq_len, plan, world: World, memory_kw, *, default: bool, gpu_total, host_total):
+def _plan_memory(config, seq_len, plan, world: World, memory_kw, *, default: bool, gpu_total, host_total, host_check):
     """(plan, estimate, notes): activation checkpointing "auto" decided (the least recompute
     predicted to fit; "full" where nothing is checked: no GPU memory, no shapes), the fitting
-    ladder where the plan does not fit, the check. ``memory_kw``: ``estimate``'s arguments (None:
-    no prediction); ``default``: "auto" came from the device's defaults, not the user."""
+    ladder where the plan does not fit (in ``host_total``), the check (against ``host_check``).
+    ``memory_kw``: ``estimate``'s arguments (None: no prediction); ``default``: "auto" came from
+    the device's defaults, not the user."""
     from . import memory, memory_fit
 
     estimate, notes = None, ()
@@ -366,10 +379,10 @@ def _plan_memory(config, seq_len, plan, world: World, memory_kw, *, default: boo
             notes = (
                 f"memory: activation_checkpointing {auto} -> full (no GPU memory to check a lighter mode against)",
             )
-    if memory_kw is not None and memory_kw["device"] == "cpu" and host_total is not None:
+    if memory_kw is not None and memory_kw["device"] == "cpu" and host_check is not None:
         # A CPU run's step is host memory: checked (never escalated: the CPU runs the plain model).
         estimate = memory_fit.check_fits(
-            config, seq_len, plan=plan, **memory_kw, host_total=host_total, host_ranks=world.local_ranks
+            config, seq_len, plan=plan, **memory_kw, host_total=host_check, host_ranks=world.local_ranks
         )
     elif memory_kw is not None:
         estimate = memory.estimate(config, seq_len, plan=plan, **memory_kw)
@@ -388,7 +401,7 @@ def _plan_memory(config, seq_len, plan, world: World, memory_kw, *, default: boo
             plan=plan,
             **memory_kw,
             gpu_total=gpu_total,
-            host_total=host_total,
+            host_total=host_check,
             host_ranks=world.local_ranks,
         )
     return plan, estimate, notes

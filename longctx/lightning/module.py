@@ -2,7 +2,8 @@
 
 It wraps ``longctx.models.GPT`` (architecture only) and a ``longctx.ParallelPlan`` (how it
 runs, as asked for). ``setup`` resolves the run plan once (``longctx.run_plan.RunPlan``, through
-``planning.plan_run``) and hands it to the strategy (``use_run_plan``: the data-parallel mode);
+``planning.plan_run``; train.py resolves it before the build, ``check_fit``, and hands it over,
+``use_run_plan``) and hands it to the strategy (``use_run_plan``: the data-parallel mode);
 ``configure_model`` applies its ``model`` part with ``longctx.parallelize`` under the layout the
 strategy describes (``ContextParallelStrategy.parallel_dims``: CP context, FSDP2 or DDP);
 the strategy shards every batch. What this module adds:
@@ -197,6 +198,8 @@ class CausalLMModule(L.LightningModule):
         self.seq_len = seq_len
         self.memory_check = memory_check
         self.run_plan = None  # longctx.run_plan.RunPlan: resolved in setup, before configure_model
+        self._planned = None  # a plan resolved before the build (use_run_plan): setup takes it
+        self._hook_plan = None  # on_after_batch_transfer's without setup: resolved once, kept
         self._check_first_batch = False
         self.document_batches = DocumentBatches(
             attention=attention,
@@ -249,18 +252,31 @@ class CausalLMModule(L.LightningModule):
         return self.document_batches.preparation(self._trainer, self.run_plan)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        # Outside a fit (no setup) the hook's plan is resolved the same way, for this call.
-        run = self.run_plan if self.run_plan is not None else self._resolve_run(memory_check=False)
+        run = self.run_plan
+        if run is None:  # no setup (the hook called outside a fit, a model parallelized beforehand)
+            if self._hook_plan is None:  # resolved the same way, once: not on every batch
+                self._hook_plan = self._resolve_run(memory_check=False)
+            run = self._hook_plan
         return self.document_batches.after_transfer(batch, self._trainer, run)
+
+    def use_run_plan(self, run: Any) -> None:
+        """Take the run plan of the fit that follows, resolved before this module was built for
+        the same trainer, data and model shape (train.py: the one ``check_fit`` returned):
+        ``setup`` then sets the run up with it instead of resolving it again."""
+        if self.run_plan is not None:
+            raise RuntimeError("the module was set up with its run plan already: hand one over before the fit")
+        self._planned = run
 
     def setup(self, stage: str) -> None:
         # Before configure_model: every "auto" of the run resolved once (longctx.run_plan), on the
         # run's shapes (the data module's), so the model is parallelized with it and config.yaml
-        # and the checkpoint record it.
+        # and the checkpoint record it. A plan handed over (use_run_plan) is not resolved again.
+        self._hook_plan = None  # resolved for another trainer, if at all
         if self.run_plan is not None or getattr(self.model, "_longctx_parallelized", False):
             return
         fit = stage == "fit"
-        self.run_plan = self._resolve_run(memory_check=fit and self.memory_check)
+        planned = self._planned
+        self.run_plan = planned if planned is not None else self._resolve_run(memory_check=fit and self.memory_check)
         self.hparams["parallel"] = self.run_plan.model.to_dict()  # the checkpoint's record
         strategy = getattr(self._trainer, "strategy", None)
         if isinstance(strategy, ContextParallelStrategy):  # handed over once: its data-parallel mode
@@ -298,8 +314,11 @@ class CausalLMModule(L.LightningModule):
         (``longctx.memory_fit.PredictedOutOfMemory``, one line), from the arguments alone, before
         any data work or model build (train.py calls it; the model's shape read from its config,
         checkpoint header or Hugging Face ``config.json``). ``host_total``: the host memory the
-        run's ranks on this machine share (None: not checked). Returns the plan such a fit would
-        resolve (None without a memory check, or where the shape cannot be read before the build)."""
+        run's ranks on this machine share now, which the run is checked against (None: the
+        machine's, as ``setup`` checks it). Returns the plan such a fit resolves in ``setup`` (the
+        plan is made for the machine's memory, as there: the same in every process), which
+        ``use_run_plan`` hands to the module built then (train.py); None without a memory check, or
+        where the shape cannot be read before the build (``setup`` resolves it then)."""
         bound = inspect.signature(cls.__init__).bind(None, **kwargs)
         bound.apply_defaults()
         args = bound.arguments
@@ -316,10 +335,11 @@ class CausalLMModule(L.LightningModule):
             attention=args["attention"],
             load_balance=args["load_balance"],
             rope_positions=args["rope_positions"],
-            n_params=config.num_params(),
+            n_params=config.num_params(),  # the built model's count (setup's), a GPT's or a Llama's
             memory_check=True,
             hf_modules=args["hf_model"] is not None,
-            **{**memory_totals(device), "host_total": host_total},
+            host_check=host_total,
+            **memory_totals(device),
         )
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -40,6 +40,7 @@ def plan_run(
     hf_modules: bool,
     gpu_total: Optional[int] = None,
     host_total: Optional[int] = None,
+    host_check: Optional[int] = None,
 ):
     """The run plan (``longctx.run_plan.resolve_run``) of a module of ``config`` on ``trainer``'s
     world and device, for data of ``seq_len`` x ``batch_size`` (None: unknown); on a CPU, with
@@ -74,6 +75,7 @@ def plan_run(
         hf_modules=hf_modules,
         gpu_total=gpu_total,
         host_total=host_total,
+        host_check=host_check,
     )
     if device.type == "cpu" and seq_len and batch_size:
         flops = config.flops_per_token(int(seq_len)) * int(seq_len) * int(batch_size) / world.cp

@@ -119,6 +119,7 @@ class TrainCLI(LightningCLI):
         self.run_config: Optional[Any] = None  # the resumed run's own config.yaml, parsed
         self.overrides: dict = {}  # dotted key -> (run's value, value now), on resume
         self.trainer = self.datamodule = self.model = self.run_lock = None
+        self.run_plan: Optional[Any] = None  # check_fit's: handed to the model (instantiate_model)
         super().__init__(
             CausalLMModule,
             LongDocumentDataModule,
@@ -380,12 +381,13 @@ class TrainCLI(LightningCLI):
     def _check_memory(self) -> None:
         """The memory model's refusal of the run (``CausalLMModule.check_fit``), before any data
         work: on this rank's GPU and in the memory this host has available now, shared by its
-        ranks (checked by the launching process, before it starts the others)."""
+        ranks (checked by the launching process, before it starts the others). The plan it
+        resolves is kept (``run_plan``): the fit takes it instead of resolving it again."""
         from longctx.memory_fit import host_available_bytes
 
         from .launcher import LAUNCHER_PID_ENV
 
-        CausalLMModule.check_fit(
+        self.run_plan = CausalLMModule.check_fit(
             self.trainer,
             self.datamodule,
             host_total=None if LAUNCHER_PID_ENV in os.environ else host_available_bytes(),
@@ -487,16 +489,22 @@ class TrainCLI(LightningCLI):
     def instantiate_model(self) -> Any:
         """The module, once the data module's tokenizer exists: a fresh GPT gets the tokenizer's
         vocabulary (a configured one kept where larger: a Llama-shaped preset beside a smaller
-        trained tokenizer); config.yaml records it."""
+        trained tokenizer); config.yaml records it. It gets the run plan ``check_fit`` resolved
+        (``use_run_plan``) where that was made for its shape: not where the vocabulary grew."""
         from longctx.models import GPTConfig
 
         cfg = self.config.model
         vocab = self.datamodule.get_tokenizer().vocab_size
+        grown = False  # check_fit planned the configured vocabulary
         if cfg.init_from is None and cfg.hf_model is None:
-            cfg.model = {**cfg.model, "vocab_size": max(vocab, GPTConfig.from_dict(cfg.model).vocab_size)}
+            configured = GPTConfig.from_dict(cfg.model).vocab_size
+            grown = vocab > configured
+            cfg.model = {**cfg.model, "vocab_size": max(vocab, configured)}
         self.model = CausalLMModule(**cfg.as_dict())
         if self.model.config.vocab_size < vocab:
             raise ValueError(f"the tokenizer has {vocab} tokens but the model only {self.model.config.vocab_size}")
+        if self.run_plan is not None and not grown:
+            self.model.use_run_plan(self.run_plan)
         return self.model
 
     def check_resume(self) -> None:

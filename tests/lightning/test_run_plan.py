@@ -246,3 +246,83 @@ def test_kernels_per_block_kind_follow_the_kernels_rule(monkeypatch):
     assert (named.parallel.attention_backend, named.parallel.document_backend) == ("cudnn", "triton")
     unknown = resolve_run(cfg, world, "cuda", precision="bf16-mixed", memory_check=False)  # no seq_len yet
     assert unknown.parallel.attention_backend == "auto" and unknown.parallel.document_backend == "triton"
+
+
+def _counting_plan_run(monkeypatch) -> list:
+    """``plan_run`` where the module (its ``setup``, ``check_fit`` and batch hook) looks it up,
+    counting: the plans it resolved, in order."""
+    import longctx.lightning.module as module_py
+
+    resolved, plan_run = [], module_py.plan_run
+
+    def counting(*args, **kwargs):
+        resolved.append(plan_run(*args, **kwargs))
+        return resolved[-1]
+
+    monkeypatch.setattr(module_py, "plan_run", counting)
+    return resolved
+
+
+def test_train_py_resolves_the_plan_once(tmp_path, monkeypatch, capsys):
+    """A train.py run in this process (one rank, CPU): the plan ``check_fit`` resolves before any
+    data work is the one the fit sets up (printed, recorded in config.yaml), not resolved again
+    in ``setup`` (issue 43)."""
+    import yaml
+    from helpers.train_script import TINY, load_train
+
+    train = load_train("train_plan_once")
+    monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    resolved = _counting_plan_run(monkeypatch)
+    out = tmp_path / "run"
+    assert train.main([*TINY, "--max-steps", "1", "--checkpoint-every", "0", "--output-dir", str(out)]) == 0
+    assert len(resolved) == 1, [run.line() for run in resolved]
+    (run,) = resolved
+    assert run.line() in capsys.readouterr().out.splitlines()
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    assert cfg["model"]["parallel"] == run.config_entries()["model.parallel"]
+
+
+def test_the_batch_hook_resolves_a_missing_plan_once(monkeypatch):
+    """Without ``setup`` (the hook called outside a fit) the batch hook resolves its plan on the
+    first batch and keeps it: not one per batch; a plan handed over (``use_run_plan``) is the one
+    ``setup`` sets up, resolving nothing."""
+    from types import SimpleNamespace
+
+    from longctx.lightning.module import CausalLMModule
+
+    resolved = _counting_plan_run(monkeypatch)
+    module = CausalLMModule(MODEL)
+    strategy = SimpleNamespace(cp_size=2, layout="zigzag", cp_rank=0, cp_group=None)
+    module._trainer = SimpleNamespace(strategy=strategy, global_rank=1)  # rank 1: no report printed
+    ids = torch.repeat_interleave(torch.arange(2), SEQ // 2)[None]
+    batch = {"input_ids": torch.zeros(1, SEQ, dtype=torch.long), "document_ids": ids}
+    first = module.on_after_batch_transfer(dict(batch), 0)
+    for _ in range(3):
+        again = module.on_after_batch_transfer(dict(batch), 0)
+        assert torch.equal(again["position_ids"], first["position_ids"])
+    assert len(resolved) == 1 and module.run_plan is None  # the hook's, not the fit's
+
+    planned = resolved[0]
+    module.use_run_plan(planned)
+    module.setup("fit")
+    assert module.run_plan is planned and len(resolved) == 1
+    assert module.hparams["parallel"] == planned.model.to_dict()
+    with pytest.raises(RuntimeError, match="hand one over before the fit"):
+        module.use_run_plan(planned)
+
+
+def test_the_host_memory_checked_is_not_the_one_planned_for():
+    """``host_check`` (train.py's launching process: the memory available now) only refuses: a
+    run that fits gets the plan made for ``host_total`` (every process's, ``setup``'s)."""
+    from longctx.memory_fit import PredictedOutOfMemory
+    from longctx.models import GPTConfig
+
+    gib = 2**30
+    cfg = GPTConfig.from_dict(dict(preset="tiny", vocab_size=256))
+    kw = dict(precision="32-true", seq_len=4096, batch_size=1, n_params=10**6, host_total=64 * gib)
+    planned = resolve_run(cfg, World(), "cpu", **kw)
+    assert resolve_run(cfg, World(), "cpu", host_check=32 * gib, **kw) == planned
+    with pytest.raises(PredictedOutOfMemory, match=r"\(0\.5 GiB available here over 1 rank\)"):
+        resolve_run(cfg, World(), "cpu", host_check=gib // 2, **kw)
