@@ -393,7 +393,9 @@ class CausalLMModule(L.LightningModule):
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        if self.run_plan.parallel.float8:  # FSDP2's float8 all-gather: next step's weight scales in one all-reduce
+        # FSDP2's float8 all-gather: next step's weight scales in one all-reduce. A model
+        # parallelized before the fit has no plan here: its own float8 layers, if any, decide.
+        if self.run_plan is None or self.run_plan.parallel.float8:
             from longctx.float8 import after_optimizer_step
 
             after_optimizer_step(self.model)
