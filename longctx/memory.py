@@ -1,68 +1,42 @@
 """Per-rank memory model: the peak GPU and host bytes of one training step, itemised.
 
-``estimate(config, seq_len, plan=..., cp=..., dp=...)`` predicts the peak GPU bytes
-(``torch.cuda.max_memory_allocated`` plus what the allocator does not count) and the host
-bytes of one rank for one training step, itemised. The terms are counted from what the
-code allocates (models/gpt.py, longctx/ring.py, kernels/vendor.py, the chunked loss,
-``longctx.tiled``, ``longctx.offload``), per token of this rank's shard
-``T = batch x seq_len / cp``. Symbols: d = n_embd, q = n_head x head_dim,
-kv = n_kv_head x head_dim, F = intermediate size, V = vocabulary, L = layers,
-N = parameters, W = dp x cp, a = activation bytes (2 under bf16 autocast), r = residual
-stream bytes (2 under FSDP2 with bf16 parameters; 4 under autocast with fp32 parameters,
-where ``x + attn(x)`` promotes to fp32).
+``estimate(config, seq_len, plan=..., cp=..., dp=...)`` counts what the code allocates
+(models/gpt.py, longctx/ring.py, kernels/vendor.py, the chunked loss, ``longctx.tiled``,
+``longctx.offload``) per token of this rank's shard ``T = batch x seq_len / cp``. Symbols:
+d = n_embd, q = n_head x head_dim, kv = n_kv_head x head_dim, F = intermediate size,
+V = vocabulary, L = layers, N = parameters, W = dp x cp, a = activation bytes (2 under bf16
+autocast), r = residual stream bytes (2 under FSDP2 with bf16 parameters; 4 under autocast
+with fp32 parameters, where ``x + attn(x)`` promotes to fp32).
 
-Static, per rank (s = W under FSDP, 1 otherwise): fp32 parameters 4N/s, gradients 4N/s,
-AdamW moments 8N/s (``cpu_offload``: all three in host memory instead), DDP buckets 4N
-(W > 1), bf16 working copies (FSDP2: the root's head, or tied embedding, plus two
-unsharded blocks; an untied embedding is a unit of its own, unsharded in the forward and
-its own backward only; autocast with fp32 weights: its cast cache, 2 bytes per matmul
-weight during the forward).
+Static, per rank (s = W under FSDP, 1 otherwise): fp32 parameters, gradients and AdamW
+moments, 16N/s (``cpu_offload``: in host memory), DDP buckets 4N (W > 1), bf16 working
+copies (FSDP2: the root's head or tied embedding plus two unsharded blocks; an untied
+embedding is a unit of its own; autocast with fp32 weights: its cast cache).
 
-Activations kept for the backward, per token per layer (``saved_block_inputs``):
-``full`` r·d (the block input only); ``selective`` r·d + a(2q + 2kv) + 4·Hq (q, k, v,
-attention output, fp32 LSE; + 2a·kv for the ring's kept K/V shard when cp > 1); ``none``
-everything the block's autograd saves (the norms' fp32 rstd, the projections' bf16 inputs,
-attention, and 4aF for the SwiGLU's gate, up, silu(gate), product; 3aF fused); with
-``mlp_tile_size`` the norms, q/k/v projections and MLP run over tiles and save only the
-residual stream. ``hf_modules`` (transformers' eager Llama blocks): each RMSNorm keeps an fp32
-copy of its input and the normalised tensor before the gain, (4 + a)d, instead of its bf16
-input (twice a layer, and the final norm's before the loss).
-``offload_activations`` moves the first n layers' share to (pinned) host memory and keeps
-one layer in flight on the GPU. ``float8``: the saved tensors are the same; FP8's casts add
-``float8_casts`` to each layer's backward moment (``float8_cast_bytes``).
+Saved for the backward, per token per layer (``saved_block_inputs``): ``full`` r·d;
+``selective`` r·d + a(2q + 2kv) + 4·Hq (+ 2a·kv for the ring's kept K/V shard at cp > 1);
+``none`` everything the block's autograd saves (4aF for the SwiGLU, 3aF fused); with
+``mlp_tile_size`` only the residual stream. ``hf_modules``: transformers' RMSNorm keeps an fp32
+copy of its input, (4 + a)d per norm. ``offload_activations`` moves the first n layers' share
+to pinned host memory, one layer in flight. ``float8`` adds its casts to each layer's
+backward moment (``float8_cast_bytes``).
 
-The largest transient is one layer being recomputed and differentiated, at the larger of
-two moments: the MLP's backward (the layer's "none" tensors, the residual gradient and the
-new tensor its two paths sum into, 2aF for the MLP's gradients or per tile with
-``mlp_tile_size``) and the attention's (the MLP's tensors and saved input freed by then;
-dO, the kernels' dQ/dK/dV and accumulators (FlashAttention-4: fp32 dQ, and fp32 dK/dV
-under GQA, 4q + 8kv), GQA expansion for cuDNN, the ring's fp32 dQ,
-dK/dV accumulators and 0/1/2 K/V receive buffers at cp = 2/3/>=4, the kernels' and the
-ring's buffers divided by ``attention_head_chunks``), or one loss chunk: 12 bytes x V per token
-of ``loss_chunk_size`` (fp32 log-softmax, its gradient, the input gradient) plus the head's
-weight gradient. The peak is the largest of these moments: the loss backward, the last
-layer's backward (all saved inputs, few gradients), the first layer's (all gradients, one saved
-input, and an untied embedding's table prefetched), an untied embedding's backward under
-FSDP2, the optimizer step. The forward is never the peak: its largest transient (one layer's,
-checkpointed) is below the backward's, and the previous step's gradients are gone by then
-(``CausalLMModule`` frees them right after the optimizer step; Lightning alone would free
-them only after the next forward, 4N/s more through it: the 8B at 128K over 2 ranks peaked
-at 84.5 GiB that way, in the last block's forward, which counts up to 84.4 GiB with them).
-Not in ``max_memory_allocated`` but on the device: CUDA context, cuDNN/NCCL workspaces
-(``cuda_context``, 1.5 GiB) and fragmentation (``allocator_slack``, 3% of the rest).
+The peak is the largest of these moments: the loss backward (12 bytes x V per token of
+``loss_chunk_size``), the last layer's backward (all saved inputs, one layer recomputed and
+differentiated: the MLP's or the attention's moment, kernels' and ring's buffers divided by
+``attention_head_chunks``), the first layer's (all gradients), an untied embedding's backward
+under FSDP2, the optimizer step. The forward is never the peak, because ``CausalLMModule``
+frees the gradients right after the optimizer step (Lightning alone would keep them through
+the next forward). Outside ``max_memory_allocated``: the CUDA context and workspaces
+(``cuda_context``) and fragmentation (``allocator_slack``).
 
-On a CPU (``device="cpu"``) the same tensors are the process's own memory: ``host_bytes`` is
-``CPU_PROCESS_BYTES`` (Python, torch, Lightning, the process group, the data module and what a
-run adds over its steps: 0.70 GiB, fitted per rank of train.py) plus the step's peak plus what
-the C allocator keeps of the step's freed tensors (``CPU_RETAINED_FRACTION``, 5%); ``gpu_bytes`` is 0. The CPU's block
-kernel is the reference (``longctx.kernels.reference``), which materialises each call's scores:
-``reference_scores_bytes``, at the attention's backward moment (the quadratic term of a CPU
-run; with documents a call spans every sequence of the shard). Measured against train.py's
-fullest rank (peak RSS): within 7% on the tiny preset and on SmolLM2-135M's shape (README).
+On a CPU the same tensors are the process's memory: ``host_bytes`` is ``CPU_PROCESS_BYTES``
+plus the step's peak plus what the C allocator keeps (``CPU_RETAINED_FRACTION``); the CPU's
+reference kernel materialises each call's scores (``reference_scores_bytes``).
 
 What fits (the longest sequence, the escalation ladder, the check before the first step) is
-``longctx.memory_fit``'s job, on this estimate. ``longctx`` never imports ``longctx.models``:
-the config is read duck-typed (GPTConfig or a Hugging Face Llama-style config).
+``longctx.memory_fit``'s job. ``longctx`` never imports ``longctx.models``: the config is read
+duck-typed (GPTConfig or a Hugging Face Llama-style config).
 """
 
 from __future__ import annotations

@@ -1,59 +1,25 @@
 """Numerical health: one decision, taken by every rank at once, about a non-finite step.
 
-``NonFiniteGuard`` is a Lightning callback. Before every optimizer step it asks "is the
-loss or any gradient non-finite on *any* rank?" and then either skips the step
-(``policy="skip"``) or stops the run (``policy="stop"``) -- on all ranks together.
+``NonFiniteGuard`` (a Lightning callback) asks before every optimizer step whether the loss
+or any gradient is non-finite on *any* rank, then skips the step (``policy="skip"``) or stops
+the run (``policy="stop"``) on all ranks together: one ``all_reduce(MAX)`` of a local flag.
+A rank that decided alone would apply different updates from then on, or raise while the
+others wait in the next collective until the process-group timeout.
 
-Why one collective. A rank that decides alone diverges from the others: it skips an
-update they apply (silently different weights from then on) or raises while they enter
-the next step's collectives and wait there until the process-group timeout. So each rank
-folds everything it knows into one local flag and a single ``all_reduce(MAX)`` over the
-whole world makes the flag identical everywhere; the branch taken afterwards (and any
-collective inside it) is then the same on every rank by construction.
+The check runs in ``on_before_optimizer_step``: after the last micro-batch's backward, before
+clipping and ``optimizer.step``. Under DDP the gradients are already the world average there,
+but the loss is each rank's own (a loss can be non-finite with finite gradients), so the
+all-reduce is needed; without DDP it covers the gradients too. Each micro-batch's loss is
+observed in ``on_before_backward`` and OR-ed on the device (no sync).
 
-Where the check runs. Lightning calls ``on_before_optimizer_step`` after the closure has
-run the backward of the last accumulated micro-batch and before gradient clipping and
-``optimizer.step``. Callbacks run before the LightningModule's own hook. Under DDP
-(``ContextParallelStrategy`` included) the gradient all-reduce is finalised when
-``backward()`` returns (the reducer's final callback waits for it, stream-ordered on
-CUDA), so the gradients seen here are already the world average: a NaN produced on one
-rank is a NaN on every rank, and the gradient half of the flag is identical everywhere
-even before our all-reduce. The *loss* is not: each rank backpropagates its own shard's
-loss, and a loss can be non-finite while its gradients are finite (e.g. a NaN that
-entered through a term without gradient), so that half genuinely needs the all-reduce.
-Without DDP (FSDP, custom strategies, a plain loop) gradients differ per rank and the
-all-reduce covers them too. The loss of every micro-batch is observed in
-``on_before_backward`` and OR-ed on the device (no sync).
-
-Cost per optimizer step on the hot path: one ``torch._foreach_norm`` over the gradients
-(reads them once; ~0.3 ms for 350M fp32 gradients on an H200), a few tiny kernels, one
-1-element all-reduce, and ONE 8-byte device-to-host copy. That copy is a host sync, and it
-is needed: "skip" must withhold the optimizer step itself -- zeroing the gradients on the
-device with ``torch.where`` would not stop AdamW, whose momentum and weight decay move the
-weights even at zero gradient and whose step counter would advance. The sync waits for
-the backward, which the optimizer step waits for anyway; the only loss is the CPU's
-kernel-launch run-ahead across the step boundary (tens of microseconds per step of
-seconds). The failure path (rare) adds one small ``all_gather`` to name the layer and
-the ranks.
-
-What "skip" does, exactly:
-
-* every parameter of the optimizer gets ``grad = None``; ``optimizer.step()`` still runs
-  (Lightning calls it) but AdamW (fused or not) ignores parameters without a gradient: no
-  weight, moment, or per-parameter ``step`` (bias-correction) change;
-* ``trainer.global_step`` still advances by one and a ``interval="step"`` LR scheduler
-  still steps: the schedule stays a function of the global step, skipped steps included
-  (so a resumed run and an uninterrupted one see the same learning rate at the same step);
-* ``skips`` (total, logged as ``nonfinite_skips`` every step) and ``consecutive`` count
-  skipped steps; both are saved in checkpoints (``state_dict``). After ``max_skips``
-  consecutive skips the guard raises ``NonFiniteError`` on every rank.
-* gradient clipping after the hook sees no gradients and does nothing.
-
-A non-finite gradient *norm* counts as non-finite: an fp32 gradient element beyond ~1e19
-overflows its norm, which ``clip_grad_norm_`` would turn into NaN updates anyway.
-
-fp16 with a GradScaler: overflow steps are routine there (the scaler skips them itself);
-the guard would count each as non-finite, so it warns at setup. Use bf16.
+The one host sync per step (an 8-byte copy of the flag) is needed: "skip" must withhold the
+optimizer step itself, since AdamW moves the weights (momentum, weight decay) even at zero
+gradient. "Skip" sets every gradient to None, so AdamW leaves each parameter, its moments and
+its step count alone; the global step and a step-wise LR schedule still advance (a resumed run
+sees the same learning rate at the same step). ``skips`` and ``consecutive`` are logged and
+checkpointed; after ``max_skips`` consecutive skips ``NonFiniteError`` is raised on every
+rank. A non-finite gradient *norm* counts as non-finite. fp16 with a GradScaler skips
+overflow steps itself, so the guard warns at setup: use bf16.
 
 Outside Lightning, call ``guard.observe_loss(loss)`` before each backward and
 ``guard.check(step, named_parameters, optimizer)`` before ``optimizer.step()``.

@@ -1,54 +1,31 @@
 """Lightning strategy for context parallelism (ring attention) with FSDP2 or DDP.
 
 ``ContextParallelStrategy`` builds on Lightning's ``ModelParallelStrategy`` (FSDP2,
-``configure_model``, distributed checkpoints). The world of ``dp * cp`` processes is split
-into ``dp`` context-parallel groups of ``cp`` *consecutive* ranks (cp innermost, so on a
-node with 8 GPUs and ``cp=8`` the ring stays on NVLink); every CP group works on the same
-samples, each rank holding ``1/cp`` of every sequence.
+``configure_model``, distributed checkpoints). The ``dp * cp`` processes form ``dp``
+context-parallel groups of ``cp`` *consecutive* ranks (on an 8-GPU node with ``cp=8`` the ring
+stays on NVLink); a CP group shares samples, each rank holding ``1/cp`` of every sequence.
 
-Data parallelism (``data_parallel``) runs over the whole ``dp x cp`` world:
+Data parallelism (``data_parallel``) runs over the whole ``dp x cp`` world: ``"fsdp"`` shards
+parameters, gradients and AdamW state with FSDP2 over every rank (as torchtitan's
+``dp_shard_cp``; bf16 compute, fp32 masters and reduction under ``bf16-mixed``; checkpoints
+are folders of shards); ``"ddp"`` replicates the model (single-file checkpoints, written
+atomically); ``"auto"`` takes FSDP2 where the training state (16 bytes a parameter) would take
+more than a quarter of the GPU, always DDP on CPU and for modules that do not apply
+``longctx.parallelize``. ``CausalLMModule`` decides it once in its run plan and hands it over
+(``use_run_plan``); other modules when ``parallel_dims`` is built.
 
-* ``"fsdp"``: parameters, gradients and AdamW state sharded with FSDP2 (``fully_shard``
-  per block, an untied input embedding, then the root) over every rank (CP ranks hold other tokens of the same
-  samples, so they shard parameters too, as torchtitan's ``dp_shard_cp``); bf16 compute
-  with fp32 master weights and fp32 gradient reduction under ``bf16-mixed``; optional CPU
-  offload. Checkpoints are folders of shards (``torch.distributed.checkpoint``).
-* ``"ddp"``: every rank holds the whole model; gradients all-reduced (DDP). Single-file
-  checkpoints, written atomically.
-* ``"auto"`` (default): ``"fsdp"`` when the full training state (16 bytes per parameter:
-  fp32 weights, gradients, two AdamW moments) would take more than a quarter of a GPU's
-  memory, else ``"ddp"`` (faster for small models: no per-layer all-gather); always
-  ``"ddp"`` on CPU and for modules that do not apply ``longctx.parallelize`` themselves.
-  Decided once (``longctx.run_plan``): with ``CausalLMModule`` as part of its run plan, in
-  its ``setup``, before the model is built, and handed to the strategy (``use_run_plan``); for
-  other modules when ``parallel_dims`` is built.
+So that a LightningModule and a DataLoader work unchanged, the strategy creates the CP groups
+(own communicator, the strategy's timeout) and describes the layout as ``parallel_dims``
+(``longctx.ParallelDims``) for ``configure_model``; splits the sampler over ``dp`` only;
+shards every batch for this rank in ``batch_to_device`` (after the module's transfer hooks,
+which see full sequences) with global ``position_ids``; and averages gradients over the whole
+world, which with ``longctx.loss`` gives the single-device gradient.
 
-What the strategy does, so that a LightningModule and a DataLoader work unchanged:
-
-* creates the CP groups (with the strategy's timeout, on a communicator of their own)
-  right after the default process group exists, and describes the layout as one value,
-  ``parallel_dims`` (``longctx.ParallelDims``), which the module's ``configure_model``
-  hands to ``longctx.parallelize``; a module that does not is parallelized by the
-  strategy (CP hand-over only, DDP);
-* makes the distributed sampler split data over the ``dp`` dimension only, in the loader's
-  order (``longctx.lightning.dataloaders``);
-* shards every token batch for this rank's CP position in ``batch_to_device`` (via
-  ``longctx.shard_batch``, after the LightningModule's transfer hooks so they see full
-  sequences) and adds global ``position_ids``, also at ``cp == 1``;
-* averages gradients over the whole world (DDP's and FSDP2's default): with the loss
-  normalised by ``longctx.loss`` this gives exactly the single-device gradient.
-
-Process-group timeout: ``timeout`` (default 5 minutes, instead of torch's 10 min NCCL /
-30 min gloo) applies to the default group *and* to the CP subgroups, so a rank that died
-makes every other rank fail within that time instead of hanging a job for half an hour.
-
-Ending a job: under a plain launch rank 0 ends every process it started and each of them
-dies with rank 0 (``longctx.lightning.launcher``); SIGTERM stops every rank at the same
-step, with a checkpoint if it fits in ``stop_grace_period`` seconds, and exits with
-128 + 15 (``longctx.lightning.preemption``); a rank that fails or goes silent ends every rank
-within ``failure_timeout``, naming it, and one that stalls (alive, but leaving the others
-waiting in a collective) within a few seconds of the process-group timeout, also under NCCL,
-where the timeout raises nothing in Python (``longctx.lightning.failures``).
+``timeout`` (default 5 minutes) applies to the default group and the CP groups, so a dead rank
+fails the others within it. Ending a job: rank 0 ends the processes it started
+(``longctx.lightning.launcher``); SIGTERM stops every rank at the same step, with a checkpoint
+within ``stop_grace_period`` (``longctx.lightning.preemption``); a rank that fails or stalls
+ends every rank within ``failure_timeout``, named (``longctx.lightning.failures``).
 """
 
 from __future__ import annotations
