@@ -48,6 +48,9 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 EXIT_CODE = 75  # distinct from Python's 1, so launchers' logs show who exited by policy
+# The store's host waits for every rank to read the job's failure before it exits (its store
+# dies with it), at most this many intervals: a dead rank never reads it.
+LINGER_INTERVALS = 10
 
 
 def hard_exit(message: str, exit_code: int = EXIT_CODE) -> None:
@@ -176,6 +179,7 @@ class RankWatchdog:
             (lambda: store) if store is not None else self._connect, prefix=f"longctx_watchdog/{generation}/"
         )
         self._store_host = self._describe_store_host(store)
+        self._hosts_store = rank == 0 and self._store_host.startswith("rank 0")
         self._stop = threading.Event()
         # The job's failure once this process has read or published it: a thread that then
         # finds the store gone (its host exited after the others read it) repeats it instead
@@ -258,7 +262,7 @@ class RankWatchdog:
                 )
             return mine
         if first == mine:
-            time.sleep(3 * self.interval)  # let the others read it before this process exits
+            self._linger()
         else:
             sys.stderr.write(f"\n[longctx watchdog] rank {self.rank}: first failure of the job: {first}\n")
             sys.stderr.flush()
@@ -349,12 +353,27 @@ class RankWatchdog:
             pass
         self._fail(message)
 
+    def _linger(self) -> None:
+        """This rank knows the job's failure; let the others read it before this process
+        exits. The store's host (rank 0 under a plain launch: the store dies with it) waits
+        until every rank has said it knows (a busy rank can take several intervals to poll),
+        at most ``LINGER_INTERVALS``; the others a few intervals."""
+        try:
+            self._call("set", f"known/{self.rank}", "1")
+            if not self._hosts_store:
+                time.sleep(3 * self.interval)
+                return
+            everyone = [f"known/{r}" for r in range(self.world_size)]
+            deadline = time.monotonic() + LINGER_INTERVALS * self.interval
+            while time.monotonic() < deadline and not self._call("check", everyone):
+                time.sleep(self.interval / 4)
+        except Exception:  # noqa: BLE001 - the store is gone: nobody can read it any more
+            pass
+
     def _fail(self, message: str, linger: bool = True) -> None:
         if self._stop.is_set():
             return
         if linger:
-            # Let the others still read the message: the store usually lives in rank 0's
-            # process and dies with it.
-            time.sleep(3 * self.interval)
+            self._linger()
         if not self._stop.is_set():  # a clean shutdown may have begun meanwhile
             self.on_failure(f"rank {self.rank} stopping: {message}")

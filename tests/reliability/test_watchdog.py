@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from helpers.dist_harness import free_port
 
-from longctx.watchdog import RankWatchdog, _is_communication_error
+from longctx.watchdog import LINGER_INTERVALS, RankWatchdog, _is_communication_error
 
 HERE = os.path.dirname(__file__)
 
@@ -98,6 +98,33 @@ def test_stalled_rank_ends_every_rank_and_is_named():
             r"collective #\d+ of the default process group, which rank 0 has waited in for over 6s",
             err,
         ), err[-3000:]
+
+
+@pytest.mark.parametrize("readers", [(1, 2), (1,)])
+def test_the_store_host_lingers_until_every_rank_knows_the_failure(readers):
+    """The store's host (rank 0 under a plain launch: the store dies with it) waits after a
+    failure until every rank has read it, however late a busy rank polls; a rank that never
+    reads it (dead) holds it LINGER_INTERVALS intervals at most."""
+    interval = 0.5
+    host = RankWatchdog(0, 3, timeout=5.0, interval=interval, store=dist.HashStore())
+    host._hosts_store = True  # a HashStore lives in this process, as rank 0's TCPStore does
+
+    def read_late():
+        for r in readers:
+            time.sleep(0.5)
+            host._call("set", f"known/{r}", "1")  # what rank r's watchdog writes once it read it
+
+    thread = threading.Thread(target=read_late)
+    start = time.monotonic()
+    thread.start()
+    host._linger()
+    took = time.monotonic() - start
+    thread.join()
+    bound = LINGER_INTERVALS * interval
+    if len(readers) == 2:  # everyone read it: over once the last one did, well before the bound
+        assert 1.0 <= took < bound, took
+    else:  # rank 2 never reads it
+        assert bound <= took < bound + 5.0, took
 
 
 def test_stall_needs_the_peer_behind_without_progress_for_the_whole_timeout():
