@@ -495,14 +495,18 @@ def _backward_varlen(iface, dout, q, k, v, out, lse, softmax_scale, causal, kern
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
 
 
-def warm_up(device, dtype: torch.dtype, head_dim: int, n_head: int, n_kv_head: int, *, documents: bool) -> int:
+def warm_up(
+    device, dtype: torch.dtype, head_dim: int, n_head: int, n_kv_head: int, *, documents: bool, full_blocks: bool = True
+) -> int:
     """Call every kernel variant a training step can use once, on small blocks, so that their
     compiles (or loads from the disk cache) happen before the first step instead of in the
     middle of a run. Covers dense causal/full blocks and, with ``documents``, varlen calls
     over the axes FA4 compiles apart: up to 256 segments or more (another scheduler), and
     query and key segments each within one tile or over several (a full block's two sides
-    independently). Afterwards a compile of any other variant is logged (``late_compiles``).
-    Returns the number of FA4 kernels first called here."""
+    independently). ``full_blocks=False``: causal blocks only, all that attention without
+    context parallelism calls (one rank's sequence: every block on the diagonal, documents in
+    one run each), and most of the variants. Afterwards a compile of any other variant is
+    logged (``late_compiles``). Returns the number of FA4 kernels first called here."""
     global _warmed_up, _watched
     before = len(_jit_keys())
     scale = 1.0 / head_dim**0.5
@@ -517,7 +521,7 @@ def warm_up(device, dtype: torch.dtype, head_dim: int, n_head: int, n_kv_head: i
     q_all, k_all, v_all, dout_all = tensor(n_head), tensor(n_kv_head), tensor(n_kv_head), tensor(n_head)
     from .segments import Segments
 
-    for causal in (True, False):
+    for causal in (True, False) if full_blocks else (True,):
         q, k, v, dout = (t[:, :512] for t in (q_all, k_all, v_all, dout_all))
         out, lse = forward(q, k, v, causal, scale)
         backward(dout, q, k, v, out, lse, causal, scale)

@@ -426,7 +426,9 @@ class CausalLMModule(L.LightningModule):
 
         cfg = self.config
         start = time.perf_counter()
-        n = fa4.warm_up(self.device, dtype, cfg.head_dim, cfg.n_head, cfg.n_kv_head, documents=documents)
+        n = fa4.warm_up(
+            self.device, dtype, cfg.head_dim, cfg.n_head, cfg.n_kv_head, documents=documents, full_blocks=plan.cp > 1
+        )
         self.print(
             f"FlashAttention-4: {n} kernel variants compiled or loaded before step 1 "
             f"in {time.perf_counter() - start:.1f} s"

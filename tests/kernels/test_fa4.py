@@ -291,12 +291,14 @@ def test_step_one_reports_only_first_calls_since_the_warm_up(monkeypatch):
 
 
 @requires_cuda(fa4=True)
-def test_no_fa4_compile_after_warm_up_over_random_document_layouts():
+@pytest.mark.parametrize("full_blocks", [False, True])  # causal-only first: before anything compiled the rest
+def test_no_fa4_compile_after_warm_up_over_random_document_layouts(full_blocks):
     """After ``warm_up`` (the model's head shape), document blocks of any segment count and
-    length, causal and full (query and key segments of unrelated lengths), compile nothing
-    new: FA4 compiles apart above 256 segments, where every query segment fits one tile, and
-    (backward) where either side's longest segment fits one block."""
-    fa4.warm_up(torch.device("cuda"), torch.bfloat16, 64, 32, 8, documents=True)
+    length, causal and (``full_blocks``: with context parallelism) full, query and key
+    segments of unrelated lengths, compile nothing new: FA4 compiles apart above 256
+    segments, where every query segment fits one tile, and (backward) where either side's
+    longest segment fits one block."""
+    fa4.warm_up(torch.device("cuda"), torch.bfloat16, 64, 32, 8, documents=True, full_blocks=full_blocks)
     assert fa4._warmed_up is not None
     gen = torch.Generator().manual_seed(7)
     from longctx.kernels import Segments
@@ -309,7 +311,7 @@ def test_no_fa4_compile_after_warm_up_over_random_document_layouts():
 
     layouts = [(1, 9000, 9000), (40, 3000, 60), (40, 60, 3000), (257, 40, 40), (400, 300, 20), (600, 3, 3)]
     for count, q_longest, k_longest in layouts:
-        for causal in (True, False):
+        for causal in (True, False) if full_blocks else (True,):
             cu_q, max_q = lengths(count, q_longest)
             cu_k, max_k = (cu_q, max_q) if causal else lengths(count, k_longest)
             n_q, n_k = int(cu_q[-1]), int(cu_k[-1])

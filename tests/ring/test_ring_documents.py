@@ -236,6 +236,21 @@ def test_plan_local_calls_split_documents_in_separate_runs():
         plan_documents(ids.float(), world_size=1, rank=0)
 
 
+def test_one_rank_of_packed_documents_is_one_causal_call():
+    """Without context parallelism, packed documents (each one run of rows, as the data module
+    packs them; every batch row numbering its own from 0) make one causal call and nothing
+    else: why the FA4 warm-up at cp = 1 compiles no full-block variant
+    (``kernels.fa4.warm_up(full_blocks=False)``)."""
+    g = torch.Generator().manual_seed(0)
+    for longest in (2, 40, 300):
+        rows = []
+        for _ in range(3):
+            lengths = torch.randint(1, longest + 1, (256,), generator=g)
+            rows.append(torch.repeat_interleave(torch.arange(256), lengths)[:256])
+        plan = plan_documents(torch.stack(rows), world_size=1, rank=0)
+        assert plan.calls == 1 and plan.local_calls[0].causal, longest
+
+
 def test_plan_refuses_a_call_it_was_not_built_for():
     ids = torch.zeros(1, 8, dtype=torch.long)
     ids[0, 4:] = 1
