@@ -5,7 +5,8 @@
 #   bash benchmarks/device/device_suite.sh tests [PYTEST ARGS]   # every test that needs CUDA, NCCL or 2 GPUs
 #     (pytest -m gpu: tests/helpers/run_if.py marks them; MARK=multigpu for the 2-GPU ones only;
 #     MARK= (empty) for the whole suite, as `python -m pytest tests` runs it there);
-#     XDIST=N: over N pytest-xdist workers, the GPU tests one at a time on one of them;
+#     XDIST=N: over N pytest-xdist workers, the GPU tests one at a time on one of them; COLD=1:
+#     kernel caches emptied first;
 #     log (-v: a run cut by LIMIT still names each result) and JUnit XML in $OUT (gpu_tests.log,
 #     gpu_tests.xml), the last line its rc and time.
 #     pytest, hypothesis, pytest-timeout and pytest-xdist come with the device image.
@@ -33,6 +34,8 @@ case "${1:-ring}" in
   tests)
     python -c "import pytest" 2>/dev/null \
       || { echo "[device_suite] pytest is not installed here: carry its wheels in .carry/wheels"; exit 2; }
+    # COLD=1: from cold kernel caches (FA4's disk cache, Triton's), as on a fresh machine.
+    [ "${COLD:-0}" = 1 ] && rm -rf ~/.cache/longctx/fa4 ~/.triton/cache
     start=$(date +%s)
     # Modules that cannot be imported here (a missing CPU-side package) are reported as errors
     # and the rc says so, but do not stop the GPU tests of the other modules.
