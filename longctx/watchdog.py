@@ -295,6 +295,14 @@ class RankWatchdog:
                 count = self._call("add", f"hb/{self._watched}", 0)
                 theirs = self._call("add", f"coll/{self._watched}", 0) if mine is not None else 0
             except Exception as exc:  # noqa: BLE001
+                if self._known_failure is not None:
+                    # This process published or read the job's failure and the store's host
+                    # exited once every rank had read it: the failure, not the host, is the
+                    # cause. The thread that knows it ends the process; if it has not a few
+                    # intervals later, this one does, naming the failure.
+                    time.sleep(3 * self.interval)
+                    self._fail(self._known_failure, linger=False)
+                    return
                 # Nobody can read a message from a dead store: no lingering.
                 self._fail(self._store_lost(exc), linger=False)
                 return

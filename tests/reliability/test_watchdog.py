@@ -127,6 +127,24 @@ def test_the_store_host_lingers_until_every_rank_knows_the_failure(readers):
         assert bound <= took < bound + 5.0, took
 
 
+def test_a_rank_that_knows_the_failure_does_not_blame_the_store_host_for_leaving():
+    """The rank that published the failure (or read it) then finds the store gone: its host
+    exited once every rank had read the failure. Its watchdog names the failure it knows, not
+    the host, and only if the process has not ended a few intervals later."""
+    said = []
+    watchdog = RankWatchdog(1, 2, timeout=5.0, interval=0.1, store=dist.HashStore(), on_failure=said.append)
+    watchdog._known_failure = "rank 1 failed: RuntimeError: injected failure"  # as report_failure leaves it
+
+    def gone(*args, **kwargs):
+        raise ConnectionResetError("Connection reset by peer")
+
+    watchdog._call = gone
+    start = time.monotonic()
+    watchdog._run()
+    assert said == ["rank 1 stopping: rank 1 failed: RuntimeError: injected failure"]
+    assert time.monotonic() - start >= 3 * 0.1  # the thread that knows it had its chance first
+
+
 def test_stall_needs_the_peer_behind_without_progress_for_the_whole_timeout():
     """The stall check alone: a peer behind this rank's collective count is stalled only once
     it has stayed at the same count for ``collective_timeout``; level, ahead or moving is not."""
