@@ -28,8 +28,8 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 # look dead after the short timeout below on a busy machine.
 dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10))
 # Margins for a busy machine (the tests check who is named): a live rank or the store may go
-# unanswered for seconds there, and a rank that publishes the failure lingers 3 polls (3 s)
-# before it exits, which is all the others have to read it when it hosts the store (rank 0).
+# unanswered for seconds there; rank 0, which hosts the store, waits after a failure until
+# every rank has read it (at most 10 polls, 10 s).
 TIMEOUT, INTERVAL, COLLECTIVE_TIMEOUT = 10.0, 1.0, 6.0
 watchdog = RankWatchdog(
     rank, world, timeout=TIMEOUT, interval=INTERVAL, collective_timeout=COLLECTIVE_TIMEOUT if mode == "stall" else None
