@@ -5,7 +5,7 @@
 #   bash benchmarks/device/device_suite.sh tests [PYTEST ARGS]   # every test that needs CUDA, NCCL or 2 GPUs
 #     (pytest -m gpu: tests/helpers/run_if.py marks them; MARK=multigpu for the 2-GPU ones only;
 #     MARK= (empty) for the whole suite, as `python -m pytest tests` runs it there);
-#     XDIST=N: over N pytest-xdist workers, the GPU tests one at a time on one of them; COLD=1:
+#     XDIST=N: over N pytest-xdist workers (a file's GPU tests in turn on one of them); COLD=1:
 #     kernel caches emptied first;
 #     log (-v: a run cut by LIMIT still names each result) and JUnit XML in $OUT (gpu_tests.log,
 #     gpu_tests.xml), the last line its rc and time.

@@ -6,11 +6,14 @@
     pytestmark = requires_cuda()   # a whole module
 
 so ``pytest -m gpu`` (``-m multigpu``) selects exactly the tests that need a GPU (several).
-Under pytest-xdist (``-n N --dist loadgroup``) they share one group, so they run one at a time
-on one worker while the CPU tests spread over the others.
+Under pytest-xdist (``-n N --dist loadgroup``) the GPU tests of one file share a group (one
+worker runs them in turn, so a file's kernel compiles are not repeated on several workers) and
+the multi-GPU tests share one, so two NCCL jobs never hold the same GPUs at once.
 """
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -26,7 +29,8 @@ class Marks(list):
 
 
 def requires_cuda(min_gpus: int = 1, *, fa4: bool = False) -> Marks:
-    marks = Marks([pytest.mark.gpu, pytest.mark.xdist_group("gpu")])
+    group = "multigpu" if min_gpus > 1 else "gpu:" + sys._getframe(1).f_globals.get("__name__", "")
+    marks = Marks([pytest.mark.gpu, pytest.mark.xdist_group(group)])
     if min_gpus > 1:
         marks.append(pytest.mark.multigpu)
     count = torch.cuda.device_count()
