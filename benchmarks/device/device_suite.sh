@@ -36,15 +36,44 @@ case "${1:-ring}" in
       || { echo "[device_suite] pytest is not installed here: carry its wheels in .carry/wheels"; exit 2; }
     # COLD=1: from cold kernel caches (FA4's disk cache, Triton's), as on a fresh machine.
     [ "${COLD:-0}" = 1 ] && rm -rf ~/.cache/longctx/fa4 ~/.triton/cache
-    start=$(date +%s)
     # Modules that cannot be imported here (a missing CPU-side package) are reported as errors
     # and the rc says so, but do not stop the GPU tests of the other modules.
-    timeout "${LIMIT:-560}" python -m pytest -v -rfEs --durations=25 -m "${MARK-gpu}" -p no:cacheprovider \
-      ${XDIST:+-n "$XDIST" --dist loadgroup} --continue-on-collection-errors --junitxml "$OUT/gpu_tests.xml" tests "${@:2}" > "$OUT/gpu_tests.log" 2>&1
-    rc=$?
-    tail -40 "$OUT/gpu_tests.log"
-    echo "[device_suite] tests -m '${MARK-gpu}': rc $rc in $(( $(date +%s) - start )) s on $N GPU(s)" \
-      | tee -a "$OUT/gpu_tests.log"
+    # GPU_SETS="0 1,2 0,1,2,3": one pytest per set of GPUs at once (CUDA_VISIBLE_DEVICES), each
+    # with its own kernel caches and logs gpu_tests_<n>gpu.{log,xml} + live_<n>gpu.log; default
+    # one run on every GPU. The live log (benchmarks/device/pytest_live_log.py) names each result,
+    # its time and its failure text as it lands, so a run cut by LIMIT still says why.
+    # Workers share the cores: each gets cores / workers intra-op threads (64 per process
+    # otherwise, and the multi-process tests start several).
+    export PYTHONPATH=$PWD/benchmarks/device${PYTHONPATH:+:$PYTHONPATH}
+    sets=$(echo ${GPU_SETS:-all} | wc -w)
+    per=$(( $(nproc) / ${XDIST:-1} / sets ))
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( per > 1 ? per : 1 ))}
+    suite() {  # $1: the GPU set ("all" for every GPU), $2: the file tag
+      local n=$N cache=${TMPDIR:-/tmp}/suite_cache_$2
+      [ "$1" = all ] || { export CUDA_VISIBLE_DEVICES=$1; n=$(echo "$1" | tr , '\n' | wc -l); }
+      export TRITON_CACHE_DIR=$cache/triton FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$cache/fa4 LIVE_LOG=$OUT/live$2.log
+      [ "${COLD:-0}" = 1 ] && rm -rf "$cache"
+      local t0=$(date +%s)
+      timeout "${LIMIT:-560}" python -m pytest -v -rfEs --durations=25 -m "${MARK-gpu}" -p no:cacheprovider \
+        -p pytest_live_log ${XDIST:+-n "$XDIST" --dist loadgroup} --continue-on-collection-errors \
+        --junitxml "$OUT/gpu_tests$2.xml" tests "${@:3}" > "$OUT/gpu_tests$2.log" 2>&1
+      local rc=$?
+      echo "[device_suite] tests -m '${MARK-gpu}': rc $rc in $(( $(date +%s) - t0 )) s on $n GPU(s), OMP_NUM_THREADS=$OMP_NUM_THREADS" \
+        | tee -a "$OUT/gpu_tests$2.log"
+      return $rc
+    }
+    if [ -z "${GPU_SETS:-}" ]; then
+      suite all "" "${@:2}"; rc=$?
+      tail -40 "$OUT/gpu_tests.log"
+      exit $rc
+    fi
+    pids=()
+    for set in $GPU_SETS; do
+      ( suite "$set" "_$(echo "$set" | tr , '\n' | wc -l)gpu" "${@:2}" ) & pids+=($!)
+    done
+    rc=0
+    for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+    grep -h "^\[device_suite\]\|passed\|failed" "$OUT"/gpu_tests_*gpu.log | tail -20
     exit $rc
     ;;
 esac
