@@ -508,6 +508,7 @@ def warm_up(
     one run each), and most of the variants. Afterwards a compile of any other variant is
     logged (``late_compiles``). Returns the number of FA4 kernels first called here."""
     global _warmed_up, _watched
+    _warmed_up = None  # a later warm-up (another fit in this process) compiles nothing "late"
     before = len(_jit_keys())
     scale = 1.0 / head_dim**0.5
     # Segment lengths within one tile (GQA packing included) and over several; segment counts.

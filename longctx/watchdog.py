@@ -261,11 +261,12 @@ class RankWatchdog:
                     f"rank {self.rank} stopping: {self._store_lost(exc)}; this rank then failed with {text[:500]}"
                 )
             return mine
-        if first == mine:
-            self._linger()
-        else:
+        if first != mine:
             sys.stderr.write(f"\n[longctx watchdog] rank {self.rank}: first failure of the job: {first}\n")
             sys.stderr.flush()
+        # A reader only says it knows; the publisher waits a little for the others to read,
+        # and the store's host until they have (it exits with the store, read or not).
+        self._linger(wait=first == mine)
         return first
 
     def stop(self) -> None:
@@ -361,15 +362,16 @@ class RankWatchdog:
             pass
         self._fail(message)
 
-    def _linger(self) -> None:
+    def _linger(self, wait: bool = True) -> None:
         """This rank knows the job's failure; let the others read it before this process
         exits. The store's host (rank 0 under a plain launch: the store dies with it) waits
         until every rank has said it knows (a busy rank can take several intervals to poll),
-        at most ``LINGER_INTERVALS``; the others a few intervals."""
+        at most ``LINGER_INTERVALS``; the others a few intervals where ``wait``."""
         try:
             self._call("set", f"known/{self.rank}", "1")
             if not self._hosts_store:
-                time.sleep(3 * self.interval)
+                if wait:
+                    time.sleep(3 * self.interval)
                 return
             everyone = [f"known/{r}" for r in range(self.world_size)]
             deadline = time.monotonic() + LINGER_INTERVALS * self.interval

@@ -90,10 +90,10 @@ class LongDocumentDataModule(L.LightningDataModule):
         seed: split and shuffling seed; shuffling also depends on the epoch.
         cache_dir: where tokenizers, tokenized and packed corpora are cached
             (default ``$LONGCTX_CACHE_DIR`` or ``~/.cache/longctx``).
-        num_workers: ``DataLoader`` worker processes. None: 1 where CUDA is present (each batch
-            is then prepared for its rank — document balance, shard, document plan — while the
-            GPUs run the previous step), else 0.
-        pin_memory: ``DataLoader`` setting; None: whether CUDA is present.
+        num_workers: ``DataLoader`` worker processes. None: 1 where the run is on a GPU (each
+            batch is then prepared for its rank — document balance, shard, document plan — while
+            the GPUs run the previous step), else 0 (a CPU run, also on a GPU host).
+        pin_memory: ``DataLoader`` setting; None: whether the run is on a GPU.
         max_documents: use only the first N documents (tests, quick runs).
         context_parallel_size: to check ``seq_len`` splits over the CP group; ``None`` reads
             it from the trainer's strategy.
@@ -166,7 +166,7 @@ class LongDocumentDataModule(L.LightningDataModule):
         self.val_fraction = float(val_fraction)
         self.seed = int(seed)
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        self.num_workers = (1 if torch.cuda.is_available() else 0) if num_workers is None else num_workers
+        self._num_workers_arg = num_workers
         self.max_documents = max_documents
         self.context_parallel_size = context_parallel_size
         self.layout = layout
@@ -176,7 +176,7 @@ class LongDocumentDataModule(L.LightningDataModule):
         self.include_tests = include_tests
         self.stdlib_documents = stdlib_documents
         self.num_proc = num_proc
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        self._pin_memory_arg = None if pin_memory is None else bool(pin_memory)
         self._tokenizer_arg = tokenizer
         # Resolving the corpus lists its files and validates names: cheap, so do it now.
         self._corpus: Corpus = resolve_corpus(
@@ -353,6 +353,19 @@ class LongDocumentDataModule(L.LightningDataModule):
     def _require_setup(self) -> None:
         if self.train_dataset is None:
             raise RuntimeError("call setup() before asking for dataloaders")
+
+    def _on_gpu(self) -> bool:
+        """Whether the batches go to a GPU: the trainer's device where one is attached."""
+        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
+        return device.type == "cuda" if device is not None else torch.cuda.is_available()
+
+    @property
+    def num_workers(self) -> int:
+        return (1 if self._on_gpu() else 0) if self._num_workers_arg is None else self._num_workers_arg
+
+    @property
+    def pin_memory(self) -> bool:
+        return self._on_gpu() if self._pin_memory_arg is None else self._pin_memory_arg
 
     def train_dataloader(self) -> ResumableDataLoader:
         self._require_setup()

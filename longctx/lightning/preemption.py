@@ -75,6 +75,7 @@ class SignalStop:
     def __init__(self, grace_period: float, forward: Callable[[int], None], before_exit: Callable[[], None]):
         self.grace_period = grace_period
         self.rank = 0
+        self._owner = os.getpid()  # set again by install (the rank's own process)
         self.signum: Optional[int] = None
         self._began_at = 0.0
         self.checkpoint_saved = False
@@ -82,6 +83,8 @@ class SignalStop:
 
     def handle(self, signum: int, _frame: Optional[FrameType] = None) -> None:
         """The signal handler: record, pass on, start the clock. Nothing that can block."""
+        if os.getpid() != self._owner:
+            return  # a forked child (a DataLoader worker) inherited the handler: its rank decides
         if signum == signal.SIGINT:
             self._interrupt()
             return
@@ -128,7 +131,7 @@ class SignalStop:
 
     def install(self, trainer: Any, rank: int) -> None:
         """Take over SIGTERM and SIGINT in ``trainer``'s runs and stop them through ``StopOnSignal``."""
-        self.rank = rank
+        self.rank, self._owner = rank, os.getpid()
         if not any(isinstance(c, StopOnSignal) for c in trainer.callbacks):
             # Appended after Lightning placed the ModelCheckpoints last: a save due at the
             # stopping step has happened when this callback runs.

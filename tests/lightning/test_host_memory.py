@@ -190,6 +190,7 @@ def test_a_gpu_sized_run_that_fits_a_cpu_is_said_to_be_slow_once(train, tmp_path
         return CausalLMModule.check_fit(cli.trainer, cli.datamodule, host_total=None, **cli.config.model.as_dict())
 
     recipe = ["--config", SMOLLM2, "--config", _fresh(tmp_path), "--context-parallel", "4", "--seq-len", "2048"]
+    recipe += ["--accelerator", "cpu"]  # what a CPU machine takes by itself
     scaled = plan(recipe, "recipe")
     warnings = [n for n in scaled.notes if n.startswith("warning: this run is sized for GPUs")]
     assert len(warnings) == 1 and "--seq-len" in warnings[0], scaled.notes
@@ -214,6 +215,7 @@ def test_cpu_runs_take_32_bit_and_no_fusion_unless_asked(train, tmp_path, monkey
     monkeypatch.setattr(longctx.memory_fit, "host_available_bytes", lambda: 64 * GiB)
     monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
     recipe = ["--config", SMOLLM2, "--config", _fresh(tmp_path), "--context-parallel", "4", "--seq-len", "2048"]
+    recipe += ["--accelerator", "cpu"]  # what a CPU machine takes by itself
 
     def resolved(extra, name):
         cli = train.prepare([*recipe, *extra, "--output-dir", str(tmp_path / name)])

@@ -21,7 +21,7 @@ def test_document_training_steps_never_sync_the_host(tmp_path: Path):
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
     worker = Path(__file__).with_name("sync_free_worker.py")
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(worker), str(out)],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker), str(out)],
         env=env,
         capture_output=True,
         text=True,

@@ -312,3 +312,25 @@ def test_ctrl_c_stops_after_the_step_and_a_second_one_at_once():
     assert "KeyboardInterrupt" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.count("Ctrl-C: stopping after the current step") == 1, proc.stderr
     assert "second Ctrl-C: stopped at once" in proc.stderr
+
+
+def test_a_forked_child_leaves_the_signal_to_its_rank():
+    """A DataLoader worker (forked: it inherits the rank's handler, and a terminal's Ctrl-C
+    reaches it too) neither records a stop nor prints; the rank's own process does, once."""
+    code = textwrap.dedent("""
+        import os, signal, sys
+        from longctx.lightning.preemption import SignalStop
+        stop = SignalStop(30, forward=lambda signum: None, before_exit=lambda: None)
+        signal.signal(signal.SIGINT, stop.handle)
+        pid = os.fork()
+        if pid == 0:  # the worker
+            signal.raise_signal(signal.SIGINT)
+            os._exit(0 if stop.signum is None else 1)
+        _, status = os.waitpid(pid, 0)
+        signal.raise_signal(signal.SIGINT)
+        print(os.waitstatus_to_exitcode(status), stop.signum, flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["0", str(int(signal.SIGINT))], proc.stdout
+    assert proc.stderr.count("Ctrl-C: stopping after the current step") == 1, proc.stderr

@@ -127,6 +127,30 @@ def test_the_store_host_lingers_until_every_rank_knows_the_failure(readers):
         assert bound <= took < bound + 5.0, took
 
 
+def test_the_store_host_that_reads_another_ranks_failure_waits_for_the_others_too():
+    """Rank 0's own collective fails because a peer died; the failure another rank published is
+    the one it reports, and as the store's host it still waits until every rank has read it
+    (a rank that polls late would otherwise find the store gone and blame its host)."""
+    host = RankWatchdog(0, 3, timeout=5.0, interval=0.5, store=dist.HashStore())
+    host._hosts_store = True
+    host._call("set", "failure", "rank 1 failed: RuntimeError: injected failure")
+
+    def read_late():
+        for r in (1, 2):
+            time.sleep(0.5)
+            host._call("set", f"known/{r}", "1")
+
+    thread = threading.Thread(target=read_late)
+    start = time.monotonic()
+    thread.start()
+    first = host.report_failure(RuntimeError("rank 0's own error"))
+    took = time.monotonic() - start
+    thread.join()
+    assert first == "rank 1 failed: RuntimeError: injected failure"
+    assert 1.0 <= took < LINGER_INTERVALS * 0.5, took
+    assert host._call("check", ["known/0"])
+
+
 def test_a_rank_that_knows_the_failure_does_not_blame_the_store_host_for_leaving():
     """The rank that published the failure (or read it) then finds the store gone: its host
     exited once every rank had read the failure. Its watchdog names the failure it knows, not
