@@ -53,6 +53,9 @@ HOST_BASELINE_BYTES = 3 * GiB  # Python, torch, CUDA libraries: resident before 
 # (the memory-mapped token cache's pages it touches, heap fragmentation: ~0.1 GiB over the default
 # run's 200 steps). Fitted to the fullest rank's peak RSS of train.py runs of 1 to 200 steps.
 CPU_PROCESS_BYTES = int(0.70 * GiB)
+# A CUDA build of torch keeps its CUDA libraries resident in a CPU run too (a CPU run on a GPU
+# host): fitted to the same train.py run's fullest rank there (benchmarks/NOTES.md).
+CUDA_BUILD_PROCESS_BYTES = int(0.45 * GiB)
 # What the C allocator keeps of the step's freed tensors (glibc's heap keeps blocks below its mmap
 # threshold, up to 32 MiB: activations and gradients of small layers), as a share of the step's peak.
 CPU_RETAINED_FRACTION = 0.05
@@ -589,6 +592,13 @@ def _phases(
     return phases
 
 
+def cpu_process_bytes() -> int:
+    """A CPU rank's resident memory besides the step's tensors, for this build of torch."""
+    import torch
+
+    return CPU_PROCESS_BYTES + (CUDA_BUILD_PROCESS_BYTES if torch.version.cuda else 0)
+
+
 def _memory_estimate(
     phases: list, st: _StaticBytes, *, device: str, n_off: int, per_layer_saved: int, cpu_offload: bool, T: int, N: int
 ) -> MemoryEstimate:
@@ -599,7 +609,7 @@ def _memory_estimate(
     name, items = max(phases, key=lambda p: sum(p[1].values()))
     allocated = sum(items.values())
     if device == "cpu":  # the step's tensors are the process's own memory
-        host = {"process": CPU_PROCESS_BYTES, **items, "allocator_retained": int(CPU_RETAINED_FRACTION * allocated)}
+        host = {"process": cpu_process_bytes(), **items, "allocator_retained": int(CPU_RETAINED_FRACTION * allocated)}
         items = {}
     else:
         items["allocator_slack"] = int(SLACK_FRACTION * allocated)

@@ -14,7 +14,7 @@ import dataclasses
 import os
 from typing import Any, Optional
 
-from .memory import CPU_PROCESS_BYTES, GiB, MemoryEstimate, as_plan, estimate, model_shape
+from .memory import GiB, MemoryEstimate, as_plan, cpu_process_bytes, estimate, model_shape
 
 
 def max_seq_len(
@@ -81,7 +81,7 @@ def host_memory_bytes() -> int:
 def host_available_bytes() -> int:
     """The memory a run starting in this process can have: what the kernel reports available
     (``MemAvailable``: free plus reclaimable) and what this process already holds (its
-    resident set, which the memory model's ``CPU_PROCESS_BYTES`` counts). Where the kernel
+    resident set, which the memory model's ``cpu_process_bytes()`` counts). Where the kernel
     reports no ``MemAvailable``: the physical memory."""
     available = _meminfo("MemAvailable")
     return host_memory_bytes() if available is None else available + (_status_bytes("VmRSS") or 0)
@@ -313,9 +313,10 @@ def _cpu_fix(config, seq_len: int, kw: dict, plan, host_total: int, host_ranks: 
             break
     if not ways:  # nothing of this model fits here at this many ranks
         per_rank_budget = host_total // host_ranks
-        alone = CPU_PROCESS_BYTES > per_rank_budget
+        process = cpu_process_bytes()
+        alone = process > per_rank_budget
         ways.append(
-            f"fewer ranks (each process takes {CPU_PROCESS_BYTES / GiB:.2f} GiB before any tensor)"
+            f"fewer ranks (each process takes {process / GiB:.2f} GiB before any tensor)"
             if alone
             else "a smaller model (nothing shorter fits this one here)"
         )

@@ -48,14 +48,14 @@ def test_a_cpu_runs_step_is_host_memory():
     the step's peak plus what the allocator keeps; the reference kernel's score matrices (4 of
     them, fp32, every query head) span a sequence's shard, or with documents every sequence of
     the shard at once."""
-    from longctx.memory import CPU_PROCESS_BYTES, REFERENCE_SCORE_COPIES
+    from longctx.memory import REFERENCE_SCORE_COPIES, cpu_process_bytes
 
     cfg = GPTConfig.from_preset("tiny")
     kw = dict(plan=ParallelPlan("none", False), cp=2, dp=1, data_parallel="ddp", precision="32-true")
     plain = estimate(cfg, 4096, batch_size=2, device="cpu", **kw)
     documents = estimate(cfg, 4096, batch_size=2, device="cpu", documents=True, **kw)
     assert plain.gpu_bytes == 0 and not plain.items
-    assert sum(plain.host_items.values()) == plain.host_bytes and plain.host_items["process"] == CPU_PROCESS_BYTES
+    assert sum(plain.host_items.values()) == plain.host_bytes and plain.host_items["process"] == cpu_process_bytes()
     assert "host" in plain.summary() and "GPU" not in plain.summary()
     rows = 4096 // 2
     scores = REFERENCE_SCORE_COPIES * 4 * cfg.n_head
