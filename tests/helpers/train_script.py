@@ -44,14 +44,24 @@ TINY = [
 ]
 
 
+# What an in-process fit earlier in the session may have left in os.environ (its process group
+# may still hold that port): a run launched or fitted afterwards must pick its own.
+RENDEZVOUS_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def launch_env(cache_dir=None, **extra: str) -> dict:
-    """This process's environment for a job launched as its own: without the rank and port
-    variables an in-process fit earlier in the session may have set (its process group may
-    still hold that port), with its own tokenizer cache where ``cache_dir`` is given."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    """This process's environment for a job launched as its own: without the rendezvous
+    variables, with its own tokenizer cache where ``cache_dir`` is given."""
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}
     if cache_dir is not None:
         env["LONGCTX_CACHE_DIR"] = str(cache_dir)
     return {**env, **extra}
+
+
+def clear_rendezvous(monkeypatch) -> None:
+    """``launch_env`` for a fit in this process (the test's ``monkeypatch`` restores them)."""
+    for name in RENDEZVOUS_VARS:
+        monkeypatch.delenv(name, raising=False)
 
 
 def run_train(args: list[str], env: dict, timeout: float = 240) -> subprocess.CompletedProcess:

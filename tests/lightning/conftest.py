@@ -5,23 +5,16 @@ imports per process."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
-from helpers.train_script import SMALL, run_train
+from helpers.train_script import SMALL, launch_env, run_train
 
 
 @pytest.fixture(scope="session")
 def cache_env(tmp_path_factory) -> dict:
-    env = dict(os.environ)
-    env["LONGCTX_CACHE_DIR"] = str(tmp_path_factory.mktemp("longctx-cache"))
-    # A process group an earlier test made in this process leaves its rendezvous variables
-    # (MASTER_PORT pointing at a store that may still listen): train.py must pick its own.
-    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return env
+    return launch_env(tmp_path_factory.mktemp("longctx-cache"))
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers.train_script import load_train
+from helpers.train_script import clear_rendezvous, launch_env, load_train
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = [
@@ -53,11 +52,7 @@ TINY = [
 
 @pytest.fixture(scope="module")
 def cache_env(tmp_path_factory) -> dict:
-    env = dict(os.environ)
-    env["LONGCTX_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)  # an earlier in-process test's rendezvous: not this run's
-    return env
+    return launch_env(tmp_path_factory.mktemp("cache"))
 
 
 def _train(args: list[str], env: dict) -> subprocess.CompletedProcess:
@@ -141,8 +136,7 @@ def test_lengths_that_cannot_run_are_one_line(eval_run, cache_env, tmp_path, mon
     from longctx.data import LongDocumentDataModule
     from longctx.lightning.eval_callback import LongContextEvaluation
 
-    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+    clear_rendezvous(monkeypatch)
     monkeypatch.setenv("LONGCTX_CACHE_DIR", cache_env["LONGCTX_CACHE_DIR"])
     data = LongDocumentDataModule("stdlib:json,email", vocab_size=512, seq_len=256)
     data.prepare_data()

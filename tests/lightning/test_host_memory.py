@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import csv
-import os
 import re
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from helpers.train_script import launch_env
 from test_train_errors import _error, cache, train  # noqa: F401 (fixtures)
 
 from longctx import ParallelPlan
@@ -105,9 +105,7 @@ def test_train_py_host_prediction_holds_on_cpu(tmp_path):
     """train.py on CPU (tiny preset, CP 2 over gloo, 4,096 tokens of 2 sequences): the host memory
     it predicts per rank is the fullest rank's measured peak RSS within 10%; the plan it prints
     and its config.yaml carry the precision it ran (32-bit)."""
-    env = {**os.environ, "LONGCTX_CACHE_DIR": str(tmp_path / "cache")}
-    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
+    env = launch_env(tmp_path / "cache")
     out = tmp_path / "run"
     argv = [
         *("--data", "stdlib:json,email,http,logging,xml", "--preset", "tiny", "--model.model.vocab_size", "512"),

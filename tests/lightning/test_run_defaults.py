@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.train_script import clear_rendezvous
 from test_train_errors import cache, train  # noqa: F401 (fixtures)
 
 from longctx.parallel import ParallelPlan
@@ -150,8 +151,7 @@ def test_config_yaml_reproduces_the_run_plan(full_run, cache_env, tmp_path, trai
     lines = _run_plan_lines(first.stdout)
     assert len(lines) == 1, first.stdout
 
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+    clear_rendezvous(monkeypatch)
     monkeypatch.setenv("LONGCTX_CACHE_DIR", cache_env["LONGCTX_CACHE_DIR"])
     cli = train.prepare(["--config", str(out / "config.yaml"), "--output-dir", str(tmp_path / "again")])
     cli.run_lock.close()

@@ -268,12 +268,11 @@ def test_train_py_resolves_the_plan_once(tmp_path, monkeypatch, capsys):
     data work is the one the fit sets up (printed, recorded in config.yaml), not resolved again
     in ``setup`` (issue 43)."""
     import yaml
-    from helpers.train_script import TINY, load_train
+    from helpers.train_script import TINY, clear_rendezvous, load_train
 
     train = load_train("train_plan_once")
     monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+    clear_rendezvous(monkeypatch)
     resolved = _counting_plan_run(monkeypatch)
     out = tmp_path / "run"
     assert train.main([*TINY, "--max-steps", "1", "--checkpoint-every", "0", "--output-dir", str(out)]) == 0

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers.train_script import load_train
+from helpers.train_script import launch_env, load_train
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -381,9 +381,7 @@ def test_ctrl_c_before_training_is_one_line(train, capsys, cache, tmp_path, monk
 def test_error_as_a_command(tmp_path):
     """The whole path as a user runs it: rc 2 and a single stderr line, imports included
     (~7 s on an idle 2-core machine; the bound leaves room for a CI that shares its cores)."""
-    env = {**os.environ, "LONGCTX_CACHE_DIR": str(tmp_path)}
-    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)  # an earlier in-process test's rendezvous: not this run's
+    env = launch_env(tmp_path)
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, str(REPO / "train.py"), "--context-parallel", "3", "--devices", "2"],

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.train_script import TINY, launch_env, run_train
+from helpers.train_script import TINY, clear_rendezvous, launch_env, run_train
 
 from longctx.models import GPT, GPTConfig, load_pretrained
 from longctx.models.checkpoint_import import DamagedCheckpointError, pretrained_config
@@ -132,8 +132,7 @@ def _one_line_error(capsys) -> str:
 
 
 def test_what_cannot_be_loaded_is_one_line(tmp_path, capsys, monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
+    clear_rendezvous(monkeypatch)
     evaluate_py, train_py = _script("evaluate"), _script("train")
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -210,8 +209,7 @@ def fsdp_run(tmp_path_factory, env) -> dict:
 @pytest.mark.slow
 def test_evaluate_a_sharded_run_as_its_single_file_weights(fsdp_run, env, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LONGCTX_CACHE_DIR", env["LONGCTX_CACHE_DIR"])
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
+    clear_rendezvous(monkeypatch)
     config, sharded = load_run_checkpoint(fsdp_run["run"])
     assert config.n_embd == 128 and _same(sharded, load_run_checkpoint(fsdp_run["single"])[1])
     evaluate_py = _script("evaluate")
