@@ -122,18 +122,24 @@ def _timed_first_call(key, fn):
         torch.cuda.synchronize()
         compile_seconds[key] = time.perf_counter() - start
         log.info("FlashAttention-4 %s: first call (compile or cache load) %.1f s", key, compile_seconds[key])
-    if _warmed_up is not None:
+    if _watch is not None:
         _check_late_compile(key)
     return result
 
 
-# FA4's own compile caches hold its kernel variants: more than ``_variant`` names (e.g. a
-# varlen call over more than 256 segments takes another scheduler). ``warm_up`` remembers
-# their keys; a key added later is a compile in the middle of a run: logged once, naming
-# the variant, and counted in ``late_compiles``.
-_warmed_up: Optional[set] = None
-_warm_up_variants: set = set()  # the ``compile_seconds`` keys warm_up called first
-_watched: Optional[list] = None  # the caches' dicts, found once by warm_up
+@dataclass
+class _Watch:
+    """What the last ``warm_up`` left. FA4's own compile caches hold its kernel variants: more
+    than ``_variant`` names (a varlen call over more than 256 segments takes another
+    scheduler). A key added to them later is a compile in the middle of a run: logged once,
+    naming the variant, and counted in ``late_compiles``."""
+
+    keys: set  # FA4's compile keys after the warm-up (and any late ones since)
+    caches: list  # the caches' dicts, found once
+    variants: set  # the ``compile_seconds`` keys first called by then (the step-1 report's)
+
+
+_watch: Optional[_Watch] = None
 late_compiles: list = []
 _JIT_FUNCTIONS = (
     "_flash_attn_fwd",
@@ -161,11 +167,10 @@ def _jit_keys() -> set:
 
 
 def _check_late_compile(variant) -> None:
-    global _warmed_up
-    if _watched is None or sum(len(cache) for cache in _watched) == len(_warmed_up):
+    if sum(len(cache) for cache in _watch.caches) == len(_watch.keys):
         return
-    new = _jit_keys() - _warmed_up
-    _warmed_up |= new
+    new = _jit_keys() - _watch.keys
+    _watch.keys |= new
     for name, key in sorted(new, key=str):
         late_compiles.append((variant, name, key))
         log.warning(
@@ -507,8 +512,8 @@ def warm_up(
     context parallelism calls (one rank's sequence: every block on the diagonal, documents in
     one run each), and most of the variants. Afterwards a compile of any other variant is
     logged (``late_compiles``). Returns the number of FA4 kernels first called here."""
-    global _warmed_up, _watched
-    _warmed_up = None  # a later warm-up (another fit in this process) compiles nothing "late"
+    global _watch
+    _watch = None  # a later warm-up (another fit in this process) compiles nothing "late"
     before = len(_jit_keys())
     scale = 1.0 / head_dim**0.5
     # Segment lengths within one tile (GQA packing included) and over several; segment counts.
@@ -542,13 +547,12 @@ def warm_up(
     torch.cuda.synchronize(device)
     del q_all, k_all, v_all, dout_all, q, k, v, dout, out, lse
     torch.cuda.empty_cache()  # the blocks (up to ~60K rows) go back before the model's own buffers
-    _warmed_up = _jit_keys()
-    _watched = [cache for _, cache in _jit_caches()]
-    _warm_up_variants.update(compile_seconds)
-    return len(_warmed_up) - before
+    _watch = _Watch(_jit_keys(), [cache for _, cache in _jit_caches()], set(compile_seconds))
+    return len(_watch.keys) - before
 
 
 def first_calls_since_warm_up() -> dict:
     """``compile_seconds`` of the variants first called outside ``warm_up`` (all of them where
     no warm-up ran)."""
-    return {key: s for key, s in compile_seconds.items() if key not in _warm_up_variants}
+    before = _watch.variants if _watch is not None else set()
+    return {key: s for key, s in compile_seconds.items() if key not in before}

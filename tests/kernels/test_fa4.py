@@ -262,8 +262,8 @@ def test_a_compile_after_warm_up_is_logged_and_counted(monkeypatch, caplog):
     monkeypatch.setattr(fa4, "_interface", lambda: iface)
     monkeypatch.setattr(fa4, "late_compiles", [])
     iface._flash_attn_fwd.compile_cache.cache[("fwd", "warm")] = object()
-    monkeypatch.setattr(fa4, "_warmed_up", fa4._jit_keys())
-    monkeypatch.setattr(fa4, "_watched", [cache for _, cache in fa4._jit_caches()])  # as warm_up leaves it
+    watch = fa4._Watch(fa4._jit_keys(), [cache for _, cache in fa4._jit_caches()], set())  # as warm_up leaves it
+    monkeypatch.setattr(fa4, "_watch", watch)
     monkeypatch.setitem(fa4.compile_seconds, "variant", 0.0)
     fa4._timed_first_call("variant", lambda: None)
     assert fa4.late_compiles == []
@@ -282,9 +282,9 @@ def test_step_one_reports_only_first_calls_since_the_warm_up(monkeypatch):
     """The line after step 1 counts the variants first called after the warm-up (the warm-up's
     own were reported before step 1: one count, not two)."""
     monkeypatch.setattr(fa4, "compile_seconds", {"warm": 4.0})
-    monkeypatch.setattr(fa4, "_warm_up_variants", set())
+    monkeypatch.setattr(fa4, "_watch", None)
     assert fa4.first_calls_since_warm_up() == {"warm": 4.0}  # no warm-up ran: every first call
-    fa4._warm_up_variants.update(fa4.compile_seconds)
+    fa4._watch = fa4._Watch(set(), [], set(fa4.compile_seconds))  # what warm_up records
     assert fa4.first_calls_since_warm_up() == {}
     fa4.compile_seconds["late"] = 2.5
     assert fa4.first_calls_since_warm_up() == {"late": 2.5}
@@ -299,7 +299,7 @@ def test_no_fa4_compile_after_warm_up_over_random_document_layouts(full_blocks):
     segments, where every query segment fits one tile, and (backward) where either side's
     longest segment fits one block."""
     fa4.warm_up(torch.device("cuda"), torch.bfloat16, 64, 32, 8, documents=True, full_blocks=full_blocks)
-    assert fa4._warmed_up is not None
+    assert fa4._watch is not None
     gen = torch.Generator().manual_seed(7)
     from longctx.kernels import Segments
 
