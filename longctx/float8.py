@@ -98,9 +98,7 @@ def float8_modules(model: nn.Module) -> list[str]:
 def after_optimizer_step(model: nn.Module) -> None:
     """With float8 all-gather (FSDP2): the next step's weight scales, all at once (one
     all-reduce of the weights' amaxes instead of one per weight inside the all-gathers).
-    torchao's own function, which leaves models without such weights alone."""
-    if not float8_modules(model):
-        return
+    torchao's own function; for a model with float8 layers (``float8_modules``)."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)

@@ -200,6 +200,7 @@ class CausalLMModule(L.LightningModule):
         self.run_plan = None  # longctx.run_plan.RunPlan: resolved in setup, before configure_model
         self._planned = None  # a plan resolved before the build (use_run_plan): setup takes it
         self._hook_plan = None  # on_after_batch_transfer's without setup: resolved once, kept
+        self._float8_scales = None  # whether optimizer steps refresh float8 weight scales: per fit
         self._check_first_batch = False
         self.document_batches = DocumentBatches(
             attention=attention,
@@ -272,6 +273,7 @@ class CausalLMModule(L.LightningModule):
         # run's shapes (the data module's), so the model is parallelized with it and config.yaml
         # and the checkpoint record it. A plan handed over (use_run_plan) is not resolved again.
         self._hook_plan = None  # resolved for another trainer, if at all
+        self._float8_scales = None
         if self.run_plan is not None or getattr(self.model, "_longctx_parallelized", False):
             return
         fit = stage == "fit"
@@ -393,9 +395,15 @@ class CausalLMModule(L.LightningModule):
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        # FSDP2's float8 all-gather: next step's weight scales in one all-reduce. A model
-        # parallelized before the fit has no plan here: its own float8 layers, if any, decide.
-        if self.run_plan is None or self.run_plan.parallel.float8:
+        # FSDP2's float8 all-gather: next step's weight scales in one all-reduce. Decided at the
+        # first step: the plan's float8, or (a model parallelized before the fit, no plan) its
+        # own float8 layers, if any.
+        if self._float8_scales is None:
+            from longctx.float8 import float8_modules
+
+            asked = self.run_plan is None or self.run_plan.parallel.float8
+            self._float8_scales = asked and bool(float8_modules(self.model))
+        if self._float8_scales:
             from longctx.float8 import after_optimizer_step
 
             after_optimizer_step(self.model)
