@@ -30,7 +30,7 @@ frees the gradients right after the optimizer step (Lightning alone would keep t
 the next forward). Outside ``max_memory_allocated``: the CUDA context and workspaces
 (``cuda_context``) and fragmentation (``allocator_slack``).
 
-On a CPU the same tensors are the process's memory: ``host_bytes`` is ``CPU_PROCESS_BYTES``
+On a CPU the same tensors are the process's memory: ``host_bytes`` is ``cpu_process_bytes()``
 plus the step's peak plus what the C allocator keeps (``CPU_RETAINED_FRACTION``); the CPU's
 reference kernel materialises each call's scores (``reference_scores_bytes``).
 

