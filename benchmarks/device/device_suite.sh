@@ -34,8 +34,6 @@ case "${1:-ring}" in
   tests)
     python -c "import pytest" 2>/dev/null \
       || { echo "[device_suite] pytest is not installed here: carry its wheels in .carry/wheels"; exit 2; }
-    # COLD=1: from cold kernel caches (FA4's disk cache, Triton's), as on a fresh machine.
-    [ "${COLD:-0}" = 1 ] && rm -rf ~/.cache/longctx/fa4 ~/.triton/cache
     # Modules that cannot be imported here (a missing CPU-side package) are reported as errors
     # and the rc says so, but do not stop the GPU tests of the other modules.
     # GPU_SETS="0 1,2 0,1,2,3": one pytest per set of GPUs at once (CUDA_VISIBLE_DEVICES), each
@@ -52,7 +50,7 @@ case "${1:-ring}" in
       local n=$N cache=${TMPDIR:-/tmp}/suite_cache_$2
       [ "$1" = all ] || { export CUDA_VISIBLE_DEVICES=$1; n=$(echo "$1" | tr , '\n' | wc -l); }
       export TRITON_CACHE_DIR=$cache/triton FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$cache/fa4 LIVE_LOG=$OUT/live$2.log
-      [ "${COLD:-0}" = 1 ] && rm -rf "$cache"
+      [ "${COLD:-0}" = 1 ] && rm -rf "$cache"  # cold kernel caches (Triton's, FA4's), as on a fresh machine
       local t0=$(date +%s)
       timeout "${LIMIT:-560}" python -m pytest -v -rfEs --durations=25 -m "${MARK-gpu}" -p no:cacheprovider \
         -p pytest_live_log ${XDIST:+-n "$XDIST" --dist loadgroup} --continue-on-collection-errors \
