@@ -61,11 +61,13 @@ def gpu_profile(step, iters: int):
         for _ in range(iters):
             step()
         torch.cuda.synchronize()
-    compute, nccl, launches = [], [], 0
+    compute, nccl, launches, kernels = [], [], 0, {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
             span = (e.time_range.start, e.time_range.end)
             (nccl if "nccl" in e.name.lower() else compute).append(span)
+            total, count = kernels.get(e.name[:90], (0.0, 0))
+            kernels[e.name[:90]] = (total + e.time_range.elapsed_us(), count + 1)
         elif e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"):
             launches += 1
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
@@ -73,6 +75,11 @@ def gpu_profile(step, iters: int):
         gpu_compute_busy_ms=merged_us(compute) / iters / 1e3,
         gpu_nccl_busy_ms=merged_us(nccl) / iters / 1e3,
         launches_per_iter=launches / iters,
+        # per kernel name: GPU us and launches per iteration, the costliest first
+        kernels=[
+            dict(name=name, us=round(total / iters, 1), count=count / iters)
+            for name, (total, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:24]
+        ],
     ), table
 
 
@@ -143,7 +150,15 @@ def main():
                 text = io.StringIO()
                 pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(45)
                 tables.append(f"==== cProfile {mix} {option} rank 0, 20 iterations\n{text.getvalue()}\n")
-            mine = dict(rank=rank, host_ms=host_ms, wall_ms=wall_ms, calls=plan.calls, **gpu)
+            mine = dict(
+                rank=rank,
+                host_ms=host_ms,
+                wall_ms=wall_ms,
+                calls=plan.calls,
+                pairs=float(plan.pairs[rank]),
+                received_rows=int(plan.received[rank]),
+                **gpu,
+            )
             everyone = [None] * world
             if group is not None:
                 dist.all_gather_object(everyone, mine)

@@ -11,6 +11,12 @@ if [ -d .carry/wheels ]; then
   python -m pip install -q --no-deps --no-index .carry/wheels/*.whl >/tmp/longctx_wheels.log 2>&1 \
     || echo "[device_env] carried wheels did not install: $(tail -1 /tmp/longctx_wheels.log)"
 fi
+# Wheels an earlier call on this machine left in /tmp/xwheels (torchao for FP8 runs rides along
+# with the FlashAttention-4 stash call, whose carry has room: fa4_carry.sh).
+if ls /tmp/xwheels/*.whl >/dev/null 2>&1; then
+  python -m pip install -q --no-deps --no-index /tmp/xwheels/*.whl >/tmp/longctx_xwheels.log 2>&1 \
+    || echo "[device_env] stashed wheels did not install: $(tail -1 /tmp/longctx_xwheels.log)"
+fi
 # Tokenizers train.py would otherwise train on the device first (tens of seconds each: the 1B
 # configs' spm-32768, the recipe's spm-8192), carried as .carry/tok (copied from
 # ~/.cache/longctx/tokenizers on a machine that has run them).
