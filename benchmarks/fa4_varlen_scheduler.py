@@ -28,19 +28,41 @@ from attention import events_ms  # noqa: E402
 
 def run(iface, q, k, v, dout, cu, max_len):
     out, lse = iface._flash_attn_fwd(
-        q, k, v, causal=True, return_lse=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len
+        q,
+        k,
+        v,
+        causal=True,
+        return_lse=True,
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+        max_seqlen_q=max_len,
+        max_seqlen_k=max_len,
     )[:2]
     iface._flash_attn_bwd(
-        q, k, v, out, dout, lse, q.shape[-1] ** -0.5, True,
-        cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+        q.shape[-1] ** -0.5,
+        True,
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+        max_seqlen_q=max_len,
+        max_seqlen_k=max_len,
     )
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=".")
-    parser.add_argument("--cases", nargs="+", default=["256x128", "256x256", "256x512", "1024x64", "1024x128"],
-                        help="LENxCOUNT: COUNT documents of LEN tokens")
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=["256x128", "256x256", "256x512", "1024x64", "1024x128"],
+        help="LENxCOUNT: COUNT documents of LEN tokens",
+    )
     parser.add_argument("--thresholds", nargs="+", type=int, default=[256, 0])
     parser.add_argument("--reps", type=int, default=30)
     args = parser.parse_args()

@@ -303,6 +303,25 @@ def chunked_cross_entropy(
 # ---- the model ---------------------------------------------------------------------------
 
 
+def _normal_on_threads(params: list, seed: int) -> None:
+    """``normal_(0, std)`` of each host ``(tensor, std)``, parameter i from its own generator
+    seeded ``seed + i`` (the same values whatever the thread count), several at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def draw(i):
+        p, p_std = params[i]
+        with torch.no_grad():
+            p.normal_(0.0, p_std, generator=torch.Generator().manual_seed(seed + i))
+
+    workers = max(1, min(len(params), torch.get_num_threads(), 32))
+    if workers == 1:
+        for i in range(len(params)):
+            draw(i)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(draw, range(len(params))))
+
+
 class GPT(nn.Module):
     """Embedding, blocks, final norm, LM head. Architecture only: how it runs (CP context,
     checkpointing, fusion, FSDP2, loss chunk) is applied from outside by ``longctx.parallelize``.
@@ -316,25 +335,46 @@ class GPT(nn.Module):
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.n_embd)
-        self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
-        self.norm = RMSNorm(config.n_embd, config.rms_norm_eps)
-        self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Built on the meta device, then allocated where the caller asked (the default device)
+        # and initialised once by reset_parameters: the layers' own default init would be a
+        # second full pass of the host's serial RNG (minutes at 8B).
+        device = torch.get_default_device()
+        with torch.device("meta"):
+            self.embed = nn.Embedding(config.vocab_size, config.n_embd)
+            self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
+            self.norm = RMSNorm(config.n_embd, config.rms_norm_eps)
+            self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.to_empty(device=device)
         self.loss_chunk_size = 4096
         self.offload_activations = False
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2-style initialisation; works on sharded (DTensor) parameters too."""
+        """GPT-2-style initialisation; works on sharded (DTensor) parameters too.
+
+        Host tensors draw from one generator each, seeded from the global RNG (so a seed still
+        fixes the model), on a thread pool: the host's RNG is serial, and an 8B model drawn
+        through one generator takes over a minute. Other tensors draw from the global RNG."""
         std = self.config.init_std
+        host, seed = [], None
         for name, p in self.named_parameters():
+            if p.is_meta:
+                continue
             if p.dim() == 1:  # norm gains
                 nn.init.ones_(p)
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                continue
+            p_std = std
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
                 # GPT-2: residual-stream writers scaled by 1/sqrt(2 * n_layer).
-                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.config.n_layer))
+                p_std = std / math.sqrt(2 * self.config.n_layer)
+            if type(p.data) is torch.Tensor and p.device.type == "cpu":
+                if seed is None:
+                    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+                host.append((p, p_std))
             else:
-                nn.init.normal_(p, 0.0, std)
+                nn.init.normal_(p, 0.0, p_std)
+        if host:
+            _normal_on_threads(host, seed)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

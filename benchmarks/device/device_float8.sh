@@ -16,11 +16,12 @@ config=${CONFIG:-configs/llama3-8b-128k.yaml} gpus=${GPUS:-4} steps=${STEPS:-8}
 [ "${WORKLOAD:-docs}" = docs ] && data=(--data.stdlib_documents file --model.attention document) || data=(--model.attention causal)
 for run in ${RUNS:-bf16 bf16-repeat fp8}; do
   [ "$run" = fp8 ] && fp8=true || fp8=false
+  start=$SECONDS
   timeout "${LIMIT:-200}" python train.py --config "$config" "${data[@]}" --trainer.max_steps "$steps" \
     --trainer.devices "$gpus" --strategy.context_parallel_size "$gpus" --model.parallel.float8 "$fp8" \
     --output-dir "/tmp/runs/f8_$run" --trainer.enable_progress_bar false --checkpoint-every 0 ${EXTRA:-} \
     > "$OUT/runs/$run.log" 2>&1
-  echo "$run: rc=$?"; grep -h "run plan\|memory (predicted\|Error\|error:" "$OUT/runs/$run.log" | cut -c1-400 | head -4
+  echo "$run: rc=$? ($((SECONDS - start)) s)"; grep -h "run plan\|memory (predicted\|Error\|error:" "$OUT/runs/$run.log" | cut -c1-400 | head -4
   # A run killed by its limit leaves only the logger's file (flushed every step): take that one.
   cp "/tmp/runs/f8_$run/metrics.csv" "$OUT/runs/${run}_metrics.csv" 2>/dev/null \
     || cp /tmp/runs/f8_"$run"/logs/version_*/metrics.csv "$OUT/runs/${run}_metrics.csv" 2>/dev/null

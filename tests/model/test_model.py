@@ -589,3 +589,41 @@ def test_only_an_untied_embedding_gets_a_unit_of_its_own():
             return nn.Linear(2, 3)
 
     assert _untied_embedding(NoEmbeddings()) is None and _untied_embedding(nn.Linear(2, 2)) is None
+
+
+def test_init_is_seeded_scaled_and_independent_of_threads():
+    """The host init draws each matrix from its own generator on a thread pool: the seed still
+    fixes every value, whatever the thread count, and the GPT-2 scales hold."""
+    config = small_config(n_layer=4, n_embd=64, intermediate_size=128, init_std=0.02)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        torch.manual_seed(3)
+        one = GPT(config)
+        torch.set_num_threads(max(2, threads))
+        torch.manual_seed(3)
+        many = GPT(config)
+    finally:
+        torch.set_num_threads(threads)
+    for (name, a), b in zip(one.named_parameters(), many.parameters()):
+        assert torch.equal(a, b), name
+    torch.manual_seed(4)
+    other = GPT(config)
+    assert not torch.equal(other.embed.weight, one.embed.weight)
+    params = dict(one.named_parameters())
+    # distinct matrices get distinct draws (one generator each, not one seed reused)
+    assert not torch.equal(params["blocks.0.attn.q_proj.weight"], params["blocks.1.attn.q_proj.weight"])
+    assert torch.equal(params["blocks.0.attn_norm.weight"], torch.ones(64))
+    for name, p in params.items():
+        if p.dim() == 2:
+            want = 0.02 / math.sqrt(8) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            assert abs(p.std().item() / want - 1) < 0.05, (name, p.std().item(), want)
+            assert abs(p.mean().item()) < 0.1 * want, name
+
+
+def test_model_built_under_meta_device_stays_meta():
+    """``with torch.device("meta")`` builds a shape-only model (no host memory, no init)."""
+    with torch.device("meta"):
+        model = GPT(small_config())
+    assert all(p.is_meta for p in model.parameters())
+    assert model.num_params() == small_config().num_params()
