@@ -501,7 +501,15 @@ def _backward_varlen(iface, dout, q, k, v, out, lse, softmax_scale, causal, kern
 
 
 def warm_up(
-    device, dtype: torch.dtype, head_dim: int, n_head: int, n_kv_head: int, *, documents: bool, full_blocks: bool = True
+    device,
+    dtype: torch.dtype,
+    head_dim: int,
+    n_head: int,
+    n_kv_head: int,
+    *,
+    documents: bool,
+    full_blocks: bool = True,
+    part: tuple = (0, 1),
 ) -> int:
     """Call every kernel variant a training step can use once, on small blocks, so that their
     compiles (or loads from the disk cache) happen before the first step instead of in the
@@ -511,8 +519,16 @@ def warm_up(
     independently). ``full_blocks=False``: causal blocks only, all that attention without
     context parallelism calls (one rank's sequence: every block on the diagonal, documents in
     one run each), and most of the variants. Afterwards a compile of any other variant is
-    logged (``late_compiles``). Returns the number of FA4 kernels first called here."""
+    logged (``late_compiles``). Returns the number of FA4 kernels first called here.
+
+    ``part=(i, n)``: only every n-th of the warm-up's calls, from the i-th. The processes of
+    one host each compile their part into the shared disk cache (``cache_dir``), wait for each
+    other, then warm up fully, loading the rest: a compile is one core's work, so n processes
+    that split the calls finish in about 1/n of the time."""
     global _watch
+    index, count = part
+    if not (isinstance(count, int) and isinstance(index, int) and 0 <= index < count):
+        raise ValueError(f"part must be (index, count) with 0 <= index < count, got {part!r}")
     _watch = None  # a later warm-up (another fit in this process) compiles nothing "late"
     before = len(_jit_keys())
     scale = 1.0 / head_dim**0.5
@@ -524,29 +540,37 @@ def warm_up(
     def tensor(heads):
         return torch.randn(1, rows, heads, head_dim, device=device, dtype=dtype, generator=gen)
 
-    q_all, k_all, v_all, dout_all = tensor(n_head), tensor(n_kv_head), tensor(n_kv_head), tensor(n_head)
+    blocks = dict(q=tensor(n_head), k=tensor(n_kv_head), v=tensor(n_kv_head), dout=tensor(n_head))
     from .segments import Segments
 
-    for causal in (True, False) if full_blocks else (True,):
-        q, k, v, dout = (t[:, :512] for t in (q_all, k_all, v_all, dout_all))
+    def dense(causal):
+        q, k, v, dout = (blocks[name][:, :512] for name in ("q", "k", "v", "dout"))
         out, lse = forward(q, k, v, causal, scale)
         backward(dout, q, k, v, out, lse, causal, scale)
-        if not documents:
-            continue
-        for count in counts:
-            for q_len in (short, long):
-                for k_len in (q_len,) if causal else (short, long):
-                    q, dout = (t[:, : count * q_len] for t in (q_all, dout_all))
-                    k, v = (t[:, : count * k_len] for t in (k_all, v_all))
-                    cu_q, cu_k = (
-                        torch.arange(0, (count + 1) * n, n, dtype=torch.int32, device=device) for n in (q_len, k_len)
-                    )
-                    segments = Segments(cu_q, cu_k, q_len, k_len)
-                    out, lse = forward_segments(q, k, v, causal, scale, None, segments)
-                    backward_segments(dout, q, k, v, out, lse, causal, scale, None, segments)
-    torch.cuda.synchronize(device)
-    del q_all, k_all, v_all, dout_all, q, k, v, dout, out, lse
-    torch.cuda.empty_cache()  # the blocks (up to ~60K rows) go back before the model's own buffers
+
+    def varlen(causal, segs, q_len, k_len):
+        q, dout = (blocks[name][:, : segs * q_len] for name in ("q", "dout"))
+        k, v = (blocks[name][:, : segs * k_len] for name in ("k", "v"))
+        cu_q, cu_k = (torch.arange(0, (segs + 1) * n, n, dtype=torch.int32, device=device) for n in (q_len, k_len))
+        segments = Segments(cu_q, cu_k, q_len, k_len)
+        out, lse = forward_segments(q, k, v, causal, scale, None, segments)
+        backward_segments(dout, q, k, v, out, lse, causal, scale, None, segments)
+
+    calls = []
+    for causal in (True, False) if full_blocks else (True,):
+        calls.append(functools.partial(dense, causal))
+        if documents:
+            for segs in counts:
+                for q_len in (short, long):
+                    for k_len in (q_len,) if causal else (short, long):
+                        calls.append(functools.partial(varlen, causal, segs, q_len, k_len))
+    for call in calls[index::count]:
+        call()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    blocks.clear()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the blocks (up to ~60K rows) go back before the model's own buffers
     _watch = _Watch(_jit_keys(), [cache for _, cache in _jit_caches()], set(compile_seconds))
     return len(_watch.keys) - before
 

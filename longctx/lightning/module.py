@@ -433,10 +433,15 @@ class CausalLMModule(L.LightningModule):
             return
 
         cfg = self.config
-        start = time.perf_counter()
-        n = fa4.warm_up(
-            self.device, dtype, cfg.head_dim, cfg.n_head, cfg.n_kv_head, documents=documents, full_blocks=plan.cp > 1
-        )
+        shape = (self.device, dtype, cfg.head_dim, cfg.n_head, cfg.n_kv_head)
+        start, n = time.perf_counter(), 0
+        local = self.trainer.num_devices  # this host's processes share FA4's disk cache
+        if local > 1 and fa4.cache_dir() is not None:
+            # Each compiles its share into the cache; the full warm-up below then loads the rest.
+            part = (self.trainer.local_rank, local)
+            n = fa4.warm_up(*shape, documents=documents, full_blocks=plan.cp > 1, part=part)
+            self.trainer.strategy.barrier("fa4_warm_up")
+        n += fa4.warm_up(*shape, documents=documents, full_blocks=plan.cp > 1)
         self.print(
             f"FlashAttention-4: {n} kernel variants compiled or loaded before step 1 "
             f"in {time.perf_counter() - start:.1f} s"

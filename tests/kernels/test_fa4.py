@@ -290,6 +290,46 @@ def test_step_one_reports_only_first_calls_since_the_warm_up(monkeypatch):
     assert fa4.first_calls_since_warm_up() == {"late": 2.5}
 
 
+def test_warm_up_parts_split_its_calls_between_processes(monkeypatch):
+    """``warm_up(part=(i, n))`` makes every n-th call from the i-th: the n parts share no call
+    and together make exactly the full warm-up's (the processes of a host each compile one
+    part into the disk cache). Kernels replaced by recorders: which calls, not what they do."""
+    made = []
+
+    def record(kind):
+        def call(*args, **kwargs):
+            q, k = args[0], args[1]
+            causal = args[3]
+            segments = args[6] if kind == "forward_segments" else None
+            key = (kind, causal, q.shape[1], k.shape[1], None if segments is None else segments.max_seqlen_q)
+            made.append(key)
+            return q.new_zeros(q.shape), q.new_zeros((q.shape[0], q.shape[2], q.shape[1]))
+
+        return call
+
+    for kind in ("forward", "forward_segments"):
+        monkeypatch.setattr(fa4, kind, record(kind))
+    for kind in ("backward", "backward_segments"):
+        monkeypatch.setattr(fa4, kind, lambda *args, **kwargs: None)
+    monkeypatch.setattr(fa4, "_watch", None)
+    cpu = torch.device("cpu")
+    for full_blocks in (False, True):
+        made.clear()
+        fa4.warm_up(cpu, torch.float32, 8, 2, 1, documents=True, full_blocks=full_blocks)
+        full = list(made)
+        assert len(full) == len(set(full)) == (5 if not full_blocks else 14)
+        for n in (2, 3, 4):
+            parts = []
+            for i in range(n):
+                made.clear()
+                fa4.warm_up(cpu, torch.float32, 8, 2, 1, documents=True, full_blocks=full_blocks, part=(i, n))
+                parts.append(set(made))
+            assert sorted(k for p in parts for k in p) == sorted(full)
+            assert sum(len(p) for p in parts) == len(full)  # no call twice
+    with pytest.raises(ValueError, match="part must be"):
+        fa4.warm_up(cpu, torch.float32, 8, 2, 1, documents=True, part=(2, 2))
+
+
 @requires_cuda(fa4=True)
 @pytest.mark.parametrize("full_blocks", [False, True])  # causal-only first: before anything compiled the rest
 def test_no_fa4_compile_after_warm_up_over_random_document_layouts(full_blocks):
