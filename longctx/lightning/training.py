@@ -186,6 +186,7 @@ def summarize_run(trainer: Any, out: Path, *, title: str, resumed: bool, stopped
     if val:  # with its step: after a resume the newest validation may be the earlier launch's
         step, loss = val[-1]
         summary += f"; val loss {loss:.3f} at step {step} (ppl {math.exp(min(loss, 50.0)):.1f})"
+    speed = speed_line(rows)
     last = out / "checkpoints" / "last.ckpt"
     if stopped is None:
         checkpoint = f"  checkpoint {last}\n" if last.exists() else "  checkpoint none (--checkpoint-every 0)\n"
@@ -195,11 +196,43 @@ def summarize_run(trainer: Any, out: Path, *, title: str, resumed: bool, stopped
         checkpoint = "  checkpoint none saved at this step\n"
     text = (
         (f"stopped by {signal_name(stopped.signum)}" if stopped else "done")
-        + f": {trainer.global_step} steps; {summary}\n  metrics    {out / 'metrics.csv'}\n"
+        + f": {trainer.global_step} steps; {summary}\n"
+        + (f"  speed      {speed}\n" if speed else "")
+        + f"  metrics    {out / 'metrics.csv'}\n"
         + checkpoint
         + f"  loss plot  {out / 'loss.png'}\n  config     {out / 'config.yaml'}"
     )
     return text if stopped is None else f"{text}\n{stop_line(stopped, out)}"
+
+
+def speed_line(rows: list, first: int = 3) -> Optional[str]:
+    """The run's medians from metrics.csv rows: tokens/s, seconds a step and MFU over steps
+    ``first``.. (1-based: the first steps compile and allocate), or all where it has fewer;
+    the peak memory of any step. None where no step logged its rate."""
+    import statistics
+
+    timed = [r for r in rows if r.get("tokens_per_s")]
+    if not timed:
+        return None
+    steady = [r for r in timed if int(r["step"]) >= first - 1] or timed
+
+    def median(name):
+        values = [float(r[name]) for r in steady if r.get(name)]
+        return statistics.median(values) if values else None
+
+    steps = sorted(int(r["step"]) + 1 for r in steady)
+    parts = [f"{median('tokens_per_s'):,.0f} tokens/s"]
+    if median("step_s") is not None:
+        parts.append(f"{median('step_s'):.2f} s a step")
+    if median("mfu") is not None:
+        parts.append(f"MFU {100 * median('mfu'):.1f}%")
+    span = f"step {steps[0]}" if steps[0] == steps[-1] else f"median of steps {steps[0]}-{steps[-1]}"
+    text = ", ".join(parts) + f" ({span})"
+    for name, label in (("peak_mem_gib", "GPU"), ("peak_rss_gib", "host")):
+        peaks = [float(r[name]) for r in rows if r.get(name)]
+        if peaks:
+            text += f"; peak {label} memory {max(peaks):.1f} GiB"
+    return text
 
 
 def stop_line(stopped: Any, out: Path) -> str:

@@ -332,3 +332,26 @@ def test_metrics_csv_has_one_row_per_step_over_launches(tmp_path):
     assert rows == expected
     with open(tmp_path / "metrics.csv", newline="") as f:
         assert [{k: v for k, v in r.items() if v} for r in csv.DictReader(f)] == expected
+
+
+def test_speed_line_gives_the_runs_medians_after_its_first_steps():
+    """The summary's speed line: medians of tokens/s, step_s and MFU over steps 3.. (the first
+    steps compile), the largest peak; the validation-only row and a step without a rate are
+    not steps; a run of fewer steps gives what it has; no rate, no line."""
+    from longctx.lightning.training import speed_line
+
+    rows = [
+        dict(step="0", tokens_per_s="", step_s="20.0", peak_mem_gib="40.0"),
+        dict(step="1", tokens_per_s="100", step_s="9.0", mfu="0.10", peak_mem_gib="50.0"),
+        dict(step="2", tokens_per_s="300", step_s="3.0", mfu="0.40", peak_mem_gib="51.5"),
+        dict(step="3", tokens_per_s="200", step_s="4.0", mfu="0.30", peak_mem_gib="51.0"),
+        dict(step="4", tokens_per_s="400", step_s="2.5", mfu="0.50", peak_mem_gib="51.0"),
+        dict(step="4", val_loss="3.0"),
+    ]
+    assert speed_line(rows) == (
+        "300 tokens/s, 3.00 s a step, MFU 40.0% (median of steps 3-5); peak GPU memory 51.5 GiB"
+    )
+    assert speed_line(rows[:2]) == "100 tokens/s, 9.00 s a step, MFU 10.0% (step 2); peak GPU memory 50.0 GiB"
+    cpu = [dict(step="0", tokens_per_s="12.5", step_s="1.0", peak_rss_gib="1.25")]
+    assert speed_line(cpu) == "12 tokens/s, 1.00 s a step (step 1); peak host memory 1.2 GiB"
+    assert speed_line([dict(step="0", train_loss="2.0")]) is None
