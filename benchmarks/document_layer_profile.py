@@ -57,7 +57,7 @@ def gpu_profile(step, iters: int):
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         for _ in range(iters):
             step()
         torch.cuda.synchronize()
@@ -80,7 +80,35 @@ def gpu_profile(step, iters: int):
             dict(name=name, us=round(total / iters, 1), count=count / iters)
             for name, (total, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:24]
         ],
+        sites=op_sites(prof.events(), iters),
     ), table
+
+
+def op_sites(events, iters: int, top: int = 16) -> list:
+    """GPU time per iteration of the outermost aten ops, by the line of our code that called
+    them (the innermost longctx/ or kernels/ frame above the op), the costliest first:
+    which pass around the kernel calls costs what."""
+    sites: dict = {}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU or not e.name.startswith("aten::"):
+            continue
+        chain, parent = [], e.cpu_parent
+        while parent is not None:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        if any(name.startswith("aten::") for name in chain):
+            continue  # counted in its outermost aten op
+        gpu_us = getattr(e, "device_time_total", None)
+        gpu_us = e.cuda_time_total if gpu_us is None else gpu_us
+        if not gpu_us:
+            continue
+        # with_stack: Python frames are events named "path(line): function"
+        ours = [n for n in chain if ".py(" in n and ("longctx/" in n or "kernels/" in n)]
+        site = ours[0].split("/")[-1] if ours else "(outside longctx)"
+        total, count = sites.get((e.name, site), (0.0, 0))
+        sites[(e.name, site)] = (total + gpu_us, count + 1)
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
+    return [dict(op=op, site=site, us=round(t / iters, 1), count=c / iters) for (op, site), (t, c) in ranked]
 
 
 def main():
