@@ -1,7 +1,8 @@
 """FP8 against bf16 from train.py runs (benchmarks/device/device_float8.sh): per run the median
 tokens/s, step_s and MFU over steps FIRST.. (1-based), the peak memory measured (metrics.csv's
-peak_mem_gib, the largest step) against the run plan's prediction (the log's "memory (predicted,
-per rank): GPU X GiB"), the losses step by step; then FP8 over bf16 and the bf16 noise.
+peak_mem_gib, the largest step: max_memory_allocated) against the run plan's prediction of the
+same (the log's "memory (predicted, per rank): GPU X GiB (Y allocated)": Y), the losses step by
+step; then FP8 over bf16 and the bf16 noise.
 
     python benchmarks/float8_table.py --runs DIR --out float8.json   # DIR: <run>.log, <run>_metrics.csv
 """
@@ -20,9 +21,12 @@ def summarize(log: Path, metrics: Path, first: int) -> dict:
     row: dict = {"run": log.stem}
     text = log.read_text(errors="replace") if log.exists() else ""
     plan = re.search(r"^run plan: .*$", text, re.M)
-    predicted = re.search(r"memory \(predicted, per rank\): GPU ([0-9.]+) GiB", text)
+    predicted = re.search(r"memory \(predicted, per rank\): GPU ([0-9.]+) GiB \(([0-9.]+) allocated\)", text)
     row["run_plan"] = plan.group(0) if plan else None
+    # GPU: with the CUDA context and the allocator's slack; allocated: what max_memory_allocated
+    # (metrics.csv's peak_mem_gib) measures, the figure to compare.
     row["predicted_gib"] = float(predicted.group(1)) if predicted else None
+    row["predicted_allocated_gib"] = float(predicted.group(2)) if predicted else None
     if not metrics.exists():
         row["error"] = (text.strip().splitlines() or ["no log"])[-1][:400]
         return row
@@ -63,8 +67,8 @@ def main(argv=None) -> None:
     if bf16 and repeat and bf16.get("losses") and repeat.get("losses"):
         report["bf16_noise_max_loss_gap"] = loss_gap(bf16, repeat)
     for row in runs.values():
-        if row.get("predicted_gib") and row.get("peak_mem_gib"):
-            row["predicted_over_measured"] = row["predicted_gib"] / row["peak_mem_gib"]
+        if row.get("predicted_allocated_gib") and row.get("peak_mem_gib"):
+            row["predicted_over_measured"] = row["predicted_allocated_gib"] / row["peak_mem_gib"]
     args.out.write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
     for name, row in runs.items():
