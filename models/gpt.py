@@ -337,7 +337,7 @@ class GPT(nn.Module):
         self.config = config
         # Built on the meta device, then allocated where the caller asked (the default device)
         # and initialised once by reset_parameters: the layers' own default init would be a
-        # second full pass of the host's serial RNG (minutes at 8B).
+        # second full pass of the host's serial RNG, the longest part of building a large model.
         device = torch.get_default_device()
         with torch.device("meta"):
             self.embed = nn.Embedding(config.vocab_size, config.n_embd)
@@ -353,8 +353,8 @@ class GPT(nn.Module):
         """GPT-2-style initialisation; works on sharded (DTensor) parameters too.
 
         Host tensors draw from one generator each, seeded from the global RNG (so a seed still
-        fixes the model), on a thread pool: the host's RNG is serial, and an 8B model drawn
-        through one generator takes over a minute. Other tensors draw from the global RNG."""
+        fixes the model), on a thread pool: the host's RNG is serial, and one generator would
+        draw a large model's values one at a time. Other tensors draw from the global RNG."""
         std = self.config.init_std
         host, seed = [], None
         for name, p in self.named_parameters():
