@@ -3,8 +3,8 @@
     python benchmarks/fa4_segment_order.py --out DIR        # one GPU, FA4 installed
 
 At P = 4 ranks with equal visible pairs ran FA4's backward at different speeds (long-tailed
-mix: 6.58 ms on the rank whose causal call holds the 29K-token document among 5 segments,
-5.76 ms on a rank with 15 segments; README, "Scaling"). One guess: the kernel's tiles are
+mix: 6.58 ms on the rank whose causal call ends with the last 15K tokens of the 29K-token
+document among 5 segments, 5.76 ms on a rank with 15 segments; README, "Scaling"). One guess: the kernel's tiles are
 scheduled in segment order, so a long causal segment placed last starts its longest tiles
 last and leaves a tail. This times one causal varlen forward and backward (H = 16, D = 128,
 bf16, CUDA events over back-to-back reps) of each rank's local call of the balanced plan at
