@@ -25,6 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 from attention import events_ms  # noqa: E402
+from fa4_varlen_scheduler import causal_varlen_fwd_bwd  # noqa: E402
 
 from longctx import balance_documents  # noqa: E402
 from longctx.data.document_mixes import document_ids, document_lengths  # noqa: E402
@@ -49,12 +50,9 @@ def time_order(iface, lengths: list, reps: int) -> float:
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lengths).cumsum(0)
     cu = cu.cuda()
-    longest = max(lengths)
-    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
 
     def step():
-        out, lse = iface._flash_attn_fwd(q, k, v, causal=True, return_lse=True, **kw)[:2]
-        iface._flash_attn_bwd(q, k, v, out, dout, lse, 128**-0.5, True, **kw)
+        causal_varlen_fwd_bwd(iface, q, k, v, dout, cu, max(lengths))
 
     step()
     torch.cuda.synchronize()

@@ -26,32 +26,11 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 from attention import events_ms  # noqa: E402
 
 
-def run(iface, q, k, v, dout, cu, max_len):
-    out, lse = iface._flash_attn_fwd(
-        q,
-        k,
-        v,
-        causal=True,
-        return_lse=True,
-        cu_seqlens_q=cu,
-        cu_seqlens_k=cu,
-        max_seqlen_q=max_len,
-        max_seqlen_k=max_len,
-    )[:2]
-    iface._flash_attn_bwd(
-        q,
-        k,
-        v,
-        out,
-        dout,
-        lse,
-        q.shape[-1] ** -0.5,
-        True,
-        cu_seqlens_q=cu,
-        cu_seqlens_k=cu,
-        max_seqlen_q=max_len,
-        max_seqlen_k=max_len,
-    )
+def causal_varlen_fwd_bwd(iface, q, k, v, dout, cu, max_len):
+    """One causal varlen forward and backward through FA4's entry points (segments ``cu``)."""
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len)
+    out, lse = iface._flash_attn_fwd(q, k, v, causal=True, return_lse=True, **kw)[:2]
+    iface._flash_attn_bwd(q, k, v, out, dout, lse, q.shape[-1] ** -0.5, True, **kw)
 
 
 def main():
@@ -79,7 +58,7 @@ def main():
         row = dict(doc_len=length, documents=count, tokens=n)
         for threshold in args.thresholds:
             iface.BIN_BATCH_SEARCH_THRESH = threshold
-            fn = lambda: run(iface, q, k, v, dout, cu, length)  # noqa: E731
+            fn = lambda: causal_varlen_fwd_bwd(iface, q, k, v, dout, cu, length)  # noqa: E731
             fn()
             torch.cuda.synchronize()
             row[f"ms_threshold_{threshold}"] = events_ms(fn, args.reps)

@@ -566,10 +566,9 @@ def warm_up(
                         calls.append(functools.partial(varlen, causal, segs, q_len, k_len))
     for call in calls[index::count]:
         call()
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
     blocks.clear()
     if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # the blocks (up to ~60K rows) go back before the model's own buffers
     _watch = _Watch(_jit_keys(), [cache for _, cache in _jit_caches()], set(compile_seconds))
     return len(_watch.keys) - before

@@ -221,11 +221,12 @@ def speed_line(rows: list, first: int = 3) -> Optional[str]:
         return statistics.median(values) if values else None
 
     steps = sorted(int(r["step"]) + 1 for r in steady)
-    parts = [f"{median('tokens_per_s'):,.0f} tokens/s"]
-    if median("step_s") is not None:
-        parts.append(f"{median('step_s'):.2f} s a step")
-    if median("mfu") is not None:
-        parts.append(f"MFU {100 * median('mfu'):.1f}%")
+    tokens_per_s, step_s, mfu = median("tokens_per_s"), median("step_s"), median("mfu")
+    parts = [f"{tokens_per_s:,.0f} tokens/s"]
+    if step_s is not None:
+        parts.append(f"{step_s:.2f} s a step")
+    if mfu is not None:
+        parts.append(f"MFU {100 * mfu:.1f}%")
     span = f"step {steps[0]}" if steps[0] == steps[-1] else f"median of steps {steps[0]}-{steps[-1]}"
     text = ", ".join(parts) + f" ({span})"
     for name, label in (("peak_mem_gib", "GPU"), ("peak_rss_gib", "host")):
