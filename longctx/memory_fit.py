@@ -151,23 +151,63 @@ DEFAULT_MLP_TILE = 8192  # tokens per MLP tile where tiling is switched on for m
 LIGHTER_MODE_HEADROOM = 0.05
 
 
+def recomputed_flops_per_token(
+    config: Any, seq_len: int, plan, *, tokens_per_rank: int, documents: bool = False
+) -> float:
+    """Forward FLOPs per token that ``plan``'s memory savings run again in the backward, per
+    block summed over blocks: what ``least_recompute`` ranks plans by. Selective recomputes
+    the projections and the MLP around the attention; full recomputes the attention too; MLP
+    tiles (``mlp_tile_size``) recompute the MLP and the q/k/v projections once more inside
+    their own backward, on top of any checkpoint's recompute (where a tile is shorter than
+    ``tokens_per_rank``; otherwise nothing is tiled). Attention counts ``seq_len / 2``
+    keys per token (causal); with document masking the keys a token sees are unknown before
+    the data, and packed documents are short against the sequence: counted as none."""
+    s = model_shape(config)
+    qkv = 2 * s.d * (s.q + 2 * s.kv)
+    out = 2 * s.q * s.d
+    mlp = 6 * s.d * s.F
+    attention = 0.0 if documents else 4 * s.hq * s.hd * seq_len / 2
+    per_block = {"none": 0.0, "selective": qkv + out + mlp, "full": qkv + out + mlp + attention}
+    per_block = per_block[plan.activation_checkpointing]
+    if plan.mlp_tile_size is not None and plan.mlp_tile_size < tokens_per_rank:
+        per_block += qkv + mlp
+    return s.L * per_block
+
+
 def least_recompute(
     config: Any, seq_len: int, *, plan=None, gpu_total: int, host_total: Optional[int] = None, **kw
 ) -> Any:
-    """``plan`` with the least activation recompute predicted to fit with
-    ``LIGHTER_MODE_HEADROOM`` to spare: no checkpointing, else selective (not for
-    transformers' blocks: ``kw["hf_modules"]``), else full, which ``fitting_plan`` escalates
-    from where even it does not fit. ``kw``: the rest of ``estimate``'s arguments."""
+    """``plan`` with the least recompute (``recomputed_flops_per_token``) predicted to fit with
+    ``LIGHTER_MODE_HEADROOM`` to spare, among no checkpointing and selective, each untiled and,
+    where the plan leaves ``mlp_tile_size`` unset, with the MLP tiled (``DEFAULT_MLP_TILE``);
+    equal costs go to the earlier of that order. Transformers' blocks (``kw["hf_modules"]``)
+    have no selective mode and are not tiled here, nor are FP8 plans (tiles run in bf16). Where none fits: full, which ``fitting_plan`` escalates from.
+    ``kw``: the rest of ``estimate``'s arguments."""
     plan = as_plan(plan)
-    modes = ("none", "full") if kw.get("hf_modules") else ("none", "selective")
+    modes = ("none",) if kw.get("hf_modules") else ("none", "selective")
+    tokens = kw.get("batch_size", 1) * -(-seq_len // kw.get("cp", 1))
+    untileable = plan.mlp_tile_size is not None or tokens <= DEFAULT_MLP_TILE or kw.get("hf_modules") or plan.float8
+    tiles = (plan.mlp_tile_size,) if untileable else (None, DEFAULT_MLP_TILE)
+
+    def recomputed(p) -> float:
+        return recomputed_flops_per_token(config, seq_len, p, tokens_per_rank=tokens, documents=kw.get("documents", False))
+
+    best, best_cost = None, None
     for mode in modes:
-        candidate = dataclasses.replace(plan, activation_checkpointing=mode)
-        e = estimate(config, seq_len, plan=candidate, **kw)
-        if e.gpu_bytes <= (1 - LIGHTER_MODE_HEADROOM) * gpu_total and (
-            host_total is None or e.host_bytes <= host_total
-        ):
-            return candidate
-    return dataclasses.replace(plan, activation_checkpointing="full")
+        for tile in tiles:
+            candidate = dataclasses.replace(plan, activation_checkpointing=mode, mlp_tile_size=tile)
+            cost = recomputed(candidate)
+            if best is not None and cost >= best_cost:
+                continue
+            e = estimate(config, seq_len, plan=candidate, **kw)
+            if e.gpu_bytes <= (1 - LIGHTER_MODE_HEADROOM) * gpu_total and (
+                host_total is None or e.host_bytes <= host_total
+            ):
+                best, best_cost = candidate, cost
+    full = dataclasses.replace(plan, activation_checkpointing="full")
+    if best is not None and best_cost <= recomputed(full):
+        return best
+    return full
 
 
 def fitting_plan(

@@ -354,7 +354,7 @@ def _resolve_kernels(plan: ParallelPlan, device, *, precision: str, head_dim, se
 
 def _plan_memory(config, seq_len, plan, world: World, memory_kw, *, default: bool, gpu_total, host_total, host_check):
     """(plan, estimate, notes): activation checkpointing "auto" decided (the least recompute
-    predicted to fit; "full" where nothing is checked: no GPU memory, no shapes), the fitting
+    predicted to fit, the MLP tiled where that recomputes less; "full" where nothing is checked: no GPU memory, no shapes), the fitting
     ladder where the plan does not fit (in ``host_total``), the check (against ``host_check``).
     ``memory_kw``: ``estimate``'s arguments (None: no prediction); ``default``: "auto" came from
     the device's defaults, not the user."""
@@ -366,12 +366,14 @@ def _plan_memory(config, seq_len, plan, world: World, memory_kw, *, default: boo
     if plan.activation_checkpointing == "auto":
         auto = "auto (the GPU default)" if default else "auto"
         if fits_checked:
+            requested_tile = plan.mlp_tile_size
             plan = memory_fit.least_recompute(
                 config, seq_len, plan=plan, gpu_total=gpu_total, host_total=host, **memory_kw
             )
             chose = memory.estimate(config, seq_len, plan=plan, **memory_kw).gpu_bytes
+            tiled = "" if plan.mlp_tile_size == requested_tile else f" with mlp_tile_size={plan.mlp_tile_size}"
             notes = (
-                f"memory: activation_checkpointing {auto} -> {plan.activation_checkpointing} "
+                f"memory: activation_checkpointing {auto} -> {plan.activation_checkpointing}{tiled} "
                 f"({chose / memory.GiB:.1f} GiB predicted, {gpu_total / memory.GiB:.1f} GiB on the GPU)",
             )
         else:

@@ -280,15 +280,18 @@ def test_the_fitting_plan_is_decided_before_the_model_is_built(monkeypatch, caps
 
 
 def test_auto_checkpointing_takes_the_least_recompute_that_fits(monkeypatch, capsys):
-    """activation_checkpointing="auto" is decided in ``setup`` from the memory model: none
-    where it fits, else selective, else full (then the fitting ladder); the decided mode is
-    what the run plan prints, ``hparams["parallel"]`` records and the blocks run, and
+    """activation_checkpointing="auto" is decided in ``setup`` from the memory model: of no
+    checkpointing and selective, each untiled or with the MLP tiled, the one that recomputes
+    least among those that fit (for the tiny shape at 262,144 dense tokens: none, none tiled,
+    selective, selective tiled), else full (then the fitting ladder); the decided mode and tile
+    are what the run plan prints, ``hparams["parallel"]`` records and the blocks run, and
     resolving that record again gives the same plan. Without a GPU to check it is "full"."""
     from types import SimpleNamespace
 
     import torch
 
     from longctx.lightning.module import CausalLMModule
+    from longctx.memory_fit import DEFAULT_MLP_TILE
     from longctx.parallel import ParallelDims
 
     def run(parallel, gpu=None, seq_len=1 << 18):
@@ -309,25 +312,61 @@ def test_auto_checkpointing_takes_the_least_recompute_that_fits(monkeypatch, cap
         return module
 
     huge = 1 << 50
-    need = {mode: run({"activation_checkpointing": mode}, huge).run_plan.estimate.gpu_bytes for mode in CHECKPOINTING}
-    assert need["none"] > need["selective"] > need["full"]
+    cheapest_first = [(m, t) for m in ("none", "selective") for t in (None, DEFAULT_MLP_TILE)]
+    need = {
+        (m, t): run({"activation_checkpointing": m, "mlp_tile_size": t}, huge).run_plan.estimate.gpu_bytes
+        for m, t in [*cheapest_first, ("full", None)]
+    }
+    assert need[("none", None)] > need[("selective", None)] > need[("full", None)]
     capsys.readouterr()
 
-    def gpu_for(mode):  # the smallest GPU on which the mode fits with the headroom "auto" keeps
-        return math.ceil(need[mode] / (1 - LIGHTER_MODE_HEADROOM))
+    def gpu_for(choice):  # the smallest GPU on which it fits with the headroom "auto" keeps
+        return math.ceil(need[choice] / (1 - LIGHTER_MODE_HEADROOM))
 
-    cases = ((gpu_for("none"), "none"), (gpu_for("none") - 2, "selective"), (gpu_for("selective") - 2, "full"))
-    for gpu, expected in cases:
+    sizes = sorted({gpu_for(c) for c in cheapest_first} | {gpu_for(c) - 2 for c in cheapest_first}, reverse=True)
+    taken = set()
+    for gpu in sizes:
+        expected = next((c for c in cheapest_first if gpu_for(c) <= gpu), ("full", None))
+        taken.add(expected)
         module = run({"activation_checkpointing": "auto"}, gpu)
         printed = capsys.readouterr().out
-        assert module.plan.activation_checkpointing == expected, (gpu, printed)
-        assert f"activation_checkpointing auto -> {expected}" in printed
-        assert module.hparams["parallel"]["activation_checkpointing"] == expected
-        assert {block.activation_checkpointing for block in module.model.blocks} == {expected}
+        got = (module.plan.activation_checkpointing, module.plan.mlp_tile_size)
+        if expected[0] == "full":  # the fitting ladder's tile, where full alone does not fit either
+            expected = ("full", got[1])
+        assert got == expected, (gpu, printed)
+        assert f"activation_checkpointing auto -> {expected[0]}" in printed
+        assert module.hparams["parallel"]["activation_checkpointing"] == expected[0]
+        assert module.hparams["parallel"]["mlp_tile_size"] == expected[1]
+        assert {block.activation_checkpointing for block in module.model.blocks} == {expected[0]}
+        assert {block.mlp.tile_size for block in module.model.blocks} == {expected[1]}
         assert run(module.hparams["parallel"], gpu).run_plan == module.run_plan
+    assert ("none", None) in taken and ("full", None) in taken and len(taken) >= 3
     # CPU: no lighter mode checked (at a length that fits the host, which a CPU run is checked against)
     assert run({"activation_checkpointing": "auto"}, seq_len=1 << 12).plan.activation_checkpointing == "full"
     assert "auto -> full (no GPU memory to check" in capsys.readouterr().out
+
+
+def test_recompute_cost_counts_what_each_plan_runs_again():
+    """``recomputed_flops_per_token``, by hand for the tiny shape (d 128, 4 heads of 32, 2 KV
+    heads, MLP 352, 2 blocks): q/k/v 65,536, out 32,768, MLP 270,336 FLOPs a token a block;
+    causal attention at 4,096 tokens 4 x 128 x 2,048; tiles add q/k/v and the MLP where
+    shorter than the rank's tokens; with documents the attention counts as none."""
+    from longctx.memory_fit import recomputed_flops_per_token
+
+    cfg = GPTConfig.from_dict(dict(preset="tiny", vocab_size=256))
+    qkv, out, mlp, attention = 65_536, 32_768, 270_336, 4 * 128 * 2048
+
+    def cost(mode, tile=None, tokens=4096, documents=False):
+        plan = ParallelPlan(activation_checkpointing=mode, mlp_tile_size=tile)
+        return recomputed_flops_per_token(cfg, 4096, plan, tokens_per_rank=tokens, documents=documents)
+
+    assert cost("none") == 0
+    assert cost("none", 1024) == 2 * (qkv + mlp)
+    assert cost("none", 4096) == 0  # one tile holds every token: nothing tiled
+    assert cost("selective") == 2 * (qkv + out + mlp)
+    assert cost("selective", 1024) == 2 * (2 * qkv + out + 2 * mlp)
+    assert cost("full") == 2 * (qkv + out + mlp + attention)
+    assert cost("full", documents=True) == cost("selective")
 
 
 def test_auto_checkpointing_is_decided_before_estimate_and_parallelize():

@@ -35,24 +35,27 @@ def _one_b():
 
 
 @pytest.mark.parametrize(
-    "gpu_gib, expected",
-    [(80, "none"), (40, "selective"), (20, "full")],
-    ids=["80GiB-none", "40GiB-selective", "20GiB-full"],
+    "gpu_gib, expected, tile",
+    [(80, "none", None), (40, "none", 8192), (25, "selective", None), (20, "full", None)],
+    ids=["80GiB-none", "40GiB-none-tiled", "25GiB-selective", "20GiB-full"],
 )
-def test_gpu_defaults_take_the_least_recompute_predicted_to_fit(gpu_gib, expected):
+def test_gpu_defaults_take_the_least_recompute_predicted_to_fit(gpu_gib, expected, tile):
     """The documented plan for the 1B shape at 131,072 tokens over CP = 4 (predicted per rank:
-    54.3 GiB without checkpointing, 23.4 selective, 17.2 full): an 80 GiB GPU runs without
-    recompute, a 40 GiB one selective, a 20 GiB one full; pointwise fusion on. The note says
+    54.3 GiB without checkpointing, 25.5 with the MLP tiled, 23.4 selective, 17.2 full): an
+    80 GiB GPU runs without recompute, a 40 GiB one tiles the MLP (it recomputes less than
+    selective), a 25 GiB one selective, a 20 GiB one full; pointwise fusion on. The note says
     the mode came from the GPU default."""
     run = resolve_run(
         _one_b(), WORLD, "cuda", requested=KERNEL, gpu_total=gpu_gib * GiB, host_total=512 * GiB, **ONE_B_CP4
     )
-    assert run.memory.activation_checkpointing == expected
+    assert (run.memory.activation_checkpointing, run.memory.mlp_tile_size) == (expected, tile)
     assert run.parallel.fuse_pointwise is True and run.parallel.float8 is False
-    assert f"activation_checkpointing auto (the GPU default) -> {expected}" in run.notes[0]
+    tiled = f" with mlp_tile_size={tile}" if tile else ""
+    assert f"activation_checkpointing auto (the GPU default) -> {expected}{tiled} (" in run.notes[0]
     assert run.estimate.gpu_bytes <= 0.95 * gpu_gib * GiB  # "auto" keeps 5% of the GPU free
     line = run.line()
     assert f"activation_checkpointing={expected}" in line and "fuse_pointwise=True" in line
+    assert f"mlp_tile_size={tile}" in line
     # What config.yaml gets resolves again to the same plan (the user's values now: no "auto").
     again = resolve_run(
         _one_b(),
@@ -171,3 +174,37 @@ def test_float8_on_cpu_is_one_line_and_exit_code_2_through_train_py(train, capsy
     line = _error(train, ["--model.parallel.float8", "true", "--accelerator", "cpu"], capsys, cache)
     assert line == f"train.py: error: model.{refused.value}"
     assert "model.parallel.float8 cannot run on cpu: FP8 training needs an sm89+ GPU" in line
+
+
+@pytest.mark.parametrize(
+    "documents, expected, tile", [(False, "selective", 8192), (True, "full", None)], ids=["dense", "documents"]
+)
+def test_eight_b_over_two_h200_takes_the_plan_that_recomputes_least(documents, expected, tile):
+    """Llama-3-8B shape, 131,072 tokens, CP = 2 on 139.8 GiB GPUs: selective alone (134.8 GiB
+    predicted) leaves less than 5% free; dense attention, whose recompute full would repeat,
+    makes selective with the MLP tiled (127.9) the cheaper fit; with packed documents the
+    attention is short and full (85.1) recomputes less than selective and the tiles. An FP8
+    plan is not tiled by "auto" (tiles run in bf16): full."""
+    from longctx.memory_fit import least_recompute
+    from longctx.models import GPTConfig
+
+    config = GPTConfig.from_dict(dict(preset="llama3-8b", vocab_size=128256, max_seq_len=128 * K))
+    world = World(cp=2, dp=1, data_parallel="fsdp", local_ranks=2)
+    sizes = dict(gpu_total=int(139.8 * GiB), host_total=1024 * GiB)
+    run = resolve_run(
+        config,
+        world,
+        "cuda",
+        requested=KERNEL,
+        precision="bf16-mixed",
+        seq_len=128 * K,
+        batch_size=1,
+        documents=documents,
+        n_params=config.num_params(),
+        **sizes,
+    )
+    assert (run.memory.activation_checkpointing, run.memory.mlp_tile_size) == (expected, tile), run.notes
+    fp8 = ParallelPlan(**KERNEL, activation_checkpointing="auto", float8=True)
+    kw = dict(cp=2, dp=1, data_parallel="fsdp", precision="bf16-mixed", documents=documents, attention_kernel="fa4")
+    picked = least_recompute(config, 128 * K, plan=fp8, **sizes, **kw)
+    assert (picked.activation_checkpointing, picked.mlp_tile_size) == ("full", None)
