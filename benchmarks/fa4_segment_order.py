@@ -9,7 +9,7 @@ scheduled in segment order, so a long causal segment placed last starts its long
 last and leaves a tail. This times one causal varlen forward and backward (H = 16, D = 128,
 bf16, CUDA events over back-to-back reps) of each rank's local call of the balanced plan at
 131,072 tokens, P = 4, with its segments as the plan has them, longest first, and longest
-last (the same segments, rows permuted; same pairs). Writes DIR/fa4_segment_order.json.
+last (the same segments, rows permuted; same pairs). Writes DIR/fa4_segment_order_p<P>.json.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def main():
             print(json.dumps(row), flush=True)
     report = dict(gpu=torch.cuda.get_device_name(), world=args.world, seq=args.seq, H=16, D=128, rows=rows)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "fa4_segment_order.json"), "w") as f:
+    with open(os.path.join(args.out, f"fa4_segment_order_p{args.world}.json"), "w") as f:
         json.dump(report, f, indent=1)
 
 
