@@ -649,24 +649,24 @@ def reference_scores_bytes(s: _Shape, seq_len: int, cp: int, batch_size: int, *,
 
 
 def float8_cast_bytes(s: _Shape, T: int, *, tiled: bool) -> int:
-    """The extra bytes of FP8 linears (``ParallelPlan(float8=True)``, torchao's ``Float8Linear``)
-    at the largest moment of one layer's backward, counted from torchao 0.18's code.
+    """The extra bytes of FP8 linears (``ParallelPlan(float8=True)``, torchao's ``Float8Linear``,
+    compiled by ``longctx.float8.convert_to_float8``) at the largest moment of one layer's
+    backward, counted from torchao 0.18's code.
 
     torchao saves the same high-precision input a bf16 linear saves (and the weight), so the
-    saved activations do not change; each matmul casts its operands afresh, eagerly: a cast of
-    n elements makes ``x.float() * scale`` and its clamp (two fp32 tensors, 8n bytes, briefly)
-    before the 1-byte result, and ``abs(x)`` for the amax before that (at most 4n). The
-    largest backward moment is the MLP's gate/up projections: their output gradient (tokens x
-    F) cast twice (for the input and the weight gradient: 2 bytes a token kept) while the
-    second cast's 8 bytes are alive, plus the input's 1-byte copy and one weight's casts (9
-    bytes per element of a d x F matrix). The scales are fp32 scalars (nothing at this scale).
-    Counted conservatively (the largest of the layer's casts at every layer moment), and
-    nothing counted for what FP8 saves (FSDP2's float8 all-gather holds 1-byte working
-    weights where the model counts 2). With ``mlp_tile_size`` the tiled projections and MLP
-    call their weights directly (bf16): only ``o_proj`` casts, a d x q matrix over ``T`` tokens."""
+    saved activations do not change; each matmul casts its operands afresh. Compiled, a cast
+    of n elements is an amax reduction and one fused scale-clamp-cast kernel: n bytes of
+    result, no fp32 copy. The largest backward moment is the MLP's gate/up projections: their
+    output gradient (tokens x F) cast twice (for the input and the weight gradient: 2 bytes a
+    token), the input's 1-byte copy, and the weight's two 1-byte copies (as is and transposed).
+    The scales are fp32 scalars (nothing at this scale). Counted conservatively (the largest of
+    the layer's casts at every layer moment), and nothing counted for what FP8 saves (FSDP2's
+    float8 all-gather holds 1-byte working weights where the model counts 2). With
+    ``mlp_tile_size`` the tiled projections and MLP call their weights directly (bf16): only
+    ``o_proj`` casts, a d x q matrix over ``T`` tokens."""
     widest = max(s.d, s.q) if tiled else max(s.F, s.d, s.q)
     weight = s.d * s.q if tiled else s.d * max(s.F, s.q)
-    return int(T * (2 * widest + 8 * widest + s.d) + 9 * weight)
+    return int(T * (2 * widest + s.d) + 2 * weight)
 
 
 def _pow2(n: int) -> int:

@@ -87,7 +87,7 @@ def test_memory_model_counts_the_casts_and_the_plan_names_float8(monkeypatch):
         fp8 = estimate(cfg, 128 * 1024, plan=ParallelPlan("selective", True, mlp_tile_size=tile, float8=True), **kw)
         T, F, d = 32 * 1024, cfg.intermediate_size, cfg.n_embd
         casts = float8_cast_bytes(model_shape(cfg), T, tiled=tile is not None)
-        assert casts >= 10 * T * (d if tile else F)  # two 1-byte copies + the 8-byte cast of T x width
+        assert casts >= 2 * T * (d if tile else F)  # two 1-byte copies of T x width
         for moment in layer_moments:  # the casts join each layer moment; nothing else changes
             assert fp8.phases[moment] - bf16.phases[moment] == casts
         assert {k: v for k, v in fp8.phases.items() if k not in layer_moments} == {
