@@ -181,16 +181,19 @@ def least_recompute(
     ``LIGHTER_MODE_HEADROOM`` to spare, among no checkpointing and selective, each untiled and,
     where the plan leaves ``mlp_tile_size`` unset, with the MLP tiled (``DEFAULT_MLP_TILE``);
     equal costs go to the earlier of that order. Transformers' blocks (``kw["hf_modules"]``)
-    have no selective mode and are not tiled here, nor are FP8 plans (tiles run in bf16). Where none fits: full, which ``fitting_plan`` escalates from.
-    ``kw``: the rest of ``estimate``'s arguments."""
+    have no selective mode and are not tiled here, nor are FP8 plans (tiles run in bf16).
+    Where none fits: full, which ``fitting_plan`` escalates from. ``kw``: the rest of
+    ``estimate``'s arguments."""
     plan = as_plan(plan)
     modes = ("none",) if kw.get("hf_modules") else ("none", "selective")
     tokens = kw.get("batch_size", 1) * -(-seq_len // kw.get("cp", 1))
     untileable = plan.mlp_tile_size is not None or tokens <= DEFAULT_MLP_TILE or kw.get("hf_modules") or plan.float8
     tiles = (plan.mlp_tile_size,) if untileable else (None, DEFAULT_MLP_TILE)
 
+    documents = kw.get("documents", False)
+
     def recomputed(p) -> float:
-        return recomputed_flops_per_token(config, seq_len, p, tokens_per_rank=tokens, documents=kw.get("documents", False))
+        return recomputed_flops_per_token(config, seq_len, p, tokens_per_rank=tokens, documents=documents)
 
     best, best_cost = None, None
     for mode in modes:

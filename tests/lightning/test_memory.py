@@ -11,7 +11,6 @@ from longctx import ParallelPlan
 from longctx.memory import GiB, estimate
 from longctx.memory_fit import LIGHTER_MODE_HEADROOM, check_fits, host_memory_bytes, max_seq_len
 from longctx.models import GPTConfig
-from longctx.parallel import CHECKPOINTING
 
 K = 1024
 ONE_B = GPTConfig.from_preset("llama3.2-1b")
