@@ -16,7 +16,8 @@ the strategy shards every batch. What this module adds:
 * logging: ``train_loss`` (the true global mean, identical on every rank), the step's other
   figures (``step_metrics.StepMetrics``: ``train_ppl``, ``lr``, ``tokens_per_s``, ``mfu``,
   ``step_s``, ``outside_s``, the fullest rank's peak memory); ``val_loss`` / ``val_ppl``
-  token-weighted over all ranks (torchmetrics).
+  token-weighted over all ranks (torchmetrics); the start-up's stages, printed as the first
+  batch starts and logged as ``startup_s`` (``startup.StartupClock``).
 
 Beside it: ``planning`` (the run plan from the Trainer's world, before the model is built) and
 ``batches.DocumentBatches`` (document positions, balance and plan of each batch).
@@ -54,6 +55,7 @@ from longctx.validation import ArgumentValueError, check_choice, check_number
 
 from .batches import DocumentBatches
 from .planning import check_batch_memory, cp_size, memory_totals, model_config, plan_run
+from .startup import StartupClock
 from .step_metrics import StepMetrics
 from .strategy import ContextParallelStrategy
 
@@ -189,6 +191,8 @@ class CausalLMModule(L.LightningModule):
             self.model = load_pretrained(init_from, **model)
         else:
             self.model = GPT(GPTConfig.from_dict(model))
+        self.startup = StartupClock()
+        self.startup.mark("model built")
         # Saved with the checkpoint: the resolved config, so the checkpoint alone rebuilds
         # the model (load_from_checkpoint needs no gguf/HF files; an HF model needs its directory).
         self.save_hyperparameters(ignore=["model", "init_from", "parallel"])
@@ -240,6 +244,7 @@ class CausalLMModule(L.LightningModule):
             self.setup("configure")
         dims = getattr(self._trainer.strategy, "parallel_dims", None) if self._trainer is not None else None
         parallelize(self.model, dims or ParallelDims(), self.run_plan.model)
+        self.startup.mark("parallelized")
 
     # -- training -----------------------------------------------------------------------
 
@@ -274,6 +279,8 @@ class CausalLMModule(L.LightningModule):
         # and the checkpoint record it. A plan handed over (use_run_plan) is not resolved again.
         self._hook_plan = None  # resolved for another trainer, if at all
         self._float8_scales = None
+        if stage == "fit":
+            self.startup.mark("launch and data")
         if self.run_plan is not None or getattr(self.model, "_longctx_parallelized", False):
             return
         fit = stage == "fit"
@@ -345,6 +352,9 @@ class CausalLMModule(L.LightningModule):
         )
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.step_metrics.first_step and self.step_metrics.step_start is None:
+            self.startup.mark("first batch")
+            self.print(self.startup.line())
         self.step_metrics.micro_batch_started()
         # Data whose sequence length was unknown before the fit: the memory is checked (not
         # planned: the model is built) on the first batch.
@@ -389,6 +399,7 @@ class CausalLMModule(L.LightningModule):
         )
         if first_step:
             self._report_kernel_compile()
+            metrics["startup_s"] = torch.tensor(self.startup.total())
         # Values are global (identical on all ranks; the peaks were all-reduced): no sync_dist.
         self.log("train_loss", mean, prog_bar=True, on_step=True, on_epoch=False)
         self.log_dict({k: v.float() for k, v in metrics.items()}, on_step=True, on_epoch=False)
@@ -414,7 +425,9 @@ class CausalLMModule(L.LightningModule):
         optimizer.zero_grad(set_to_none=True)
 
     def on_fit_start(self) -> None:
+        self.startup.mark("optimizer and strategy")
         self._warm_up_kernels()
+        self.startup.mark("kernel warm-up")
 
     def _warm_up_kernels(self) -> None:
         """FlashAttention-4 compiles a kernel variant on its first call: every variant a step

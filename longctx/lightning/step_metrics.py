@@ -1,7 +1,8 @@
 """The figures ``CausalLMModule`` logs per optimizer step beside the loss: ``train_ppl``, ``lr``,
 ``tokens``, ``tokens_per_s`` (the wall rate, from one optimizer step to the next), ``mfu`` (GPU;
 against the dense bf16 peak, FP8 runs too), ``step_s`` (the step's forward and backward),
-``outside_s`` (the rest of the wall time between steps) and the fullest rank's peak memory."""
+``outside_s`` (the rest of the wall time between steps) and the fullest rank's peak memory.
+``CausalLMModule`` adds ``startup_s`` to the first step's (``startup.StartupClock``)."""
 
 from __future__ import annotations
 

@@ -208,7 +208,8 @@ def summarize_run(trainer: Any, out: Path, *, title: str, resumed: bool, stopped
 def speed_line(rows: list, first: int = 3) -> Optional[str]:
     """The run's medians from metrics.csv rows: tokens/s, seconds a step and MFU over steps
     ``first``.. (1-based: the first steps compile and allocate), or all where it has fewer;
-    the peak memory of any step. None where no step logged its rate."""
+    the peak memory of any step; the start-up before the first step. None where no step
+    logged its rate."""
     import statistics
 
     timed = [r for r in rows if r.get("tokens_per_s")]
@@ -233,6 +234,9 @@ def speed_line(rows: list, first: int = 3) -> Optional[str]:
         peaks = [float(r[name]) for r in rows if r.get(name)]
         if peaks:
             text += f"; peak {label} memory {max(peaks):.1f} GiB"
+    startups = [float(r["startup_s"]) for r in rows if r.get("startup_s")]
+    if startups:  # the latest launch's (a resumed run logs one per launch)
+        text += f"; start-up {startups[-1]:.1f} s"
     return text
 
 

@@ -355,3 +355,6 @@ def test_speed_line_gives_the_runs_medians_after_its_first_steps():
     cpu = [dict(step="0", tokens_per_s="12.5", step_s="1.0", peak_rss_gib="1.25")]
     assert speed_line(cpu) == "12 tokens/s, 1.00 s a step (step 1); peak host memory 1.2 GiB"
     assert speed_line([dict(step="0", train_loss="2.0")]) is None
+    # startup_s: each launch's rows carry its start-up; the summary gives the latest launch's
+    launches = [dict(cpu[0], startup_s="40.25"), dict(cpu[0], step="1", startup_s="12.5")]
+    assert speed_line(launches).endswith("; peak host memory 1.2 GiB; start-up 12.5 s")

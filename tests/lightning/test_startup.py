@@ -1,0 +1,76 @@
+"""The start-up's stages (``longctx.lightning.startup``): where a run's time before its first
+step goes, printed once by rank 0 and logged as ``startup_s``."""
+
+from __future__ import annotations
+
+import csv
+import time
+
+import pytest
+
+from longctx.lightning.startup import StartupClock, process_start_time
+
+
+def test_process_start_time_is_before_now_and_after_boot():
+    start = process_start_time()
+    if start is None:
+        pytest.skip("no /proc here")
+    with open("/proc/uptime") as f:
+        booted = time.time() - float(f.read().split()[0])
+    assert booted - 2 <= start <= time.time()
+
+
+def test_clock_line_gives_each_stage_its_own_seconds():
+    clock = StartupClock(start=100.0)
+    for name, at in (("model built", 104.25), ("launch and data", 110.0), ("first batch", 110.5)):
+        clock.mark(name, now=at)
+    assert clock.total() == 10.5
+    assert clock.line() == (
+        "start-up 10.5 s before the first step: model built 4.2, launch and data 5.8, first batch 0.5"
+    )
+
+
+def test_a_fit_prints_its_start_up_and_logs_it(tmp_path, capsys):
+    """A CPU fit of the tiny model: the line names every stage in the order they run, its
+    stages add up to the total, and metrics.csv has the same total on the launch's rows."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.loggers import CSVLogger
+
+    from longctx.lightning.module import CausalLMModule
+
+    data = [{"input_ids": t[:-1], "labels": t[1:]} for t in torch.randint(0, 256, (2, 65))]
+    module = CausalLMModule(
+        dict(preset="tiny", vocab_size=256),
+        parallel={"attention_backend": "torch"},
+        attention="causal",
+        warmup_steps=1,
+        memory_check=False,
+    )
+    L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=CSVLogger(tmp_path),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+    ).fit(module, torch.utils.data.DataLoader(data, batch_size=1))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("start-up ")]
+    assert len(lines) == 1
+    head, stages = lines[0].split(": ", 1)
+    names = [part.rsplit(" ", 1)[0] for part in stages.split(", ")]
+    assert names == [
+        "model built",
+        "launch and data",
+        "parallelized",
+        "optimizer and strategy",
+        "kernel warm-up",
+        "first batch",
+    ]
+    total = float(head.split()[1])
+    assert sum(float(part.rsplit(" ", 1)[1]) for part in stages.split(", ")) == pytest.approx(total, abs=0.35)
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    logged = {float(r["startup_s"]) for r in rows if r.get("startup_s")}
+    assert len(logged) == 1 and logged.pop() == pytest.approx(total, abs=0.051)
