@@ -189,7 +189,6 @@ def least_recompute(
     tokens = kw.get("batch_size", 1) * -(-seq_len // kw.get("cp", 1))
     untileable = plan.mlp_tile_size is not None or tokens <= DEFAULT_MLP_TILE or kw.get("hf_modules") or plan.float8
     tiles = (plan.mlp_tile_size,) if untileable else (None, DEFAULT_MLP_TILE)
-
     documents = kw.get("documents", False)
 
     def recomputed(p) -> float:
