@@ -11,6 +11,7 @@ mkdir -p "$OUT/runs"
 run() {  # run NAME GPUS STEPS LIMIT CONFIG [train.py flags...]
   local name=$1 gpus=$2 steps=$3 limit=$4 config=$5
   shift 5
+  rm -rf "/tmp/runs/${name}_${gpus}gpu"  # an earlier call's run there would make train.py refuse the directory
   timeout "$limit" python train.py --config "$config" --model.attention causal --trainer.max_steps "$steps" \
     --trainer.devices "$gpus" --strategy.context_parallel_size "$gpus" --output-dir "/tmp/runs/${name}_${gpus}gpu" \
     --trainer.enable_progress_bar false "$@" > "$OUT/runs/${name}_${gpus}gpu.log" 2>&1

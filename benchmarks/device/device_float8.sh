@@ -17,6 +17,7 @@ config=${CONFIG:-configs/llama3-8b-128k.yaml} gpus=${GPUS:-4} steps=${STEPS:-8}
 for run in ${RUNS:-bf16 bf16-repeat fp8}; do
   [ "$run" = fp8 ] && fp8=true || fp8=false
   start=$SECONDS
+  rm -rf "/tmp/runs/f8_$run"  # an earlier call's run there would make train.py refuse the directory
   timeout "${LIMIT:-200}" python train.py --config "$config" "${data[@]}" --trainer.max_steps "$steps" \
     --trainer.devices "$gpus" --strategy.context_parallel_size "$gpus" --model.parallel.float8 "$fp8" \
     --output-dir "/tmp/runs/f8_$run" --trainer.enable_progress_bar false --checkpoint-every 0 ${EXTRA:-} \
