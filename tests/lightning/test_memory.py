@@ -106,43 +106,13 @@ def test_check_fits_raises_one_line_naming_the_fix():
 
 
 def test_lightning_module_prints_the_prediction_before_the_first_step(capsys, monkeypatch):
-    import lightning as L
     import torch
+    from helpers.tiny_fit import cpu_trainer, tiny_batches, tiny_module
 
-    from longctx.lightning.module import CausalLMModule
-
-    data = [{"input_ids": t[:-1], "labels": t[1:]} for t in torch.randint(0, 256, (2, 65))]
-    loader = torch.utils.data.DataLoader(data, batch_size=1)
-    module = CausalLMModule(
-        dict(preset="tiny", vocab_size=256), parallel={"attention_backend": "torch"}, attention="causal", warmup_steps=1
-    )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(module, loader)
+    loader = torch.utils.data.DataLoader(tiny_batches(2), batch_size=1)
+    cpu_trainer(max_steps=1).fit(tiny_module(memory_check=True), loader)
     assert "memory (predicted, per rank)" in capsys.readouterr().out
-    off = CausalLMModule(
-        dict(preset="tiny", vocab_size=256),
-        parallel={"attention_backend": "torch"},
-        attention="causal",
-        warmup_steps=1,
-        memory_check=False,
-    )
-    L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    ).fit(off, loader)
+    cpu_trainer(max_steps=1).fit(tiny_module(), loader)
     assert "memory (predicted" not in capsys.readouterr().out
 
 
@@ -396,8 +366,8 @@ def test_gradients_are_freed_right_after_the_optimizer_step(tmp_path):
     still accumulating across the micro-batches of one step; it logs each step's time."""
     import csv
 
-    import lightning as L
     import torch
+    from helpers.tiny_fit import cpu_trainer, tiny_batches, tiny_module
     from lightning.pytorch.loggers import CSVLogger
 
     from longctx.lightning.module import CausalLMModule
@@ -407,26 +377,11 @@ def test_gradients_are_freed_right_after_the_optimizer_step(tmp_path):
             self.grads_at_forward.append(any(p.grad is not None for p in self.parameters()))
             return super().training_step(batch, batch_idx)
 
-    data = [{"input_ids": t[:-1], "labels": t[1:]} for t in torch.randint(0, 256, (4, 65))]
-    module = Recording(
-        dict(preset="tiny", vocab_size=256),
-        parallel={"attention_backend": "torch"},
-        attention="causal",
-        warmup_steps=1,
-        memory_check=False,
-    )
+    module = tiny_module(Recording)
     module.grads_at_forward = []
-    L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=2,
-        accumulate_grad_batches=2,
-        logger=CSVLogger(tmp_path),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=1,
-    ).fit(module, torch.utils.data.DataLoader(data, batch_size=1))
+    cpu_trainer(max_steps=2, accumulate_grad_batches=2, logger=CSVLogger(tmp_path), log_every_n_steps=1).fit(
+        module, torch.utils.data.DataLoader(tiny_batches(4), batch_size=1)
+    )
     assert module.grads_at_forward == [False, True, False, True]
     assert all(p.grad is None for p in module.parameters())
     rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))

@@ -33,30 +33,13 @@ def test_clock_line_gives_each_stage_its_own_seconds():
 def test_a_fit_prints_its_start_up_and_logs_it(tmp_path, capsys):
     """A CPU fit of the tiny model: the line names every stage in the order they run, its
     stages add up to the total, and metrics.csv has the same total on the launch's rows."""
-    import lightning as L
     import torch
+    from helpers.tiny_fit import cpu_trainer, tiny_batches, tiny_module
     from lightning.pytorch.loggers import CSVLogger
 
-    from longctx.lightning.module import CausalLMModule
-
-    data = [{"input_ids": t[:-1], "labels": t[1:]} for t in torch.randint(0, 256, (2, 65))]
-    module = CausalLMModule(
-        dict(preset="tiny", vocab_size=256),
-        parallel={"attention_backend": "torch"},
-        attention="causal",
-        warmup_steps=1,
-        memory_check=False,
+    cpu_trainer(max_steps=2, logger=CSVLogger(tmp_path), log_every_n_steps=1).fit(
+        tiny_module(), torch.utils.data.DataLoader(tiny_batches(2), batch_size=1)
     )
-    L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=2,
-        logger=CSVLogger(tmp_path),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=1,
-    ).fit(module, torch.utils.data.DataLoader(data, batch_size=1))
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("start-up ")]
     assert len(lines) == 1
     head, stages = lines[0].split(": ", 1)
