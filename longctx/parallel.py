@@ -152,10 +152,12 @@ class ParallelPlan:
         activation_checkpointing: ``"none"``; ``"full"`` (keep each block's input, recompute
             the whole block, ring included); ``"selective"`` (keep attention's inputs and
             output too: norms, projections, RoPE and MLP are recomputed, never the ring);
-            ``"auto"``: the least recompute the memory model predicts to fit the GPU (none,
-            selective, full; then the rest of ``longctx.memory_fit.fitting_plan``'s ladder),
-            decided once before the model is built (``longctx.run_plan.resolve_run``); "full"
-            where it cannot be checked (no GPU, or the sequence length not known yet).
+            ``"auto"``: the least recompute the memory model predicts to fit the GPU (none or
+            selective, each untiled or with the MLP tiled where ``mlp_tile_size`` is unset,
+            ranked by ``longctx.memory_fit.recomputed_flops_per_token``; else full, then the
+            rest of ``longctx.memory_fit.fitting_plan``'s ladder), decided once before the
+            model is built (``longctx.run_plan.resolve_run``); "full" where it cannot be
+            checked (no GPU, or the sequence length not known yet).
             None (default): left to the run (``defaults_for``): "auto" on a CUDA GPU, "none"
             elsewhere.
         fuse_pointwise: RMSNorm, RoPE and the SwiGLU gate through ``torch.compile`` (the same
