@@ -334,3 +334,29 @@ def test_gather_segments_per_chunk_and_refuses_split_key_sets():
     # A received key inside a chunk's queries (9 < 10 < 12 in one chunk): refused.
     with pytest.raises(RuntimeError, match="see different received keys"):
         gather_segments(q_doc, np.array([8, 9, 11, 12]), np.zeros(4, np.int64), k_doc, k_pos, True, 16)
+
+
+def test_received_rows_read_once_go_home_without_a_sum():
+    """Where the gather call reads every received row exactly once in another order
+    (``keys_permuted``), its dK/dV partials go home by one copy in the message dtype: the
+    same bits as the fp32 sum the repeated case needs. Documents of 8, 35, 25, 20 and 40
+    tokens at P = 4 give both cases (rank 0: a reordering; rank 3: rows read twice)."""
+    from longctx.document_ring import _to_sources
+
+    ids = torch.repeat_interleave(torch.arange(5), torch.tensor([8, 35, 25, 20, 40]))[None]
+    exchanges = [plan_documents(ids, world_size=4, rank=r, exchange="gather").gather for r in range(4)]
+    permuted, repeated = exchanges[0], exchanges[3]
+    assert permuted.keys_permuted and torch.equal(permuted.key_rows.sort().values, torch.arange(permuted.n_recv))
+    assert not repeated.keys_permuted and repeated.key_rows.numel() > repeated.key_rows.unique().numel()
+    g = torch.Generator().manual_seed(7)
+    for ex in (permuted, repeated):
+        n = ex.key_rows.numel()
+        for grad_dtype, part_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.float32)):
+            dk, dv = (torch.randn(1, n, 2, 16, generator=g, dtype=part_dtype) for _ in range(2))
+            dk[0, 0, 0, 0] = float("nan")  # NaN goes home too
+            summed = torch.zeros((ex.n_recv, 2, 2, 16), dtype=torch.float32)
+            summed.index_add_(0, ex.key_rows, torch.stack([dk[0], dv[0]], dim=1))
+            got = _to_sources(ex, dk, dv, grad_dtype)
+            assert got.dtype == grad_dtype
+            assert torch.equal(got.isnan(), summed.to(grad_dtype).isnan()) and got.isnan().any()
+            assert torch.equal(got.nan_to_num(), summed.to(grad_dtype).nan_to_num())
