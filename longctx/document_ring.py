@@ -272,12 +272,14 @@ def _to_sources(ex: GatherExchange, dk, dv, grad_dtype) -> torch.Tensor:
     """The gather call's dK/dV ``(1, n, H, D)`` as the message home ``(n_recv, 2, H, D)``: per
     received row, summed in fp32 (fp64 for fp64) over the segments that read it; where each
     row is read exactly once (``keys_permuted``) only put back in buffer order, in one pass."""
+    if ex.keys_permuted:  # nothing to sum: each partial written once, in its place
+        message = torch.empty((ex.n_recv, 2, *dk.shape[2:]), dtype=grad_dtype, device=dk.device)
+        for j, g in enumerate((dk, dv)):
+            message[:, j].index_copy_(0, ex.key_rows, g[0].to(grad_dtype))
+        return message
     grads = torch.stack([dk[0], dv[0]], dim=1)
     if ex.key_rows is None:
         return grads.to(grad_dtype)
-    if ex.keys_permuted:  # nothing to sum
-        message = torch.empty((ex.n_recv, *grads.shape[1:]), dtype=grad_dtype, device=grads.device)
-        return message.index_copy_(0, ex.key_rows, grads.to(grad_dtype))
     acc = accumulator_dtype(grad_dtype)
     summed = torch.zeros((ex.n_recv, *grads.shape[1:]), dtype=acc, device=grads.device)
     return summed.index_add_(0, ex.key_rows, grads.to(acc)).to(grad_dtype)

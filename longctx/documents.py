@@ -86,8 +86,8 @@ class GatherExchange:
     destination rank, ``send_splits`` to each; a row seen by several ranks repeats) go out
     in one all-to-all that brings ``n_recv`` rows (``recv_splits`` from each rank, by
     source). ``call`` attends to the received rows ``key_rows`` (None: all, in order; rows
-    may repeat; ``keys_permuted``: every received row read exactly once, so its dK/dV
-    partial needs no sum); None: this rank's queries see nothing received. Back home, the dK/dV
+    may repeat; ``keys_permuted``: every received row read exactly once, in another order,
+    so its dK/dV partial needs no sum); None: this rank's queries see nothing received. Back home, the dK/dV
     partials of the sent rows add into ``home_rows``, first summed by ``home_slot`` (each
     sent row's place among ``home_rows``) where a row was sent more than once."""
 
@@ -495,7 +495,7 @@ def _gather_exchange(tokens, rank, received_from, sent_to, causal, layout, seq_l
         call=call,
         home_rows=send_rows if slot is None else ship.rows(home, n),
         home_slot=None if slot is None else ship.index(slot),
-        keys_permuted=len(key_rows) == len(k_doc) == len(np.unique(key_rows)),
+        keys_permuted=not in_order and len(key_rows) == len(k_doc) == len(np.unique(key_rows)),
     )
 
 
