@@ -355,8 +355,8 @@ def _resolve_kernels(plan: ParallelPlan, device, *, precision: str, head_dim, se
 def _plan_memory(config, seq_len, plan, world: World, memory_kw, *, default: bool, gpu_total, host_total, host_check):
     """(plan, estimate, notes): activation checkpointing "auto" decided (the least recompute
     predicted to fit, the MLP tiled where that recomputes less; "full" where nothing is
-    checked: no GPU memory, no shapes), the fitting
-    ladder where the plan does not fit (in ``host_total``), the check (against ``host_check``).
+    checked: no GPU memory, no shapes), the fitting ladder where the plan does not fit (in
+    ``host_total``), the check (against ``host_check``).
     ``memory_kw``: ``estimate``'s arguments (None: no prediction); ``default``: "auto" came from
     the device's defaults, not the user."""
     from . import memory, memory_fit

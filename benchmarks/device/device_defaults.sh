@@ -32,11 +32,12 @@ case "${PART:-1b}" in
     run dense "$gpus" "${STEPS:-16}" 160 "$one_b" --checkpoint-every 0
     run dense-full "$gpus" "${STEPS:-16}" 170 "$one_b" --checkpoint-every 0 --model.parallel.activation_checkpointing full ;;
   1gpu) run dense 1 "${STEPS_1:-10}" "${LIMIT_1:-200}" "$one_b" --checkpoint-every 0 ;;
-  8b-pair)  # the defaults and selective recompute, same batches, one call: does "auto"'s ranking hold
+  *)
     run 8b "$gpus" "${STEPS_8B:-8}" "${LIMIT_8B:-400}" configs/llama3-8b-128k.yaml --checkpoint-every 0
-    run 8b-selective "$gpus" "${STEPS_8B:-8}" "${LIMIT_8B:-400}" configs/llama3-8b-128k.yaml --checkpoint-every 0 \
-      --model.parallel.activation_checkpointing selective ;;
-  *) run 8b "$gpus" "${STEPS_8B:-8}" "${LIMIT_8B:-400}" configs/llama3-8b-128k.yaml --checkpoint-every 0 ;;
+    if [ "${PART}" = 8b-pair ]; then  # same batches, same call: does "auto"'s ranking hold on the clock
+      run 8b-selective "$gpus" "${STEPS_8B:-8}" "${LIMIT_8B:-400}" configs/llama3-8b-128k.yaml --checkpoint-every 0 \
+        --model.parallel.activation_checkpointing selective
+    fi ;;
 esac
 python benchmarks/scaleout_table.py --runs "$OUT/runs" --gpu "${GPU_NAME:-gpu}" --first 5 --last 99 --out "$OUT/defaults.json"
 (cd "$OUT" && tar czf defaults_runs.tar.gz runs && rm -rf runs)
