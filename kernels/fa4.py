@@ -56,6 +56,14 @@ INSTALL_HINT = "pip install 'longctx[fa4]'"
 compile_seconds: dict = {}
 
 
+# FA4's single-tile varlen scheduler builds a batch-lookup aid for calls of more than
+# ``interface.BIN_BATCH_SEARCH_THRESH`` segments (256 as shipped, "tunable" upstream). A rank of
+# a CP = 2 group over 256-token documents holds exactly 256; there the aid was faster and it
+# was slower at 64-128 segments (benchmarks/results/fa4_varlen_scheduler_*.json): from 256 on.
+VARLEN_LOOKUP_FROM_SEGMENTS = 256
+_SHIPPED_LOOKUP_THRESHOLD = 256
+
+
 @functools.lru_cache(maxsize=1)
 def _interface():
     """flash_attn.cute.interface, or the ImportError's text."""
@@ -63,6 +71,9 @@ def _interface():
         from flash_attn.cute import interface
     except Exception as error:  # noqa: BLE001 - a broken install is "not available" too
         return f"{type(error).__name__}: {error}"
+    # Only over the shipped value: a user's own setting stays.
+    if getattr(interface, "BIN_BATCH_SEARCH_THRESH", None) == _SHIPPED_LOOKUP_THRESHOLD:
+        interface.BIN_BATCH_SEARCH_THRESH = VARLEN_LOOKUP_FROM_SEGMENTS - 1
     return interface
 
 
@@ -130,8 +141,8 @@ def _timed_first_call(key, fn):
 @dataclass
 class _Watch:
     """What the last ``warm_up`` left. FA4's own compile caches hold its kernel variants: more
-    than ``_variant`` names (a varlen call over more than 256 segments takes another
-    scheduler). A key added to them later is a compile in the middle of a run: logged once,
+    than ``_variant`` names (a varlen call over ``VARLEN_LOOKUP_FROM_SEGMENTS`` segments or
+    more takes another scheduler). A key added to them later is a compile in the middle of a run: logged once,
     naming the variant, and counted in ``late_compiles``."""
 
     keys: set  # FA4's compile keys after the warm-up (and any late ones since)
@@ -514,7 +525,7 @@ def warm_up(
     """Call every kernel variant a training step can use once, on small blocks, so that their
     compiles (or loads from the disk cache) happen before the first step instead of in the
     middle of a run. Covers dense causal/full blocks and, with ``documents``, varlen calls
-    over the axes FA4 compiles apart: up to 256 segments or more (another scheduler), and
+    over the axes FA4 compiles apart: fewer than 256 segments and more (another scheduler), and
     query and key segments each within one tile or over several (a full block's two sides
     independently). ``full_blocks=False``: causal blocks only, all that attention without
     context parallelism calls (one rank's sequence: every block on the diagonal, documents in

@@ -169,6 +169,26 @@ def test_compiled_kernels_are_cached_on_disk_by_default():
     assert out.stdout.strip() == "None"
 
 
+@pytest.mark.parametrize("shipped, expected", [(256, fa4.VARLEN_LOOKUP_FROM_SEGMENTS - 1), (100, 100)])
+def test_varlen_lookup_aid_starts_at_256_segments_unless_set_by_the_user(monkeypatch, shipped, expected):
+    import sys
+    import types
+
+    interface = types.SimpleNamespace(BIN_BATCH_SEARCH_THRESH=shipped)
+    cute = types.ModuleType("flash_attn.cute")
+    cute.interface = interface
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+    fa4._interface.cache_clear()
+    try:
+        assert fa4._interface() is interface
+    finally:
+        fa4._interface.cache_clear()  # the next test imports the real one (or fails to)
+    # FA4 takes the aid for ``batch_size > BIN_BATCH_SEARCH_THRESH``: 256 segments do, 255 do not.
+    assert interface.BIN_BATCH_SEARCH_THRESH == expected
+
+
 def test_parallel_plan_takes_fa4_and_checks_it_against_the_device():
     from longctx import ParallelPlan
 
