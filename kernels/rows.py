@@ -5,6 +5,11 @@
 vendor kernel's own output). PyTorch needs a gather, an upcast, the add and a scatter
 (what that cost the document ring: benchmarks/NOTES.md).
 
+``sum_rows_(dst, src, order, starts, most)``: row r of ``dst`` becomes the fp32 sum of the rows
+``order[starts[r]:starts[r + 1]]`` of ``src``, rounded once to ``dst``'s dtype: the dK/dV
+partials of the gather call's key rows summed per received row (a row read by several
+segments). PyTorch needs zeros, an upcast, ``index_add_`` (a slow scatter) and a downcast.
+
 ``mark_nonfinite_rows_(out, lse, covered)``: rows whose lse is not finite become NaN in
 ``out`` and ``lse``. A kernel's max (fmax) can drop NaN scores and report the row as one
 that saw no key; where every row sees a key that means NaN came in, and the row must show
@@ -106,6 +111,43 @@ if triton is not None:
         tl.store(dst_ptr, acc.to(dst.dtype.element_ty), mask=tile_ok)
 
     @triton.jit(
+        do_not_specialize=["n_rows", "most", "sd_s", "ss_s"],
+        do_not_specialize_on_alignment=["order", "starts"],
+    )
+    def _sum_rows_kernel(
+        dst,
+        src,
+        order,
+        starts,
+        n_rows,
+        most,
+        n_heads,
+        head_dim,
+        sd_s,
+        sd_h,
+        ss_s,
+        ss_h,
+        BLOCK_R: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        pid_r = tl.program_id(0)
+        h = tl.program_id(1)
+        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_D)
+        ok = r < n_rows
+        first = tl.load(starts + r, mask=ok, other=0)
+        count = tl.load(starts + r + 1, mask=ok, other=0) - first
+        col_ok = cols[None, :] < head_dim
+        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        for j in range(0, most):
+            has = ok & (j < count)
+            pos = tl.load(order + first + j, mask=has, other=0)
+            src_ptr = src + h * ss_h + pos[:, None] * ss_s + cols[None, :]
+            acc += tl.load(src_ptr, mask=has[:, None] & col_ok, other=0.0).to(tl.float32)
+        dst_ptr = dst + h * sd_h + r[:, None] * sd_s + cols[None, :]
+        tl.store(dst_ptr, acc.to(dst.dtype.element_ty), mask=ok[:, None] & col_ok)
+
+    @triton.jit(
         do_not_specialize=["seq_len", "sl_b", "sl_h", "sc_b"],
         do_not_specialize_on_alignment=["lse", "covered"],
     )
@@ -196,6 +238,55 @@ def add_rows_(dst: torch.Tensor, rows: Rows, src: torch.Tensor, *, impl: str = "
         src.stride(1),
         src.stride(2),
         INDEXED=indexed,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        num_warps=4,
+    )
+
+
+def sum_rows_(
+    dst: torch.Tensor, src: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, most: int, *, impl: str = "auto"
+) -> None:
+    """In place: ``dst[:, r] = sum(src[:, order[starts[r]:starts[r + 1]]])`` for every row r of
+    ``dst``, summed in fp32 (fp64 for fp64) and rounded once to ``dst``'s dtype; a row no
+    position names becomes 0.
+
+    ``dst`` ``(1, m, H, D)``, ``src`` ``(1, n, H, D)`` (any float dtype); ``order`` int64 ``(n,)``:
+    the positions of ``src`` grouped by target row; ``starts`` int64 ``(m + 1,)``: each group's
+    first place in ``order``; ``most``: the largest group (the kernel's loop count).
+    """
+    m, n = dst.shape[1], src.shape[1]
+    if dst.shape[0] != 1 or src.shape[0] != 1 or dst.shape[2:] != src.shape[2:]:
+        raise ValueError(f"sum_rows_: dst {tuple(dst.shape)} and src {tuple(src.shape)} must be (1, rows, H, D) alike")
+    if order.shape != (n,) or starts.shape != (m + 1,):
+        raise ValueError(
+            f"sum_rows_: order {tuple(order.shape)} / starts {tuple(starts.shape)} do not fit "
+            f"{n} source and {m} target rows"
+        )
+    if not _use_triton(impl, dst, src) or dst.dtype == torch.float64:
+        acc = _accumulator(dst.dtype)
+        target = torch.repeat_interleave(torch.arange(m, device=dst.device), starts.diff())
+        summed = torch.zeros(dst.shape, dtype=acc, device=dst.device)
+        summed.index_add_(1, target, src.index_select(1, order).to(acc))
+        dst.copy_(summed)
+        return
+    if m == 0:
+        return
+    _, _, h, d = dst.shape
+    block_r, block_d = row_block(d)
+    _sum_rows_kernel[(triton.cdiv(m, block_r), h)](
+        dst,
+        src,
+        order,
+        starts,
+        m,
+        most,
+        h,
+        d,
+        dst.stride(1),
+        dst.stride(2),
+        src.stride(1),
+        src.stride(2),
         BLOCK_R=block_r,
         BLOCK_D=block_d,
         num_warps=4,

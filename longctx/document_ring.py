@@ -44,7 +44,7 @@ from longctx.kernels import (
     resolve_backend,
 )
 from longctx.kernels.merge import merge_partials_
-from longctx.kernels.rows import Rows, add_rows_, count_rows, rows_of
+from longctx.kernels.rows import Rows, add_rows_, count_rows, rows_of, sum_rows_
 
 from .documents import BlockCall, DocumentPlan, GatherExchange
 from .head_groups import by_head_groups, grads_by_head_groups
@@ -270,19 +270,18 @@ def _gather_forward(q, k, v, plan: DocumentPlan, group, scale, backend, keep: bo
 
 def _to_sources(ex: GatherExchange, dk, dv, grad_dtype) -> torch.Tensor:
     """The gather call's dK/dV ``(1, n, H, D)`` as the message home ``(n_recv, 2, H, D)``: per
-    received row, summed in fp32 (fp64 for fp64) over the segments that read it; where each
-    row is read exactly once (``keys_permuted``) only put back in buffer order, in one pass."""
-    if ex.keys_permuted:  # nothing to sum: each partial written once, in its place
-        message = torch.empty((ex.n_recv, 2, *dk.shape[2:]), dtype=grad_dtype, device=dk.device)
-        for j, g in enumerate((dk, dv)):
-            message[:, j].index_copy_(0, ex.key_rows, g[0].to(grad_dtype))
-        return message
-    grads = torch.stack([dk[0], dv[0]], dim=1)
+    received row, summed in fp32 (fp64 for fp64) over the segments that read it, rounded once
+    (``key_sums``: one pass per tensor); where each row is read exactly once
+    (``keys_permuted``) only put back in buffer order, in one pass."""
     if ex.key_rows is None:
-        return grads.to(grad_dtype)
-    acc = accumulator_dtype(grad_dtype)
-    summed = torch.zeros((ex.n_recv, *grads.shape[1:]), dtype=acc, device=grads.device)
-    return summed.index_add_(0, ex.key_rows, grads.to(acc)).to(grad_dtype)
+        return torch.stack([dk[0], dv[0]], dim=1).to(grad_dtype)
+    message = torch.empty((ex.n_recv, 2, *dk.shape[2:]), dtype=grad_dtype, device=dk.device)
+    for j, g in enumerate((dk, dv)):
+        if ex.keys_permuted:  # nothing to sum: each partial written once, in its place
+            message[:, j].index_copy_(0, ex.key_rows, g[0].to(grad_dtype))
+        else:
+            sum_rows_(message[:, j].unsqueeze(0), g, *ex.key_sums)
+    return message
 
 
 def _gather_backward(dout, q, k, v, out, lse, kept: Optional[list], plan: DocumentPlan, group, scale, backend):

@@ -15,7 +15,7 @@ from helpers import pythonpath
 from helpers.run_if import requires_cuda
 
 from longctx.kernels.merge import merge_partials_
-from longctx.kernels.rows import add_rows_, count_rows, mark_nonfinite_rows_
+from longctx.kernels.rows import add_rows_, count_rows, mark_nonfinite_rows_, sum_rows_
 
 ROWS = (None, slice(3, 9), torch.tensor([11, 0, 7, 5]))
 
@@ -105,7 +105,35 @@ def check_merge_rows(impl: str, seed: int, device: str = "cpu") -> None:
             assert (lse.double()[lfin] - want_lse[lfin]).abs().max() < 1e-5
 
 
-CHECKS = (check_add_rows, check_mark, check_merge_rows)
+def check_sum_rows(impl: str, seed: int, device: str = "cpu") -> None:
+    """Partials summed per target row (rows read 1-3 times, one read by none), into a strided
+    bf16 or fp32 view like the gather's message: the float64 sum rounded once; NaN kept."""
+    g = torch.Generator().manual_seed(seed)
+    m, h, d = 9, 3, 24
+    # Row 4 read three times, rows 0 and 3 twice, row 8 by no position.
+    target = torch.tensor([4, 0, 4, 7, 2, 4, 0, 1, 3, 6, 5, 3])
+    counts = torch.bincount(target, minlength=m)
+    assert counts[8] == 0 and counts.max() == 3  # not vacuous
+    order = torch.argsort(target, stable=True)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    for dtype in (torch.float32, torch.bfloat16):
+        src = torch.randn(1, len(target), h, d, generator=g).to(dtype)
+        src[0, 2, 1, 5] = float("nan")  # a partial of row 4: NaN shows in its sum
+        want = torch.zeros(1, m, h, d, dtype=torch.float64).index_add_(1, target, src.double())
+        message = torch.full((m, 2, h, d), 7.0, dtype=dtype, device=device)
+        sum_rows_(message[:, 1].unsqueeze(0), src.to(device), order.to(device), starts.to(device), 3, impl=impl)
+        got = message[:, 1].unsqueeze(0).cpu()
+        assert torch.equal(got.isnan(), want.isnan()) and int(got.isnan().sum()) == 1
+        fin = ~want.isnan()
+        tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: rounded once on the store
+        assert (got.double()[fin] - want[fin]).abs().max() / want[fin].abs().max() < tol
+        assert torch.equal(got[0, 8], torch.zeros(h, d, dtype=dtype))  # read by none: 0
+        assert torch.equal(message[:, 0].cpu(), torch.full((m, h, d), 7.0, dtype=dtype))  # the other half untouched
+    with pytest.raises(ValueError, match="do not fit"):
+        sum_rows_(message[:, 1].unsqueeze(0), src.to(device), order[:-1].to(device), starts.to(device), 3, impl=impl)
+
+
+CHECKS = (check_add_rows, check_mark, check_merge_rows, check_sum_rows)
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
