@@ -525,7 +525,7 @@ def warm_up(
     """Call every kernel variant a training step can use once, on small blocks, so that their
     compiles (or loads from the disk cache) happen before the first step instead of in the
     middle of a run. Covers dense causal/full blocks and, with ``documents``, varlen calls
-    over the axes FA4 compiles apart: fewer than 256 segments and more (another scheduler), and
+    over the axes FA4 compiles apart: under 256 segments and 256 or more (another scheduler), and
     query and key segments each within one tile or over several (a full block's two sides
     independently). ``full_blocks=False``: causal blocks only, all that attention without
     context parallelism calls (one rank's sequence: every block on the diagonal, documents in
