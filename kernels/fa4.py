@@ -142,8 +142,8 @@ def _timed_first_call(key, fn):
 class _Watch:
     """What the last ``warm_up`` left. FA4's own compile caches hold its kernel variants: more
     than ``_variant`` names (a varlen call over ``VARLEN_LOOKUP_FROM_SEGMENTS`` segments or
-    more takes another scheduler). A key added to them later is a compile in the middle of a run: logged once,
-    naming the variant, and counted in ``late_compiles``."""
+    more takes another scheduler). A key added to them later is a compile in the middle of a
+    run: logged once, naming the variant, and counted in ``late_compiles``."""
 
     keys: set  # FA4's compile keys after the warm-up (and any late ones since)
     caches: list  # the caches' dicts, found once

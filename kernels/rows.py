@@ -265,7 +265,7 @@ def sum_rows_(
         )
     if not _use_triton(impl, dst, src) or dst.dtype == torch.float64:
         acc = _accumulator(dst.dtype)
-        target = torch.repeat_interleave(torch.arange(m, device=dst.device), starts.diff())
+        target = torch.repeat_interleave(torch.arange(m, device=dst.device), starts.diff(), output_size=n)
         summed = torch.zeros(dst.shape, dtype=acc, device=dst.device)
         summed.index_add_(1, target, src.index_select(1, order).to(acc))
         dst.copy_(summed)
