@@ -270,17 +270,13 @@ def _gather_forward(q, k, v, plan: DocumentPlan, group, scale, backend, keep: bo
 
 def _to_sources(ex: GatherExchange, dk, dv, grad_dtype) -> torch.Tensor:
     """The gather call's dK/dV ``(1, n, H, D)`` as the message home ``(n_recv, 2, H, D)``: per
-    received row, summed in fp32 (fp64 for fp64) over the segments that read it, rounded once
-    (``key_sums``: one pass per tensor); where each row is read exactly once
-    (``keys_permuted``) only put back in buffer order, in one pass."""
+    received row, summed in fp32 (fp64 for fp64) over the segments that read it and rounded
+    once (``key_sums``: one pass per tensor, a copy where each row is read once)."""
     if ex.key_rows is None:
         return torch.stack([dk[0], dv[0]], dim=1).to(grad_dtype)
     message = torch.empty((ex.n_recv, 2, *dk.shape[2:]), dtype=grad_dtype, device=dk.device)
     for j, g in enumerate((dk, dv)):
-        if ex.keys_permuted:  # nothing to sum: each partial written once, in its place
-            message[:, j].index_copy_(0, ex.key_rows, g[0].to(grad_dtype))
-        else:
-            sum_rows_(message[:, j].unsqueeze(0), g, *ex.key_sums)
+        sum_rows_(message[:, j].unsqueeze(0), g, *ex.key_sums)
     return message
 
 

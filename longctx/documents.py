@@ -86,13 +86,14 @@ class GatherExchange:
     destination rank, ``send_splits`` to each; a row seen by several ranks repeats) go out
     in one all-to-all that brings ``n_recv`` rows (``recv_splits`` from each rank, by
     source). ``call`` attends to the received rows ``key_rows`` (None: all, in order; rows
-    may repeat; ``keys_permuted``: every received row read exactly once, in another order,
-    so its dK/dV partial needs no sum; ``key_sums``: where rows repeat, ``(order, starts,
-    most)`` for ``kernels.rows.sum_rows_``: the call's key positions grouped by received row,
-    each row's first place in ``order``, the most reads of one row); None: this rank's queries
-    see nothing received. Back home, the dK/dV partials of the sent rows add into
-    ``home_rows``, first summed by ``home_slot`` (each sent row's place among ``home_rows``)
-    where a row was sent more than once."""
+    may repeat; ``key_sums``, with ``key_rows``: ``(order, starts, most)`` for
+    ``kernels.rows.sum_rows_``, which sums each received row's dK/dV partials in one pass: the
+    call's key positions grouped by received row, each row's first place in ``order``, the
+    most reads of one row; ``keys_permuted``: every received row read exactly once, in
+    another order, so that pass only copies); None: this rank's queries see nothing received.
+    Back home, the dK/dV partials of the sent rows add into ``home_rows``, first summed by
+    ``home_slot`` (each sent row's place among ``home_rows``) where a row was sent more than
+    once."""
 
     send_rows: Rows
     n_send: int
@@ -103,8 +104,11 @@ class GatherExchange:
     call: Optional[BlockCall]
     home_rows: Rows
     home_slot: Optional[torch.Tensor]
-    keys_permuted: bool = False
     key_sums: Optional[tuple] = None
+
+    @property
+    def keys_permuted(self) -> bool:
+        return self.key_sums is not None and self.key_sums[2] == 1 and self.key_rows.numel() == self.n_recv
 
 
 class DocumentPlan:
@@ -489,10 +493,9 @@ def _gather_exchange(tokens, rank, received_from, sent_to, causal, layout, seq_l
     send_rows = ship.rows(sent, n) if len(sent) else None
     home, slot = returned_rows(sent)
     in_order = len(key_rows) == len(k_doc) and np.array_equal(key_rows, np.arange(len(k_doc)))
-    reads = np.bincount(key_rows, minlength=len(k_doc))
-    permuted = not in_order and len(key_rows) == len(k_doc) and bool(np.all(reads == 1))
     key_sums = None
-    if not in_order and not permuted:
+    if not in_order:
+        reads = np.bincount(key_rows, minlength=len(k_doc))
         key_sums = (
             ship.index(np.argsort(key_rows, kind="stable")),
             ship.index(np.concatenate(([0], np.cumsum(reads)))),
@@ -508,7 +511,6 @@ def _gather_exchange(tokens, rank, received_from, sent_to, causal, layout, seq_l
         call=call,
         home_rows=send_rows if slot is None else ship.rows(home, n),
         home_slot=None if slot is None else ship.index(slot),
-        keys_permuted=permuted,
         key_sums=key_sums,
     )
 
