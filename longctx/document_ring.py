@@ -41,7 +41,6 @@ from longctx.kernels import (
     document_block_backward,
     document_block_forward,
     partial_dtype,
-    resolve_backend,
 )
 from longctx.kernels.merge import merge_partials_
 from longctx.kernels.rows import Rows, add_rows_, count_rows, rows_of, sum_rows_
@@ -329,7 +328,7 @@ class _DocumentAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan, group, scale, backend, chunks):
         gather = plan.exchange == "gather"
         comm = RingExchange(group) if plan.world_size > 1 and not gather else None
-        name = resolve_backend(backend, q, k, plan.causal, documents=True)
+        name = plan.backend(backend, q, k)
         # One decision for the whole group (every rank's plan holds every rank's count): a
         # rank that exchanges again in the backward needs its peers to do so too.
         keep = int(plan.received.max(initial=0)) <= plan.batch * plan.local_len

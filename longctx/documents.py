@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from longctx.kernels import Segments
+from longctx.kernels import Segments, resolve_backend
 from longctx.kernels.rows import Rows
 
 from .gather_plan import gather_segments, returned_rows
@@ -51,6 +51,7 @@ from .gather_plan import ranges as _ranges
 from .layouts import check_layout, check_seq_len, chunks_per_rank, rank_chunks
 
 EXCHANGES = ("ring", "gather")
+ALIGN_BYTES = 16  # where each shipped index tensor starts (kernels take 16-byte aligned pointers)
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,7 @@ class DocumentPlan:
         self._full_doc = full_doc  # (B, S) document numbers, for sequence_calls
         self._sequence_calls: Optional[list[BlockCall]] = None
         self._checked: Optional[tuple] = None  # the last call check_call passed
+        self._backends: dict = {}  # resolved backends by (asked, device, dtype, head dims): per step
 
     def __repr__(self) -> str:
         return (
@@ -204,6 +206,7 @@ class DocumentPlan:
         plan.local_calls, plan.exchanges, plan.gather = _resolve(pending, flats)
         plan._shipped = (pending, flats)
         plan._sequence_calls = plan._checked = None
+        plan._backends = {}
         return plan
 
     def __getstate__(self) -> dict:
@@ -212,6 +215,7 @@ class DocumentPlan:
         state = dict(self.__dict__)
         state["local_calls"] = state["exchanges"] = state["gather"] = None
         state["_sequence_calls"] = state["_checked"] = None
+        state["_backends"] = {}
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -242,6 +246,16 @@ class DocumentPlan:
             calls = _diagonal_calls(self._full_doc.reshape(-1), self.causal, ship)
             self._sequence_calls = ship.send(calls, self.device)
         return self._sequence_calls
+
+    def backend(self, backend: str, q: torch.Tensor, k: torch.Tensor) -> str:
+        """``resolve_backend`` for this plan's calls on q/k, asked once per (backend, device,
+        dtype, head dims): every layer of the step asks the same, and the checks behind it
+        (install, GPU, shape) are host time on each call."""
+        key = (backend, q.device, q.dtype, q.shape[-1], k.shape[-1])
+        name = self._backends.get(key)
+        if name is None:
+            name = self._backends[key] = resolve_backend(backend, q, k, self.causal, documents=True)
+        return name
 
     def check_call(self, q: torch.Tensor, group, layout: str, causal: bool, name: str) -> None:
         """Raise ValueError where this rank's call does not match the plan (no collective)."""
@@ -569,6 +583,12 @@ class _Shipper:
         wide = dtype == np.int64
         store = self.int64 if wide else self.int32
         array = np.ascontiguousarray(array, dtype=dtype)
+        # Every view starts 16-byte aligned: FlashAttention-4 copies a misaligned index
+        # tensor (cu_seqlens) on every call, a launch and host time per layer.
+        gap = -self.sizes[wide] % (ALIGN_BYTES // array.itemsize)
+        if gap:
+            store.append(np.zeros(gap, dtype=dtype))
+            self.sizes[wide] += gap
         offset = self.sizes[wide]
         self.sizes[wide] += array.size
         store.append(array)

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from longctx.kernels import attention_backward, attention_forward, check_attention_inputs, resolve_backend
+from longctx.kernels import attention_backward, attention_forward, check_attention_inputs
 
 from .document_ring import backward_calls, flatten_batch, forward_calls
 from .documents import DocumentPlan, plan_documents
@@ -128,7 +128,7 @@ class _UlyssesAttention(torch.autograd.Function):
         world = dist.get_world_size(group)
         calls = None
         if plan is not None:
-            calls, backend = plan.sequence_calls(), resolve_backend(backend, q, k, causal, documents=True)
+            calls, backend = plan.sequence_calls(), plan.backend(backend, q, k)
         hkv = k.shape[2] // world
         chunks = PIPELINE_CHUNKS if hkv % PIPELINE_CHUNKS == 0 else 1
         widths = [t.shape[2] // (world * chunks) for t in (q, k, v)]
