@@ -303,6 +303,12 @@ def chunked_cross_entropy(
 # ---- the model ---------------------------------------------------------------------------
 
 
+def draw_init_seed() -> int:
+    """The host generators' base seed ``GPT.reset_parameters`` draws from the global RNG: drawn
+    ahead by a caller that initialises the model later (the same parameters as a build now)."""
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64))
+
+
 def _normal_on_threads(params: list, seed: int) -> None:
     """``normal_(0, std)`` of each host ``(tensor, std)``, parameter i from its own generator
     seeded ``seed + i`` (the same values whatever the thread count), several at once."""
@@ -349,14 +355,15 @@ class GPT(nn.Module):
         self.offload_activations = False
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, seed: Optional[int] = None) -> None:
         """GPT-2-style initialisation; works on sharded (DTensor) parameters too.
 
-        Host tensors draw from one generator each, seeded from the global RNG (so a seed still
-        fixes the model), on a thread pool: the host's RNG is serial, and one generator would
-        draw a large model's values one at a time. Other tensors draw from the global RNG."""
+        Host tensors draw from one generator each, seeded from ``seed`` or else from the global
+        RNG (``draw_init_seed``: a seed still fixes the model), on a thread pool: the host's RNG
+        is serial, and one generator would draw a large model's values one at a time. Other
+        tensors draw from the global RNG."""
         std = self.config.init_std
-        host, seed = [], None
+        host = []
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
@@ -369,7 +376,7 @@ class GPT(nn.Module):
                 p_std = std / math.sqrt(2 * self.config.n_layer)
             if type(p.data) is torch.Tensor and p.device.type == "cpu":
                 if seed is None:
-                    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+                    seed = draw_init_seed()
                 host.append((p, p_std))
             else:
                 nn.init.normal_(p, 0.0, p_std)

@@ -30,6 +30,7 @@ accumulation rescale below leaves alone.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import time
@@ -49,7 +50,7 @@ from longctx.models.checkpoint_import import (
     load_pretrained,
 )
 from longctx.models.config import GPTConfig
-from longctx.models.gpt import GPT
+from longctx.models.gpt import GPT, draw_init_seed
 from longctx.parallel import ParallelDims, ParallelPlan, parallelize
 from longctx.validation import ArgumentValueError, check_choice, check_number
 
@@ -76,6 +77,25 @@ def lr_lambda(warmup_steps: int, decay_steps: int, min_lr_ratio: float):
         return min_lr_ratio + 0.5 * (1.0 - min_lr_ratio) * (1.0 + math.cos(math.pi * progress))
 
     return f
+
+
+_deferring = False
+
+
+@contextlib.contextmanager
+def deferred_parameters():
+    """``CausalLMModule``s made inside hold a fresh GPT's structure only (meta tensors): its
+    parameters are drawn in ``configure_model``, the same values a build here would draw.
+    train.py builds its module this way: the first process builds before the Trainer
+    launches the others, which then build their own, so each rank's copy is made once the
+    processes exist, all at the same time. Pretrained weights (``init_from``, ``hf_model``)
+    load as usual."""
+    global _deferring
+    before, _deferring = _deferring, True
+    try:
+        yield
+    finally:
+        _deferring = before
 
 
 class CausalLMModule(L.LightningModule):
@@ -157,6 +177,7 @@ class CausalLMModule(L.LightningModule):
         memory_check: bool = True,
     ) -> None:
         super().__init__()
+        self._init_seed: Optional[int] = None  # built deferred (deferred_parameters): made in configure_model
         # The plan as asked for, validated once (ParallelPlan); resolved in setup (run_plan).
         self.requested_plan = _check_arguments(
             dict(
@@ -189,10 +210,16 @@ class CausalLMModule(L.LightningModule):
             self.model = HFCausalLM.from_pretrained(hf_model, cp_attention=self.requested_plan.cp_attention)
         elif init_from is not None:
             self.model = load_pretrained(init_from, **model)
+        elif _deferring:
+            # Parameters drawn in configure_model, from the seed a build now would draw.
+            self._init_seed = draw_init_seed()
+            with torch.device("meta"):
+                self.model = GPT(GPTConfig.from_dict(model))
         else:
             self.model = GPT(GPTConfig.from_dict(model))
         self.startup = StartupClock()
-        self.startup.mark("model built")
+        if self._init_seed is None:
+            self.startup.mark("model built")
         # Saved with the checkpoint: the resolved config, so the checkpoint alone rebuilds
         # the model (load_from_checkpoint needs no gguf/HF files; an HF model needs its directory).
         self.save_hyperparameters(ignore=["model", "init_from", "parallel"])
@@ -240,6 +267,11 @@ class CausalLMModule(L.LightningModule):
         # moves anything: the place to apply the parallel layout (torchtitan's pattern).
         if getattr(self.model, "_longctx_parallelized", False):
             return
+        if self._init_seed is not None:  # every rank makes its parameters now, at once
+            self.model.to_empty(device="cpu")
+            self.model.reset_parameters(seed=self._init_seed)
+            self._init_seed = None
+            self.startup.mark("model built")
         if self.run_plan is None:  # called without setup: the plan resolved here, the same way
             self.setup("configure")
         dims = getattr(self._trainer.strategy, "parallel_dims", None) if self._trainer is not None else None

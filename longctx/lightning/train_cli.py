@@ -45,7 +45,7 @@ from .cli_settings import (
 )
 from .eval_callback import LongContextEvaluation
 from .health import NonFiniteGuard
-from .module import CausalLMModule
+from .module import CausalLMModule, deferred_parameters
 from .resume import MODEL_SHAPE_KEYS, changes_what_is_trained, earlier_checkpoints, run_dir_of
 from .strategy import ContextParallelStrategy, check_divisible
 from .training import RunOptions
@@ -500,7 +500,8 @@ class TrainCLI(LightningCLI):
             configured = GPTConfig.from_dict(cfg.model).vocab_size
             grown = vocab > configured
             cfg.model = {**cfg.model, "vocab_size": max(vocab, configured)}
-        self.model = CausalLMModule(**cfg.as_dict())
+        with deferred_parameters():  # each rank draws its parameters once launched, all at once
+            self.model = CausalLMModule(**cfg.as_dict())
         if self.model.config.vocab_size < vocab:
             raise ValueError(f"the tokenizer has {vocab} tokens but the model only {self.model.config.vocab_size}")
         if self.run_plan is not None and not grown:

@@ -57,3 +57,38 @@ def test_a_fit_prints_its_start_up_and_logs_it(tmp_path, capsys):
     rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
     logged = {float(r["startup_s"]) for r in rows if r.get("startup_s")}
     assert len(logged) == 1 and logged.pop() == pytest.approx(total, abs=0.051)
+
+
+def test_a_deferred_build_draws_the_same_model_once_the_processes_exist(tmp_path, capsys):
+    """``deferred_parameters`` (train.py's build): the module holds meta tensors until
+    ``configure_model``, which draws exactly the parameters an eager build with the same seed
+    draws (and leaves the global RNG where the eager build left it); a fit of it names the
+    build after the launch in its start-up line."""
+    import torch
+    from helpers.tiny_fit import cpu_trainer, tiny_batches, tiny_module
+
+    from longctx.lightning.module import deferred_parameters
+
+    torch.manual_seed(7)
+    eager = tiny_module()
+    after_eager = torch.rand(4)
+    torch.manual_seed(7)
+    with deferred_parameters():
+        deferred = tiny_module()
+    assert torch.equal(torch.rand(4), after_eager)
+    assert all(p.is_meta for p in deferred.model.parameters())
+    assert deferred.model.num_params() == eager.model.num_params()
+    assert not any(p.is_meta for p in tiny_module().model.parameters())  # outside the block: eager
+    deferred.configure_model()
+    want, got = eager.model.state_dict(), deferred.model.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+    torch.manual_seed(7)
+    with deferred_parameters():
+        module = tiny_module()
+    capsys.readouterr()
+    cpu_trainer(max_steps=2).fit(module, torch.utils.data.DataLoader(tiny_batches(2), batch_size=1))
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("start-up "))
+    names = [part.rsplit(" ", 1)[0] for part in line.split(": ", 1)[1].split(", ")]
+    assert names[:3] == ["launch and data", "model built", "parallelized"]
+    assert all(torch.isfinite(p).all() for p in module.model.parameters())
