@@ -15,6 +15,12 @@ function (``flash_attn_varlen_func``) and its bare interface calls on the same s
   function and each of longctx's kernel launchers (wrapped with a clock), the rest being
   longctx's Python and autograd.
 
+Beside them: the bare calls inside a minimal autograd function (``in_function``: what the engine
+adds), the same runs with the engine's backward on the calling thread (``*_one_thread``:
+``torch.autograd.set_multithreading_enabled(False)``), and ``ours_4_layers``: four layers
+chained through q in one backward, per layer (a model pays the engine's per-backward cost once,
+not per layer as a one-layer loop does).
+
 Writes DIR/document_host_cost.json and a cProfile (cumulative) of our layer.
 """
 
@@ -41,6 +47,7 @@ from longctx.data.document_mixes import document_ids, document_lengths  # noqa: 
 from longctx.documents import plan_documents  # noqa: E402
 from longctx.kernels.fa4 import _JIT_FUNCTIONS as FA4_ENTRY_POINTS  # noqa: E402
 
+LAYERS = 4  # layers per backward call in the stacked timing
 BUSY_CYCLES = int(3e9)  # ~1.5 s of GPU time queued ahead of the timed iterations
 
 
@@ -197,12 +204,78 @@ def main():
                 out, lse = fwd[:2]
                 iface._flash_attn_bwd(qf, kf, vf, out, dout[0], lse, scale, True, **varlen)
 
+            def bare_forward():
+                iface._flash_attn_fwd(qf, kf, vf, softmax_scale=scale, causal=True, return_lse=True, **varlen)
+
+            saved = iface._flash_attn_fwd(qf, kf, vf, softmax_scale=scale, causal=True, return_lse=True, **varlen)[:2]
+
+            def bare_backward():
+                iface._flash_attn_bwd(qf, kf, vf, saved[0], dout[0], saved[1], scale, True, **varlen)
+
+            class InFunction(torch.autograd.Function):
+                """The bare calls inside an autograd function: what the engine adds to them."""
+
+                @staticmethod
+                def forward(ctx, q_, k_, v_):
+                    out, lse = iface._flash_attn_fwd(
+                        q_, k_, v_, softmax_scale=scale, causal=True, return_lse=True, **varlen
+                    )[:2]
+                    ctx.save_for_backward(q_, k_, v_, out, lse)
+                    return out
+
+                @staticmethod
+                def backward(ctx, grad):
+                    q_, k_, v_, out, lse = ctx.saved_tensors
+                    return iface._flash_attn_bwd(q_, k_, v_, out, grad.contiguous(), lse, scale, True, **varlen)[:3]
+
+            def in_function():
+                for t in flat:
+                    t.grad = None
+                InFunction.apply(*flat).backward(dout[0])
+
+            def stacked(layer):
+                # LAYERS layers in one backward, as in a model: the engine's fixed cost per
+                # backward call (its device thread taking over) is paid once, not per layer.
+                def run():
+                    for t in (q, k, v):
+                        t.grad = None
+                    x = q
+                    for _ in range(LAYERS):
+                        x = layer(x)
+                    x.backward(dout)
+
+                return run
+
+            def one_thread(fn):
+                # The engine runs the backward on the calling thread instead of its device thread.
+                def run():
+                    with torch.autograd.set_multithreading_enabled(False):
+                        fn()
+
+                return run
+
             row = dict(mix=mix, share=share, tokens=S, segments=int(cu.numel() - 1), calls=plan.calls)
-            for name, fn in (("ours", ours), ("ours_forward", ours_forward), ("upstream", upstream), ("bare", bare)):
+            for name, fn in (
+                ("ours", ours),
+                ("ours_forward", ours_forward),
+                ("upstream", upstream),
+                ("bare", bare),
+                ("bare_forward", bare_forward),
+                ("bare_backward", bare_backward),
+                ("in_function", in_function),
+                ("ours_one_thread", one_thread(ours)),
+                ("upstream_one_thread", one_thread(upstream)),
+                ("in_function_one_thread", one_thread(in_function)),
+                (
+                    f"ours_{LAYERS}_layers",
+                    stacked(lambda x: ring_attention(x, k, v, causal=True, document_ids=plan, backend="fa4")),
+                ),
+            ):
                 for _ in range(3):
                     fn()
                 host, gpu = timed(fn, args.reps)
-                row[name] = dict(host_ms=round(host, 4), gpu_ms=round(gpu, 4))
+                per = LAYERS if name.endswith("_layers") else 1  # per layer
+                row[name] = dict(host_ms=round(host / per, 4), gpu_ms=round(gpu / per, 4))
             clock = Clock()
             for fname in FA4_ENTRY_POINTS:  # the interface functions that dispatch FA4's kernels
                 clock.wrap(iface, fname, f"fa4.{fname}")
