@@ -395,7 +395,16 @@ def _ring_report(args, world, S, H, D):
         gpu=torch.cuda.get_device_name(),
         torch=torch.__version__,
         date=time.strftime("%Y-%m-%d"),
-        config=dict(S_total=S, H=H, D=D, dtype="bfloat16", layout="zigzag", mixes=args.mixes, exchange=args.exchange),
+        config=dict(
+            S_total=S,
+            H=H,
+            D=D,
+            dtype="bfloat16",
+            layout="zigzag",
+            mixes=args.mixes,
+            exchange=args.exchange,
+            layers_per_backward=args.layers,
+        ),
     )
 
 
@@ -413,34 +422,57 @@ def _ring_checks(report, world, rank, exchanges, save):
         save()
 
 
-def _time_ring(q, k, v, dout, document_ids, backend="auto"):
-    """Steady ms of one zigzag ring fwd+bwd over the world, the slowest rank's."""
+def stacked_step(q, kvs, dout, layer):
+    """One fwd+bwd of ``len(kvs)`` attention layers in one backward, as in a model: layer i
+    takes the previous output as its queries and its own K/V (``kvs[i]``; leaves, so no
+    gradient is summed across layers). One layer is the plain fwd+bwd."""
+
+    def step():
+        for t in (q, *(t for kv in kvs for t in kv)):
+            t.grad = None
+        x = q
+        for k, v in kvs:
+            x = layer(x, k, v)
+        x.backward(dout)
+
+    return step
+
+
+def layer_kvs(k, v, layers: int) -> list:
+    """``layers`` (k, v) pairs: the given ones, then fresh copies (distinct leaves)."""
+    extra = [(k.detach().clone().requires_grad_(), v.detach().clone().requires_grad_()) for _ in range(layers - 1)]
+    return [(k, v), *extra]
+
+
+def _time_ring(q, k, v, dout, document_ids, backend="auto", layers=1):
+    """Steady ms of one zigzag ring fwd+bwd over the world per layer (``layers`` of them a
+    backward), the slowest rank's."""
     import torch.distributed as dist
 
     from longctx import ring_attention
 
-    def run():
-        q.grad = k.grad = v.grad = None
-        out = ring_attention(
-            q,
-            k,
-            v,
+    def layer(x, k_, v_):
+        return ring_attention(
+            x,
+            k_,
+            v_,
             group=dist.group.WORLD,
             causal=True,
             layout="zigzag",
             backend=backend,
             document_ids=document_ids,
         )
-        out.backward(dout)
 
-    t = torch.tensor([steady_ms(run, dist.group.WORLD)], device="cuda")
+    run = stacked_step(q, layer_kvs(k, v, layers), dout, layer)
+    t = torch.tensor([steady_ms(run, dist.group.WORLD) / layers], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
 
 def _one_gpu_cells(args, mix, S, ids, mk, one):
-    """Rank 0 alone over the whole sequence of this mix: each provider's fwd+bwd ms,
-    appended to `one` (our plan-driven FA4 path, our Triton kernels, flex_attention)."""
+    """Rank 0 alone over the whole sequence of this mix: each provider's fwd+bwd ms (per
+    layer, ``--layers`` of them a backward), appended to `one` (our plan-driven FA4 path, our
+    Triton kernels, flex_attention)."""
     from ring import log
 
     from longctx import ring_attention
@@ -448,6 +480,7 @@ def _one_gpu_cells(args, mix, S, ids, mk, one):
 
     q1, k1, v1, d1 = (mk(S) for _ in range(4))
     plan1 = plan_documents(ids, world_size=1, rank=0)
+    layers = args.layers
     for provider in args.providers:
         if provider == "flex" and S > args.flex_max:
             continue
@@ -457,21 +490,17 @@ def _one_gpu_cells(args, mix, S, ids, mk, one):
                 step = flex_step(q1.requires_grad_(), k1.requires_grad_(), v1.requires_grad_(), d1, ids)
             else:
                 backend = "auto" if provider == "fa4-plan" else "triton"
-
-                def step(backend=backend):
-                    for t in (q1, k1, v1):
-                        t.grad = None
-                    out = ring_attention(
-                        q1.requires_grad_(),
-                        k1.requires_grad_(),
-                        v1.requires_grad_(),
-                        backend=backend,
-                        document_ids=plan1,
-                    )
-                    out.backward(d1)
+                kvs = layer_kvs(k1.requires_grad_(), v1.requires_grad_(), layers)
+                step = stacked_step(
+                    q1.requires_grad_(),
+                    kvs,
+                    d1,
+                    lambda x, k_, v_, backend=backend: ring_attention(x, k_, v_, backend=backend, document_ids=plan1),
+                )
 
             step()
-            cell["ms"] = bench_ms(step)
+            # per layer (flex: one layer a step)
+            cell["ms"] = bench_ms(step) / (1 if provider == "flex" else layers)
         except Exception as e:  # noqa: BLE001
             record_error(cell, e)
         one.append(cell)
@@ -572,7 +601,7 @@ def part_ring(args):
     q, k, v, dout = (mk(S // world).requires_grad_(i < 3) for i in range(4))
 
     def time_ids(document_ids):
-        return _time_ring(q, k, v, dout, document_ids)
+        return _time_ring(q, k, v, dout, document_ids, layers=args.layers)
 
     rows = report.setdefault("ring", [])
     one = report.setdefault("one_gpu", [])
@@ -610,6 +639,13 @@ def main(argv=None):
         help="part B: the document plan's K/V exchange (both: each timed on the same mixes)",
     )
     ap.add_argument("--flex-max", type=int, default=256 * K, help="part B: flex_attention up to this length")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="part B: attention layers chained in one backward (ms per layer): a model pays the "
+        "autograd engine's per-backward cost once, a one-layer loop once per layer",
+    )
     ap.add_argument(
         "--providers",
         default="fa4-plan,triton-plan,flex",
