@@ -18,8 +18,9 @@ function (``flash_attn_varlen_func``) and its bare interface calls on the same s
 Beside them: the bare calls inside a minimal autograd function (``in_function``: what the engine
 adds), the same runs with the engine's backward on the calling thread (``*_one_thread``:
 ``torch.autograd.set_multithreading_enabled(False)``), and ``ours_4_layers``: four layers
-chained through q in one backward, per layer (a model pays the engine's per-backward cost once,
-not per layer as a one-layer loop does).
+chained through q in one backward, each with its own K/V, per layer (a model pays the engine's
+per-backward cost once, not per layer as a one-layer loop does; ``document_attention.py
+--layers``'s harness).
 
 Writes DIR/document_host_cost.json and a cProfile (cumulative) of our layer.
 """
@@ -41,6 +42,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
+
+from document_attention import layer_kvs, stacked_step  # noqa: E402
 
 from longctx import ring_attention  # noqa: E402
 from longctx.data.document_mixes import document_ids, document_lengths  # noqa: E402
@@ -233,19 +236,6 @@ def main():
                     t.grad = None
                 InFunction.apply(*flat).backward(dout[0])
 
-            def stacked(layer):
-                # LAYERS layers in one backward, as in a model: the engine's fixed cost per
-                # backward call (its device thread taking over) is paid once, not per layer.
-                def run():
-                    for t in (q, k, v):
-                        t.grad = None
-                    x = q
-                    for _ in range(LAYERS):
-                        x = layer(x)
-                    x.backward(dout)
-
-                return run
-
             def one_thread(fn):
                 # The engine runs the backward on the calling thread instead of its device thread.
                 def run():
@@ -266,9 +256,14 @@ def main():
                 ("ours_one_thread", one_thread(ours)),
                 ("upstream_one_thread", one_thread(upstream)),
                 ("in_function_one_thread", one_thread(in_function)),
-                (
+                (  # LAYERS layers in one backward, as in a model: the engine's cost per backward once
                     f"ours_{LAYERS}_layers",
-                    stacked(lambda x: ring_attention(x, k, v, causal=True, document_ids=plan, backend="fa4")),
+                    stacked_step(
+                        q,
+                        layer_kvs(k, v, LAYERS),
+                        dout,
+                        lambda x, k_, v_: ring_attention(x, k_, v_, causal=True, document_ids=plan, backend="fa4"),
+                    ),
                 ),
             ):
                 for _ in range(3):
