@@ -28,12 +28,9 @@ Writes DIR/document_host_cost.json and a cProfile (cumulative) of our layer.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import functools
-import io
 import json
 import os
-import pstats
 import sys
 import time
 from collections import defaultdict
@@ -44,6 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 from document_attention import layer_kvs, stacked_step  # noqa: E402
+from document_layer_profile import host_profile  # noqa: E402
 
 from longctx import ring_attention  # noqa: E402
 from longctx.data.document_mixes import document_ids, document_lengths  # noqa: E402
@@ -287,16 +285,8 @@ def main():
                 label: round(total * 1e3 / args.reps, 4) for label, total in sorted(clock.total.items())
             }
             row["ours"]["inside_calls"] = {label: n / args.reps for label, n in sorted(clock.calls.items())}
-            torch.cuda.synchronize()
-            profiler = cProfile.Profile()
-            profiler.enable()
-            for _ in range(args.reps):
-                ours()
-            profiler.disable()
-            torch.cuda.synchronize()
-            text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(70)
-            profiles.append(f"==== {mix} share {share}: cProfile of ours, {args.reps} iterations\n{text.getvalue()}")
+            text = host_profile(ours, args.reps, "cumulative", 70)
+            profiles.append(f"==== {mix} share {share}: cProfile of ours, {args.reps} iterations\n{text}")
             if not report.get("pieces"):
                 report["pieces"] = pieces(q, k, args.reps)
                 print(json.dumps(report["pieces"]), flush=True)

@@ -53,6 +53,21 @@ def merged_us(intervals) -> float:
     return total
 
 
+def host_profile(step, iters: int, sort: str, lines: int) -> str:
+    """cProfile of ``iters`` calls of ``step`` (the GPU idle before and after), its ``lines``
+    costliest functions by ``sort`` as text."""
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(iters):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats(sort).print_stats(lines)
+    return text.getvalue()
+
+
 def gpu_profile(step, iters: int):
     from torch.profiler import ProfilerActivity, profile
 
@@ -168,16 +183,8 @@ def main():
                 dist.barrier()
             gpu, table = gpu_profile(step, 5)
             if mix == args.cprofile and option == options[0]:  # every rank runs it (collectives)
-                torch.cuda.synchronize()
-                profiler = cProfile.Profile()
-                profiler.enable()
-                for _ in range(20):
-                    step()
-                profiler.disable()
-                torch.cuda.synchronize()
-                text = io.StringIO()
-                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(45)
-                tables.append(f"==== cProfile {mix} {option} rank 0, 20 iterations\n{text.getvalue()}\n")
+                text = host_profile(step, 20, "tottime", 45)
+                tables.append(f"==== cProfile {mix} {option} rank 0, 20 iterations\n{text}\n")
             mine = dict(
                 rank=rank,
                 host_ms=host_ms,
