@@ -362,7 +362,10 @@ def _layer_bytes(z: _Sizes, attention_kernel: str, *, seq_len: int, batch_size: 
     else:
         mlp = (3 if fused else 4) * a * F
     block_input = r * d
-    residual_mid = 0 if hf_modules else r * d
+    # The residual between attention and MLP, saved as the MLP's input; not where a checkpointed
+    # block's tiles take o_proj in (models.gpt's after_attention: they save x and y instead).
+    o_tiled = tiled and ckpt != "none"
+    residual_mid = 0 if hf_modules or o_tiled else r * d
     none_layer = block_input + norm + casts_attn + rope + attn + ring_kept + residual_mid + mlp_norm + casts_mlp + mlp
     mlp_part = mlp_norm + casts_mlp + mlp  # freed once the MLP's backward is done
     saved_layer = {
@@ -377,6 +380,8 @@ def _layer_bytes(z: _Sizes, attention_kernel: str, *, seq_len: int, batch_size: 
         t = min(tile, T)
         mlp_bwd_tokens = 0
         mlp_bwd_fixed = t * ((3 if fused else 4) * a * F + 2 * a * F + 2 * a * d + 4 * d) + 3 * d * F * 4 + a * d * T
+        if o_tiled:  # o_proj in the tiles: the attention output's gradient and o_proj's fp32 sum
+            mlp_bwd_fixed += a * q * T + 4 * d * q
     else:
         # down_proj's input gradient, then the product's two: the product itself is freed by then
         mlp_bwd_tokens, mlp_bwd_fixed = 2 * a * F, 0

@@ -156,21 +156,31 @@ def recomputed_flops_per_token(
 ) -> float:
     """Forward FLOPs per token that ``plan``'s memory savings run again in the backward, per
     block summed over blocks: what ``least_recompute`` ranks plans by. Selective recomputes
-    the projections and the MLP around the attention; full recomputes the attention too; MLP
-    tiles (``mlp_tile_size``) recompute the MLP and the q/k/v projections once more inside
-    their own backward, on top of any checkpoint's recompute (where a tile is shorter than
-    ``tokens_per_rank``; otherwise nothing is tiled). Attention counts ``seq_len / 2``
-    keys per token (causal); with document masking the keys a token sees are unknown before
-    the data, and packed documents are short against the sequence: counted as none."""
+    the projections and the MLP around the attention, full the attention too, each but the
+    block's last matmul (down_proj: a checkpoint's recompute stops once the last tensor it
+    needs, that matmul's input, is back). MLP tiles (``mlp_tile_size``, where a tile is
+    shorter than ``tokens_per_rank``; otherwise nothing is tiled) recompute the whole MLP and
+    the q/k/v projections inside their own backward: with no checkpointing that is all they
+    add; with selective the tiles are the recompute (o_proj in them, no checkpoint around
+    them); with full they come on top of the checkpoint's, which then runs the whole MLP.
+    Attention counts ``seq_len / 2`` keys per token (causal); with document masking the keys
+    a token sees are unknown before the data, and packed documents are short against the
+    sequence: counted as none. The counts are the model's (tests/model/test_tiled_mlp.py
+    checks them against PyTorch's FLOP counter)."""
     s = model_shape(config)
     qkv = 2 * s.d * (s.q + 2 * s.kv)
     out = 2 * s.q * s.d
     mlp = 6 * s.d * s.F
+    down = 2 * s.F * s.d
     attention = 0.0 if documents else 4 * s.hq * s.hd * seq_len / 2
-    per_block = {"none": 0.0, "selective": qkv + out + mlp, "full": qkv + out + mlp + attention}
-    per_block = per_block[plan.activation_checkpointing]
-    if plan.mlp_tile_size is not None and plan.mlp_tile_size < tokens_per_rank:
-        per_block += qkv + mlp
+    mode = plan.activation_checkpointing
+    tiled = plan.mlp_tile_size is not None and plan.mlp_tile_size < tokens_per_rank
+    if mode == "none":
+        per_block = qkv + mlp if tiled else 0.0
+    elif mode == "selective":
+        per_block = qkv + out + mlp - (0 if tiled else down)
+    else:
+        per_block = qkv + out + mlp + attention + (qkv + out + mlp if tiled else -down)
     return s.L * per_block
 
 

@@ -46,16 +46,19 @@ def _autocast_state(device_type: str):
 
 class _Tiled(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn, tile, x, *weights):
+    def forward(ctx, fn, tile, n_token_args, x, *rest):
+        token_args = rest[:n_token_args]
         flat = x.reshape(-1, x.shape[-1])
+        args = [a.reshape(-1, *a.shape[x.dim() - 1 :]) for a in token_args]
         n = flat.shape[0]
-        ctx.fn, ctx.tile = fn, tile
+        ctx.fn, ctx.tile, ctx.n_token_args = fn, tile, n_token_args
         ctx.autocast = _autocast_state(x.device.type)
-        ctx.save_for_backward(x, *weights)
+        ctx.save_for_backward(x, *rest)
+        weights = rest[n_token_args:]
         outs = None
         with torch.no_grad():
             for start in range(0, n, tile):
-                ys = fn(flat[start : start + tile], *weights)
+                ys = fn(flat[start : start + tile], *(a[start : start + tile] for a in args), *weights)
                 ys = ys if isinstance(ys, tuple) else (ys,)
                 if outs is None:
                     ctx.single = len(ys) == 1
@@ -68,7 +71,9 @@ class _Tiled(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        x, *weights = ctx.saved_tensors
+        x, *rest = ctx.saved_tensors
+        n = ctx.n_token_args
+        want = ctx.needs_input_grad
         gs = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grad_outs]
 
         def tile_grads(start, ys):
@@ -76,21 +81,22 @@ class _Tiled(torch.autograd.Function):
             pairs = [(y, g[start : start + y.shape[0]]) for y, g in zip(ys, gs) if g is not None]
             return [y for y, _ in pairs], [g for _, g in pairs]
 
-        dx, dw = _tiled_backward(ctx, x, (), weights, ctx.needs_input_grad[2], ctx.needs_input_grad[3:], tile_grads)
-        return (None, None, dx, *dw)
+        dx, dargs, dw = _tiled_backward(ctx, x, rest[:n], rest[n:], want[3], want[4 : 4 + n], want[4 + n :], tile_grads)
+        return (None, None, None, dx, *dargs, *dw)
 
 
-def _tiled_backward(ctx, x, token_args, weights, want_x, want_w, tile_grads):
+def _tiled_backward(ctx, x, token_args, weights, want_x, want_args, want_w, tile_grads):
     """The backward both tiled Functions share: each tile recomputed with autograd on (the
     forward's autocast state restored) and differentiated at once; ``tile_grads(start,
-    outputs) -> (outputs, their gradients)``. The input gradient is written tile by tile,
-    weight gradients are summed (in fp32 for bf16/fp16 weights) and returned once.
-    Returns ``(dx or None, [dw or None, ...])``."""
+    outputs) -> (outputs, their gradients)``. The gradients of the input and of the token
+    arguments are written tile by tile, weight gradients are summed (in fp32 for bf16/fp16
+    weights) and returned once. Returns ``(dx or None, [d arg or None, ...], [dw or None, ...])``."""
     fn, tile = ctx.fn, ctx.tile
     flat = x.reshape(-1, x.shape[-1])
     args = [a.reshape(-1, *a.shape[x.dim() - 1 :]) for a in token_args]
-    want_w = list(want_w)
+    want_args, want_w = list(want_args), list(want_w)
     dx = torch.empty_like(flat) if want_x else None
+    dargs = [torch.empty_like(a) if want else None for a, want in zip(args, want_args)]
     dw = [
         torch.zeros_like(w, dtype=torch.float32 if w.dtype in (torch.float16, torch.bfloat16) else w.dtype)
         if want
@@ -98,43 +104,61 @@ def _tiled_backward(ctx, x, token_args, weights, want_x, want_w, tile_grads):
         for w, want in zip(weights, want_w)
     ]
     device_type = x.device.type
-    for start in range(0, flat.shape[0] if (want_x or any(want_w)) else 0, tile):
+    anything = want_x or any(want_args) or any(want_w)
+    for start in range(0, flat.shape[0] if anything else 0, tile):
         xt = flat[start : start + tile].detach().requires_grad_(want_x)
+        at = [a[start : start + tile].detach().requires_grad_(want) for a, want in zip(args, want_args)]
         wt = [w.detach().requires_grad_(want) for w, want in zip(weights, want_w)]
         with (
             torch.enable_grad(),
             torch.autocast(device_type, dtype=ctx.autocast or torch.bfloat16, enabled=ctx.autocast is not None),
         ):
-            ys = fn(xt, *(a[start : start + tile] for a in args), *wt)
+            ys = fn(xt, *at, *wt)
         outputs, grads_out = tile_grads(start, ys)
-        inputs = ([xt] if want_x else []) + [w for w, want in zip(wt, want_w) if want]
+        inputs = (
+            ([xt] if want_x else [])
+            + [a for a, want in zip(at, want_args) if want]
+            + [w for w, want in zip(wt, want_w) if want]
+        )
         grads = list(torch.autograd.grad(outputs, inputs, grads_out, allow_unused=True))
-        if want_x:
-            got = grads.pop(0)
-            dx[start : start + xt.shape[0]] = 0 if got is None else got
+        for whole, this, want in ((dx, xt, want_x), *zip(dargs, at, want_args)):
+            if want:
+                got = grads.pop(0)
+                whole[start : start + this.shape[0]] = 0 if got is None else got
         for acc, want in zip(dw, want_w):
             if want:
                 got = grads.pop(0)
                 if got is not None:
                     acc += got
         del ys, outputs, grads
+    dargs = [None if g is None else g.view(a.shape) for g, a in zip(dargs, token_args)]
     dw = [None if acc is None else acc.to(w.dtype) for acc, w in zip(dw, weights)]
-    return (None if dx is None else dx.view(x.shape)), dw
+    return (None if dx is None else dx.view(x.shape)), dargs, dw
 
 
 def tiled_apply(
-    fn: Callable[..., torch.Tensor], x: torch.Tensor, weights: Sequence[torch.Tensor], tile_size: int
+    fn: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    tile_size: int,
+    token_args: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
-    """``fn(x, *weights)`` computed over tiles of ``tile_size`` tokens (all leading dims of
-    ``x`` flattened), exact, holding one tile's intermediates at a time, forward and
-    backward. ``fn`` must act on each token independently (an MLP, not attention); it
-    returns one tensor or a tuple of them (e.g. the q, k, v projections)."""
+    """``fn(x, *token_args, *weights)`` computed over tiles of ``tile_size`` tokens (all
+    leading dims of ``x`` flattened; ``token_args``, e.g. a second per-token input, sliced
+    with ``x``'s tokens and differentiated like it), exact, holding one tile's intermediates
+    at a time, forward and backward; saves only its arguments. ``fn`` must act on each token
+    independently (an MLP, not attention); it returns one tensor or a tuple of them (e.g. the
+    q, k, v projections)."""
     check_tile_size(tile_size)
-    if tile_size is None:
-        return fn(x, *weights)
-    if x.reshape(-1, x.shape[-1]).shape[0] <= tile_size:
-        return fn(x, *weights)  # one tile: nothing to save
-    return _Tiled.apply(fn, tile_size, x, *weights)
+    if tile_size is None or not spans_tiles(x, tile_size):
+        return fn(x, *token_args, *weights)  # one tile: nothing to save
+    return _Tiled.apply(fn, tile_size, len(token_args), x, *token_args, *weights)
+
+
+def spans_tiles(x: torch.Tensor, tile_size) -> bool:
+    """Whether ``tiled_apply`` runs ``x`` over more than one tile of ``tile_size`` tokens
+    (else it calls the function once, and autograd saves what the function saves)."""
+    return tile_size is not None and x.numel() // max(x.shape[-1], 1) > tile_size
 
 
 class _TiledSum(torch.autograd.Function):
@@ -160,8 +184,8 @@ class _TiledSum(torch.autograd.Function):
         x, *rest = ctx.saved_tensors
         n = ctx.n_token_args
         want = ctx.needs_input_grad
-        dx, dw = _tiled_backward(
-            ctx, x, rest[:n], rest[n:], want[3], want[4 + n :], lambda start, part: ([part], [grad])
+        dx, _, dw = _tiled_backward(
+            ctx, x, rest[:n], rest[n:], want[3], [False] * n, want[4 + n :], lambda start, part: ([part], [grad])
         )
         return (None, None, None, dx, *([None] * n), *dw)
 

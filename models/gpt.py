@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 from longctx.layouts import position_ids as layout_position_ids
 from longctx.offload import BlockOffloader, offload_count
 from longctx.parallel import CHECKPOINTING, ContextParallelAttention, CPContext
-from longctx.tiled import check_tile_size, tiled_apply, tiled_sum
+from longctx.tiled import check_tile_size, spans_tiles, tiled_apply, tiled_sum
 from longctx.validation import check_choice
 
 from .config import GPTConfig
@@ -149,6 +149,25 @@ def norm_then_mlp(
     return mlp(norm(x, norm_w, eps), gate_w, up_w, down_w)
 
 
+def after_attention(
+    norm,
+    eps: float,
+    mlp,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    o_w: torch.Tensor,
+    norm_w: torch.Tensor,
+    gate_w: torch.Tensor,
+    up_w: torch.Tensor,
+    down_w: torch.Tensor,
+) -> torch.Tensor:
+    """A block's output from its input ``x`` and the attention's output ``y``: o_proj, the
+    residual, ``mlp(norm(.))`` and the residual, every weight an argument, as ``tiled_apply``
+    calls it (``y`` a token argument)."""
+    h = x + F.linear(y, o_w)
+    return h + mlp(norm(h, norm_w, eps), gate_w, up_w, down_w)
+
+
 class SwiGLU(nn.Module):
     """``tile_size`` (set by ``longctx.parallelize`` from ``ParallelPlan.mlp_tile_size``):
     None computes all tokens at once and saves its (tokens x hidden) intermediates for the
@@ -229,8 +248,15 @@ class TransformerBlock(nn.Module):
         return self._after_attention(x, y)
 
     def _after_attention(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn.o_proj(y)
-        return x + self._mlp_branch(x)
+        tile = self.mlp.tile_size
+        if self.activation_checkpointing == "none" or not spans_tiles(x, tile):
+            x = x + self.attn.o_proj(y)
+            return x + self._mlp_branch(x)
+        # Checkpointed and tiled: o_proj joins the tiles, which then save only x and y (kept
+        # anyway: the block's input and the attention's output), not the residual between.
+        norm, mlp = self.mlp_norm, self.mlp
+        fn = partial(after_attention, norm.function(), norm.eps, mlp.function())
+        return tiled_apply(fn, x, (self.attn.o_proj.weight, norm.weight, *mlp.weights), tile, token_args=(y,))
 
     def forward(
         self,
@@ -249,6 +275,11 @@ class TransformerBlock(nn.Module):
         # grad. Every rank recomputes the blocks in the same order, so the P2P sequence of
         # a recomputed ring forward stays matched across the group.
         if mode == "selective":
+            if spans_tiles(x, self.mlp.tile_size):
+                # Every per-token part runs in tiles that save only their inputs (x, and the
+                # attention's output) and recompute themselves in the backward: what the
+                # checkpoints below would keep and recompute, without a third forward.
+                return self._forward(x, rope, document_ids)
             # The ring runs once: q, k, v and its output are kept (the ring saves them for
             # its own backward anyway); the per-token parts around it are recomputed.
             q, k, v = checkpoint(self._before_attention, x, rope, use_reentrant=False)

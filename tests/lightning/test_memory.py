@@ -251,8 +251,8 @@ def test_the_fitting_plan_is_decided_before_the_model_is_built(monkeypatch, caps
 def test_auto_checkpointing_takes_the_least_recompute_that_fits(monkeypatch, capsys):
     """activation_checkpointing="auto" is decided in ``setup`` from the memory model: of no
     checkpointing and selective, each untiled or with the MLP tiled, the one that recomputes
-    least among those that fit (for the tiny shape at 262,144 dense tokens: none, none tiled,
-    selective, selective tiled), else full (then the fitting ladder); the decided mode and tile
+    least among those that fit (for the tiny shape at 262,144 dense tokens: none, selective,
+    none tiled, selective tiled), else full (then the fitting ladder); the decided mode and tile
     are what the run plan prints, ``hparams["parallel"]`` records and the blocks run, and
     resolving that record again gives the same plan. Without a GPU to check it is "full"."""
     from types import SimpleNamespace
@@ -260,7 +260,7 @@ def test_auto_checkpointing_takes_the_least_recompute_that_fits(monkeypatch, cap
     import torch
 
     from longctx.lightning.module import CausalLMModule
-    from longctx.memory_fit import DEFAULT_MLP_TILE
+    from longctx.memory_fit import DEFAULT_MLP_TILE, recomputed_flops_per_token
     from longctx.parallel import ParallelDims
 
     def run(parallel, gpu=None, seq_len=1 << 18):
@@ -281,7 +281,20 @@ def test_auto_checkpointing_takes_the_least_recompute_that_fits(monkeypatch, cap
         return module
 
     huge = 1 << 50
-    cheapest_first = [(m, t) for m in ("none", "selective") for t in (None, DEFAULT_MLP_TILE)]
+    config = GPTConfig.from_dict(dict(preset="tiny", vocab_size=256))
+
+    def cost(choice):
+        plan = ParallelPlan(activation_checkpointing=choice[0], mlp_tile_size=choice[1])
+        return recomputed_flops_per_token(config, 1 << 18, plan, tokens_per_rank=1 << 18)
+
+    order = [(m, t) for m in ("none", "selective") for t in (None, DEFAULT_MLP_TILE)]
+    cheapest_first = sorted(order, key=cost)  # stable: equal costs keep that order
+    assert cheapest_first == [
+        ("none", None),
+        ("selective", None),
+        ("none", DEFAULT_MLP_TILE),
+        ("selective", DEFAULT_MLP_TILE),
+    ]
     need = {
         (m, t): run({"activation_checkpointing": m, "mlp_tile_size": t}, huge).run_plan.estimate.gpu_bytes
         for m, t in [*cheapest_first, ("full", None)]
@@ -319,7 +332,10 @@ def test_recompute_cost_counts_what_each_plan_runs_again():
     """``recomputed_flops_per_token``, by hand for the tiny shape (d 128, 4 heads of 32, 2 KV
     heads, MLP 352, 2 blocks): q/k/v 65,536, out 32,768, MLP 270,336 FLOPs a token a block;
     causal attention at 4,096 tokens 4 x 128 x 2,048; tiles add q/k/v and the MLP where
-    shorter than the rank's tokens; with documents the attention counts as none."""
+    shorter than the rank's tokens; a checkpoint's recompute skips down_proj, the block's last
+    matmul; selective with tiles recomputes in the tiles only, full with tiles both; with
+    documents the attention counts as none. (What the model really runs again:
+    tests/model/test_tiled_mlp.py counts it.)"""
     from longctx.memory_fit import recomputed_flops_per_token
 
     cfg = GPTConfig.from_dict(dict(preset="tiny", vocab_size=256))
@@ -332,9 +348,11 @@ def test_recompute_cost_counts_what_each_plan_runs_again():
     assert cost("none") == 0
     assert cost("none", 1024) == 2 * (qkv + mlp)
     assert cost("none", 4096) == 0  # one tile holds every token: nothing tiled
-    assert cost("selective") == 2 * (qkv + out + mlp)
-    assert cost("selective", 1024) == 2 * (2 * qkv + out + 2 * mlp)
-    assert cost("full") == 2 * (qkv + out + mlp + attention)
+    down = mlp // 3  # the block's last matmul: a checkpoint's recompute stops before it
+    assert cost("selective") == 2 * (qkv + out + mlp - down)
+    assert cost("selective", 1024) == 2 * (qkv + out + mlp)
+    assert cost("full") == 2 * (qkv + out + mlp - down + attention)
+    assert cost("full", 1024) == 2 * (2 * (qkv + out + mlp) + attention)
     assert cost("full", documents=True) == cost("selective")
 
 

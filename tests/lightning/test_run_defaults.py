@@ -36,15 +36,16 @@ def _one_b():
 
 @pytest.mark.parametrize(
     "gpu_gib, expected, tile",
-    [(80, "none", None), (40, "none", 8192), (25, "selective", None), (20, "full", None)],
-    ids=["80GiB-none", "40GiB-none-tiled", "25GiB-selective", "20GiB-full"],
+    [(80, "none", None), (40, "selective", None), (25, "selective", None), (20, "full", None)],
+    ids=["80GiB-none", "40GiB-selective", "25GiB-selective", "20GiB-full"],
 )
 def test_gpu_defaults_take_the_least_recompute_predicted_to_fit(gpu_gib, expected, tile):
     """The documented plan for the 1B shape at 131,072 tokens over CP = 4 (predicted per rank:
     54.3 GiB without checkpointing, 25.5 with the MLP tiled, 23.4 selective, 17.2 full): an
-    80 GiB GPU runs without recompute, a 40 GiB one tiles the MLP (it recomputes less than
-    selective), a 25 GiB one selective, a 20 GiB one full; pointwise fusion on. The note says
-    the mode came from the GPU default."""
+    80 GiB GPU runs without recompute; a 40 GiB one and a 25 GiB one selective (it recomputes
+    less than the tiled MLP, which runs down_proj again where a checkpoint stops before it,
+    and needs less memory); a 20 GiB one full; pointwise fusion on. The note says the mode
+    came from the GPU default."""
     run = resolve_run(
         _one_b(), WORLD, "cuda", requested=KERNEL, gpu_total=gpu_gib * GiB, host_total=512 * GiB, **ONE_B_CP4
     )
@@ -180,11 +181,12 @@ def test_float8_on_cpu_is_one_line_and_exit_code_2_through_train_py(train, capsy
     "documents, expected, tile", [(False, "selective", 8192), (True, "full", None)], ids=["dense", "documents"]
 )
 def test_eight_b_over_two_h200_takes_the_plan_that_recomputes_least(documents, expected, tile):
-    """Llama-3-8B shape, 131,072 tokens, CP = 2 on 139.8 GiB GPUs: selective alone (134.8 GiB
-    predicted) leaves less than 5% free; dense attention, whose recompute full would repeat,
-    makes selective with the MLP tiled (127.9) the cheaper fit; with packed documents the
-    attention is short and full (85.1) recomputes less than selective and the tiles. An FP8
-    plan is not tiled by "auto" (tiles run in bf16): full."""
+    """Llama-3-8B shape, 131,072 tokens, CP = 2 on 139.8 GiB GPUs: selective alone (132.9 GiB
+    predicted) leaves less than 5% free; selective with the MLP tiled (127.9; the tiles are
+    its recompute) fits. Dense, full would repeat the attention too: selective and tiles;
+    with packed documents the attention is short and full (83.2) recomputes less (its
+    recompute stops before down_proj, the tiles run it). An FP8 plan is not tiled by "auto"
+    (tiles run in bf16): full."""
     from longctx.memory_fit import least_recompute
     from longctx.models import GPTConfig
 

@@ -192,3 +192,82 @@ def test_tiled_apply_with_several_outputs():
             results.append((*out, *(torch.zeros_like(w) if d is None else d for d, w in zip(grads, (x, w1, w2)))))
         for ref, got in zip(*results):
             assert torch.allclose(got, ref, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("checkpointing, tile", [("none", 5), ("selective", None), ("selective", 5), ("full", 5)])
+def test_recompute_is_what_the_memory_model_counts(checkpointing, tile):
+    """The matmul FLOPs a step runs beyond the plain one (no checkpointing, untiled), counted
+    by PyTorch's FLOP counter, equal ``recomputed_flops_per_token`` x tokens: selective with
+    tiles recomputes the per-token parts once (the tiles are its recompute: no checkpoint runs
+    them a third time). Full's attention forward, which the reference kernel computes over the
+    whole square, is taken from the counter (full against selective, untiled)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from longctx.memory_fit import recomputed_flops_per_token
+
+    config = _config()
+    B, S = 2, 24
+    ids, labels = _batch(S, 96, seed=6, batch=B)
+
+    def step_flops(mode, tile_size):
+        torch.manual_seed(0)
+        model = GPT(config).double()
+        plan = dict(loss_chunk_size=7, attention_backend="torch", fuse_pointwise=False)
+        parallelize(model, plan=ParallelPlan(**plan, activation_checkpointing=mode, mlp_tile_size=tile_size))
+        with FlopCounterMode(display=False) as counter:
+            model.loss(ids, labels)[0].backward()
+        return counter.get_total_flops()
+
+    plan = ParallelPlan(activation_checkpointing=checkpointing, mlp_tile_size=tile)
+    # documents=True: the formula's attention term is 0, the rest is the per-token parts
+    expected = recomputed_flops_per_token(config, S, plan, tokens_per_rank=B * S, documents=True) * B * S
+    if checkpointing == "full":
+        expected += step_flops("full", None) - step_flops("selective", None)
+    assert expected > 0
+    assert step_flops(checkpointing, tile) - step_flops("none", None) == expected
+
+
+def test_checkpointed_tiled_block_saves_its_input_and_the_attention_only():
+    """bf16, tiles: selective runs no checkpoint (its recompute is the tiles'), and the block
+    saves exactly what no checkpointing with tiles saves less the residual between attention
+    and MLP (o_proj joins the tiles, which save x and the attention's output instead)."""
+    torch.manual_seed(0)
+    config = _config(n_layer=1, n_embd=64, intermediate_size=160)
+    model = parallelize(GPT(config).to(torch.bfloat16), plan=ParallelPlan(attention_backend="torch"))
+    model.set_mlp_tile_size(16)
+    block = model.blocks[0]
+    B, S, d, elt = 2, 64, config.n_embd, 2
+    x = torch.randn(B, S, d, dtype=torch.bfloat16, requires_grad=True)
+    rope = rope_cos_sin(torch.arange(S), config.head_dim, config.rope_theta)
+    none_tiled = _saved_activation_bytes(block, x, rope)
+    model.set_activation_checkpointing("selective")
+    selective_tiled = _saved_activation_bytes(block, x, rope)
+    assert selective_tiled == none_tiled - B * S * d * elt, (selective_tiled, none_tiled)
+
+
+def test_tiled_apply_token_arguments_get_their_gradients():
+    """A second per-token input (``token_args``): sliced with x's tokens, its gradient written
+    tile by tile; every gradient equals the untiled call's in float64, NaN in it shows."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 7, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    y = torch.randn(3, 7, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(5, 6, dtype=torch.float64, generator=g, requires_grad=True)
+
+    def fn(t, u, a):
+        h = t + torch.nn.functional.linear(u, a)
+        return h * torch.sigmoid(h)
+
+    dout = torch.randn(3, 7, 5, dtype=torch.float64, generator=g)
+    ref = torch.autograd.grad(fn(x, y, w), (x, y, w), dout)
+    out = tiled_apply(fn, x, (w,), 4, token_args=(y,))
+    assert torch.allclose(out, fn(x, y, w), rtol=1e-14, atol=0)
+    for got, want in zip(torch.autograd.grad(out, (x, y, w), dout), ref):
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-14)
+    # only the token argument's gradient wanted
+    (gy,) = torch.autograd.grad(tiled_apply(fn, x.detach(), (w.detach(),), 4, token_args=(y,)), (y,), dout)
+    assert torch.allclose(gy, ref[1], rtol=1e-12, atol=1e-14)
+    bad = y.detach().clone()
+    bad[1, 2, 0] = float("nan")
+    bad.requires_grad_(True)
+    (gy,) = torch.autograd.grad(tiled_apply(fn, x.detach(), (w.detach(),), 4, token_args=(bad,)), (bad,), dout)
+    assert torch.isnan(gy[1, 2]).all() and not torch.isnan(gy[0]).any()
