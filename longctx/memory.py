@@ -41,6 +41,7 @@ duck-typed (GPTConfig or a Hugging Face Llama-style config).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -252,8 +253,14 @@ def estimate(
     Nl = s.layer_params()
     shard = world if fsdp else 1
     z = _Sizes(s, plan, cp, world, T, mixed, fsdp, a, r, fused, tile, tiled, ckpt, hf_modules, shard)
-    saved_layer, layer_live = _layer_bytes(
-        z, attention_kernel, seq_len=seq_len, batch_size=batch_size, device=device, documents=documents
+    layer_kw = dict(seq_len=seq_len, batch_size=batch_size, device=device, documents=documents)
+    saved_layer, layer_live = _layer_bytes(z, attention_kernel, **layer_kw)
+    # checkpointed_blocks: the first n blocks in the plan's mode, the later ones as "none"
+    n_ckpt = s.L if plan.checkpointed_blocks is None or ckpt == "none" else min(plan.checkpointed_blocks, s.L)
+    saved_plain, live_plain = (
+        _layer_bytes(dataclasses.replace(z, ckpt="none"), attention_kernel, **layer_kw)
+        if n_ckpt < s.L
+        else (saved_layer, layer_live)
     )
     casts = float8_cast_bytes(s, T, tiled=tiled) if plan.float8 else 0
 
@@ -264,6 +271,14 @@ def estimate(
     per_layer_saved = saved_layer * T
     last_layers = max(s.L - n_off, 2 if n_off else 1)  # at the last layer's backward
     first_layers = 2 if n_off else 1  # late in the backward, with (nearly) every gradient
+    if n_ckpt < s.L:  # (never offloaded: the plan refuses both) the last block keeps everything
+        all_saved = (n_ckpt * saved_layer + (s.L - n_ckpt) * saved_plain) * T
+        first = saved_layer if n_ckpt else saved_plain
+        saved_at = (all_saved, all_saved, first * T)
+        live_at = (live_plain, layer_live if n_ckpt else live_plain)
+    else:
+        saved_at = ((s.L - n_off) * per_layer_saved, last_layers * per_layer_saved, first_layers * per_layer_saved)
+        live_at = (layer_live, layer_live)
 
     # ---- loss: one chunk's fp32 logits, their log-softmax, gradients; hidden + its grad
     c = min(plan.loss_chunk_size, T)
@@ -273,17 +288,16 @@ def estimate(
     if hf_modules:  # transformers' final norm runs before the loss and keeps its own two (see norm)
         hidden += (4 + a) * d * T
 
-    st = _static_bytes(z, N, Nl, data_parallel=data_parallel, cpu_offload=cpu_offload)
+    st = _static_bytes(
+        z, N, Nl, data_parallel=data_parallel, cpu_offload=cpu_offload, keeps_casts=ckpt == "none" or n_ckpt < s.L
+    )
     phases = _phases(
         z,
         st,
-        n_off=n_off,
-        per_layer_saved=per_layer_saved,
-        last_layers=last_layers,
-        first_layers=first_layers,
+        saved_at=saved_at,
+        live_at=live_at,
         loss_chunk=loss_chunk,
         hidden=hidden,
-        layer_live=layer_live,
         casts=casts,
         cpu_offload=cpu_offload,
     )
@@ -440,8 +454,11 @@ class _StaticBytes:
     gpu_grads_first: int
 
 
-def _static_bytes(z: _Sizes, N: int, Nl: int, *, data_parallel: str, cpu_offload: bool) -> _StaticBytes:
-    s, world, mixed, fsdp, ckpt, shard = z.s, z.world, z.mixed, z.fsdp, z.ckpt, z.shard
+def _static_bytes(
+    z: _Sizes, N: int, Nl: int, *, data_parallel: str, cpu_offload: bool, keeps_casts: bool
+) -> _StaticBytes:
+    """``keeps_casts``: some block is not checkpointed (autocast's weight casts stay cached)."""
+    s, world, mixed, fsdp, shard = z.s, z.world, z.mixed, z.fsdp, z.shard
     d, V = s.d, s.V
     root = 0  # the root's unsharded weights: FSDP2 in mixed precision only
     # ---- static
@@ -462,7 +479,7 @@ def _static_bytes(z: _Sizes, N: int, Nl: int, *, data_parallel: str, cpu_offload
     elif mixed:
         mm = N - head_params + V * d  # matmul weights (the tied head is cast once)
         work_fwd_end = 2 * mm
-        work_bwd = work_first = 2 * mm if ckpt == "none" else 2 * (Nl + V * d)
+        work_bwd = work_first = 2 * mm if keeps_casts else 2 * (Nl + V * d)
     else:
         work_bwd = work_first = work_fwd_end = 0
     ddp_buckets = 4 * N if (data_parallel == "ddp" and world > 1) else 0
@@ -500,18 +517,17 @@ def _phases(
     z: _Sizes,
     st: _StaticBytes,
     *,
-    n_off: int,
-    per_layer_saved: int,
-    last_layers: int,
-    first_layers: int,
+    saved_at: tuple,
+    live_at: tuple,
     loss_chunk: int,
     hidden: int,
-    layer_live: int,
     casts: int,
     cpu_offload: bool,
 ) -> list:
     """The step's phases, each (name, its GPU items): the loss backward, the last and the first
-    layer's backward, the embedding's (FSDP2, untied), the optimizer step."""
+    layer's backward, the embedding's (FSDP2, untied), the optimizer step. ``saved_at``: the
+    blocks' saved bytes on the GPU at the first three; ``live_at``: the layer being recomputed
+    and differentiated at the last and the first layer's backward."""
     s, T, r, d, V, mixed, fsdp, shard = z.s, z.T, z.r, z.s.d, z.s.V, z.mixed, z.fsdp, z.shard
     N = s.params()
     gpu_static, gpu_head_grad, gpu_grads_all, gpu_grads_first = (
@@ -528,13 +544,12 @@ def _phases(
         st.own_embedding,
         st.grads_b,
     )
-    saved_gpu_layers = s.L - n_off
 
-    def phase(name, saved_layers, grads, working, transient_name, transient, extra=None):
+    def phase(name, saved, grads, working, transient_name, transient, extra=None):
         items = dict(gpu_static)
         items["gradients"] = grads
         items["bf16_working_weights"] = working
-        items["saved_block_inputs"] = saved_layers * per_layer_saved
+        items["saved_block_inputs"] = saved
         items["rope_tables"] = 4 * s.hd * T
         items[transient_name] = transient
         items.update(extra or {})
@@ -543,7 +558,7 @@ def _phases(
     phases = [
         phase(
             "the loss backward",
-            saved_gpu_layers,
+            saved_at[0],
             gpu_head_grad,
             work_fwd_end,
             "loss_chunk",
@@ -552,20 +567,20 @@ def _phases(
         ),
         phase(
             "the last layer's backward",
-            last_layers,
+            saved_at[1],
             gpu_head_grad,
             work_bwd,
             "layer_recompute_backward",
-            layer_live,
+            live_at[0],
             {"residual_grad": r * d * T, "float8_casts": casts},
         ),
         phase(
             "the first layer's backward",
-            first_layers,
+            saved_at[2],
             gpu_grads_first,
             work_first,
             "layer_recompute_backward",
-            layer_live,
+            live_at[1],
             {"residual_grad": r * d * T, "float8_casts": casts},
         ),
     ]

@@ -116,7 +116,7 @@ def _fix(config, seq_len, kw, plan, gpu_total, host_total) -> str:
     """The cheapest change predicted to make the step fit, named: the one ladder
     (``fitting_plan``) from the plan with full activation checkpointing (the first rung), then
     with a larger CP size."""
-    full = dataclasses.replace(plan, activation_checkpointing="full")
+    full = dataclasses.replace(plan, activation_checkpointing="full", checkpointed_blocks=None)
 
     def fitted(**over):
         return fitting_plan(config, seq_len, plan=full, gpu_total=gpu_total, host_total=host_total, **{**kw, **over})
@@ -165,8 +165,9 @@ def recomputed_flops_per_token(
     them); with full they come on top of the checkpoint's, which then runs the whole MLP.
     Attention counts ``seq_len / 2`` keys per token (causal); with document masking the keys
     a token sees are unknown before the data, and packed documents are short against the
-    sequence: counted as none. The counts are the model's (tests/model/test_tiled_mlp.py
-    checks them against PyTorch's FLOP counter)."""
+    sequence: counted as none. With ``checkpointed_blocks`` only that many blocks recompute; the
+    rest count as "none". The counts are the model's (tests/model/test_tiled_mlp.py checks them
+    against PyTorch's FLOP counter)."""
     s = model_shape(config)
     qkv = 2 * s.d * (s.q + 2 * s.kv)
     out = 2 * s.q * s.d
@@ -175,51 +176,81 @@ def recomputed_flops_per_token(
     attention = 0.0 if documents else 4 * s.hq * s.hd * seq_len / 2
     mode = plan.activation_checkpointing
     tiled = plan.mlp_tile_size is not None and plan.mlp_tile_size < tokens_per_rank
+    plain = qkv + mlp if tiled else 0.0  # a block that checkpoints nothing
     if mode == "none":
-        per_block = qkv + mlp if tiled else 0.0
+        per_block = plain
     elif mode == "selective":
         per_block = qkv + out + mlp - (0 if tiled else down)
     else:
         per_block = qkv + out + mlp + attention + (qkv + out + mlp if tiled else -down)
-    return s.L * per_block
+    n = s.L if plan.checkpointed_blocks is None else min(plan.checkpointed_blocks, s.L)
+    return n * per_block + (s.L - n) * plain
 
 
 def least_recompute(
     config: Any, seq_len: int, *, plan=None, gpu_total: int, host_total: Optional[int] = None, **kw
 ) -> Any:
     """``plan`` with the least recompute (``recomputed_flops_per_token``) predicted to fit with
-    ``LIGHTER_MODE_HEADROOM`` to spare, among no checkpointing and selective, each untiled and,
-    where the plan leaves ``mlp_tile_size`` unset, with the MLP tiled (``DEFAULT_MLP_TILE``);
-    equal costs go to the earlier of that order. Transformers' blocks (``kw["hf_modules"]``)
-    have no selective mode and are not tiled here, nor are FP8 plans (tiles run in bf16).
-    Where none fits: full, which ``fitting_plan`` escalates from. ``kw``: the rest of
-    ``estimate``'s arguments."""
+    ``LIGHTER_MODE_HEADROOM`` to spare, among no checkpointing, selective and full, each
+    untiled and, where the plan leaves ``mlp_tile_size`` unset, with the MLP tiled
+    (``DEFAULT_MLP_TILE``); selective and full on the fewest blocks that fit
+    (``checkpointed_blocks``: the memory a lighter plan leaves spare buys back recompute, block
+    by block). Equal costs go to the earlier of that order. Transformers' blocks
+    (``kw["hf_modules"]``) have no selective mode and are checkpointed all or none, and are not
+    tiled here, nor are FP8 plans (tiles run in bf16). Where nothing fits: full, which
+    ``fitting_plan`` escalates from. ``kw``: the rest of ``estimate``'s arguments."""
     plan = as_plan(plan)
     modes = ("none",) if kw.get("hf_modules") else ("none", "selective")
     tokens = kw.get("batch_size", 1) * -(-seq_len // kw.get("cp", 1))
     untileable = plan.mlp_tile_size is not None or tokens <= DEFAULT_MLP_TILE or kw.get("hf_modules") or plan.float8
     tiles = (plan.mlp_tile_size,) if untileable else (None, DEFAULT_MLP_TILE)
     documents = kw.get("documents", False)
+    hf = bool(kw.get("hf_modules"))
+    n_layer = model_shape(config).L
 
     def recomputed(p) -> float:
         return recomputed_flops_per_token(config, seq_len, p, tokens_per_rank=tokens, documents=documents)
 
+    def fits(p) -> bool:
+        e = estimate(config, seq_len, plan=p, **kw)
+        return e.gpu_bytes <= (1 - LIGHTER_MODE_HEADROOM) * gpu_total and (
+            host_total is None or e.host_bytes <= host_total
+        )
+
     best, best_cost = None, None
     for mode in modes:
         for tile in tiles:
-            candidate = dataclasses.replace(plan, activation_checkpointing=mode, mlp_tile_size=tile)
-            cost = recomputed(candidate)
-            if best is not None and cost >= best_cost:
+            candidate = _fewest_checkpointed(
+                dataclasses.replace(plan, activation_checkpointing=mode, mlp_tile_size=tile),
+                fits,
+                n_layer=n_layer,
+                hf=hf,
+            )
+            if candidate is None:
                 continue
-            e = estimate(config, seq_len, plan=candidate, **kw)
-            if e.gpu_bytes <= (1 - LIGHTER_MODE_HEADROOM) * gpu_total and (
-                host_total is None or e.host_bytes <= host_total
-            ):
+            cost = recomputed(candidate)
+            if best is None or cost < best_cost:
                 best, best_cost = candidate, cost
     full = dataclasses.replace(plan, activation_checkpointing="full")
-    if best is not None and best_cost <= recomputed(full):
+    full_fitted = _fewest_checkpointed(full, fits, n_layer=n_layer, hf=hf)
+    if best is not None and (full_fitted is None or best_cost <= recomputed(full_fitted)):
         return best
-    return full
+    return full_fitted or full
+
+
+def _fewest_checkpointed(plan, fits, *, n_layer: int, hf: bool):
+    """``plan`` (a decided mode) on the fewest blocks (``checkpointed_blocks``, the rest keeping
+    everything) for which ``fits``, every block where only that fits; None where nothing does.
+    Every count is tried: the peak need not fall with each block checkpointed (the recompute's
+    transient can outweigh a small model's saved tensors). Transformers' blocks are
+    checkpointed all or none."""
+    if plan.activation_checkpointing == "none" or hf:
+        return plan if fits(plan) else None
+    for n in range(1, n_layer):  # none checkpointed is "none", a candidate of its own
+        fewer = dataclasses.replace(plan, checkpointed_blocks=n)
+        if fits(fewer):
+            return fewer
+    return plan if fits(plan) else None
 
 
 def fitting_plan(
@@ -252,8 +283,8 @@ def fitting_plan(
             tiled = dataclasses.replace(tiled, attention_head_chunks=chunks)
             if fits(tiled):
                 return tiled
-    if plan.offload_activations is not False:
-        return None  # the user chose how much to offload
+    if plan.offload_activations is not False or plan.checkpointed_blocks is not None:
+        return None  # the user chose how much to offload, or blocks that keep everything
     n_layer = model_shape(config).L
     if not gpu_ok(dataclasses.replace(tiled, offload_activations=n_layer)):
         return None

@@ -27,6 +27,7 @@ transformers' checkpointing for Hugging Face models).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
@@ -38,7 +39,7 @@ from .head_groups import check_head_chunks
 from .layouts import check_layout
 from .ring import ring_attention
 from .ulysses import ulysses_attention
-from .validation import ArgumentValueError, check_choice
+from .validation import ArgumentValueError, check_choice, check_number
 
 CP_ATTENTION = ("ring", "ulysses")
 DOCUMENT_EXCHANGES = ("ring", "gather", "auto")  # "auto": longctx.exchange_cost chooses per batch
@@ -198,6 +199,12 @@ class ParallelPlan:
             balanced) the token order, packed or balanced, that ``longctx.exchange_cost``
             predicts fastest. None (default): left to the run (``defaults_for``): "auto" on a
             CUDA GPU, "ring" elsewhere.
+        checkpointed_blocks: how many blocks, from the first, ``activation_checkpointing``
+            ("selective" or "full") applies to; the later ones keep everything (as "none").
+            None (default): every block. What "auto" sets where memory is left over after the
+            lighter mode: the fewest checkpointed blocks predicted to fit, so the recompute
+            falls with the spare memory. Not with ``offload_activations`` (both act on the
+            blocks' saved tensors; offload is the ladder past full checkpointing).
         float8: FP8 training (torchao's float8 linear layers, dynamic tensorwise scales) of the
             block projections and MLP (q/k/v/o, gate/up/down; never attention itself or the LM
             head), with FSDP2's float8 all-gather under ``data_parallel="fsdp"``
@@ -217,6 +224,7 @@ class ParallelPlan:
     attention_head_chunks: int = 1
     document_exchange: Optional[str] = None
     float8: bool = False
+    checkpointed_blocks: Optional[int] = None
 
     def __post_init__(self) -> None:
         ac = self.activation_checkpointing
@@ -245,8 +253,26 @@ class ParallelPlan:
 
         check_tile_size(self.mlp_tile_size)
         check_head_chunks(self.attention_head_chunks)
+        self._check_checkpointed_blocks()
         if self.document_exchange is not None:
             check_choice("document_exchange", self.document_exchange, DOCUMENT_EXCHANGES)
+
+    def _check_checkpointed_blocks(self) -> None:
+        n = self.checkpointed_blocks
+        if n is None:
+            return
+        check_number("checkpointed_blocks", n, low=0, integer=True, optional=True, hint=" (None: every block)")
+        ac = self.activation_checkpointing
+        if ac not in ("selective", "full"):
+            why = ": 'auto' chooses the count itself" if ac == "auto" else ""
+            raise ArgumentValueError(
+                "checkpointed_blocks",
+                f"needs activation_checkpointing 'selective' or 'full' (the mode of those blocks), got {ac!r}{why}",
+            )
+        if self.offload_activations:
+            raise ArgumentValueError(
+                "checkpointed_blocks", "cannot be set with offload_activations (offload keeps every block checkpointed)"
+            )
 
     def defaults_for(self, device_type: Optional[str], *, fusable: bool = True) -> "ParallelPlan":
         """This plan with the settings it leaves to the run (None) decided: the one place of
@@ -414,8 +440,12 @@ def _apply_run_settings(model: nn.Module, plan: ParallelPlan) -> None:
     fusion, loss chunk, offload, MLP tiling, attention head chunks), through the model's setters."""
     plan.check_decided("parallelize")
     ac = plan.activation_checkpointing
-    if hasattr(model, "set_activation_checkpointing"):
-        model.set_activation_checkpointing(ac)
+    blocks = plan.checkpointed_blocks
+    setter = getattr(model, "set_activation_checkpointing", None)
+    if blocks is not None and (setter is None or "blocks" not in inspect.signature(setter).parameters):
+        raise ValueError(f"{type(model).__name__} does not support checkpointed_blocks")
+    if setter is not None:
+        setter(ac, **({} if blocks is None else {"blocks": blocks}))
     elif ac != "none":
         raise ValueError(f"{type(model).__name__} does not support activation_checkpointing={ac!r}")
     if hasattr(model, "set_pointwise_fusion"):

@@ -95,6 +95,7 @@ class MemoryChoices:
     """What the backward keeps, recomputes, tiles, chunks and offloads."""
 
     activation_checkpointing: str
+    checkpointed_blocks: Optional[int]
     mlp_tile_size: Optional[int]
     attention_head_chunks: int
     offload_activations: Union[bool, int]
@@ -373,8 +374,10 @@ def _plan_memory(config, seq_len, plan, world: World, memory_kw, *, default: boo
             )
             chose = memory.estimate(config, seq_len, plan=plan, **memory_kw).gpu_bytes
             tiled = "" if plan.mlp_tile_size == requested_tile else f" with mlp_tile_size={plan.mlp_tile_size}"
+            n = plan.checkpointed_blocks
+            blocks = "" if n is None else f" on the first {n} of {memory.model_shape(config).L} blocks"
             notes = (
-                f"memory: activation_checkpointing {auto} -> {plan.activation_checkpointing}{tiled} "
+                f"memory: activation_checkpointing {auto} -> {plan.activation_checkpointing}{blocks}{tiled} "
                 f"({chose / memory.GiB:.1f} GiB predicted, {gpu_total / memory.GiB:.1f} GiB on the GPU)",
             )
         else:

@@ -445,11 +445,15 @@ class GPT(nn.Module):
         for block in self.blocks:
             block.mlp.tile_size = tile_size
 
-    def set_activation_checkpointing(self, mode: str) -> None:
-        """``"none"``, ``"full"`` (recompute whole blocks) or ``"selective"`` (never the ring)."""
+    def set_activation_checkpointing(self, mode: str, blocks: Optional[int] = None) -> None:
+        """``"none"``, ``"full"`` (recompute whole blocks) or ``"selective"`` (never the ring),
+        for the first ``blocks`` blocks (None: all); the later ones keep everything."""
         check_choice("activation_checkpointing", mode, CHECKPOINTING)
-        for block in self.blocks:
-            block.activation_checkpointing = mode
+        n = len(self.blocks)
+        if blocks is not None and not (isinstance(blocks, int) and not isinstance(blocks, bool) and 0 <= blocks <= n):
+            raise ValueError(f"checkpointed_blocks must be an integer in [0, {n}] (the model's blocks), got {blocks!r}")
+        for i, block in enumerate(self.blocks):
+            block.activation_checkpointing = mode if blocks is None or i < blocks else "none"
 
     def hidden_states(
         self,

@@ -24,7 +24,8 @@ run() {  # run NAME GPUS STEPS LIMIT CONFIG [train.py flags...]
 # Limits from the first try (4 x H200): a 1B run pays ~40 s of start-up and its step-0 compile
 # besides its steps; 100 s did not see a 4-GPU run of 16 steps end. PART=1b or 8b: one call each.
 # GPUS: the CP size of the multi-GPU runs (4; 2 where only 2-GPU machines are lent); PART=1gpu:
-# the 1B one-GPU run alone; PART=8b-pair: the 8B with the defaults, then with selective recompute.
+# the 1B one-GPU run alone; PART=1gpu-pair: it, then with selective on every block; PART=8b-pair:
+# the 8B with the defaults, then with selective recompute.
 one_b=configs/llama3.2-1b-128k.yaml gpus=${GPUS:-4}
 case "${PART:-1b}" in
   1b)
@@ -32,6 +33,10 @@ case "${PART:-1b}" in
     run dense "$gpus" "${STEPS:-16}" 160 "$one_b" --checkpoint-every 0
     run dense-full "$gpus" "${STEPS:-16}" 170 "$one_b" --checkpoint-every 0 --model.parallel.activation_checkpointing full ;;
   1gpu) run dense 1 "${STEPS_1:-10}" "${LIMIT_1:-200}" "$one_b" --checkpoint-every 0 ;;
+  1gpu-pair)  # the defaults, then selective on every block: same batches, same call
+    run dense 1 "${STEPS_1:-10}" "${LIMIT_1:-200}" "$one_b" --checkpoint-every 0
+    run dense-selective 1 "${STEPS_1:-10}" "${LIMIT_1:-200}" "$one_b" --checkpoint-every 0 \
+      --model.parallel.activation_checkpointing selective ;;
   *)
     run 8b "$gpus" "${STEPS_8B:-8}" "${LIMIT_8B:-400}" configs/llama3-8b-128k.yaml --checkpoint-every 0
     if [ "${PART}" = 8b-pair ]; then  # same batches, same call: does "auto"'s ranking hold on the clock

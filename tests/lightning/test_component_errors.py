@@ -171,3 +171,24 @@ def test_plan_fields_a_model_cannot_take_are_refused(field, value):
     parallelize(Plain(), plan=ParallelPlan())
     with pytest.raises(ValueError, match=rf"^Plain does not support {field}"):
         parallelize(Plain(), plan=ParallelPlan(**{field: value}))
+
+
+def test_checkpointed_blocks_needs_a_model_that_takes_them():
+    """``checkpointed_blocks`` on a model whose checkpointing setter takes no block count
+    (transformers' models: all blocks or none) or that has none is refused in one line."""
+    import torch.nn as nn
+
+    from longctx import ParallelPlan, parallelize
+
+    class AllOrNone(nn.Module):
+        def set_activation_checkpointing(self, mode):
+            self.mode = mode
+
+        def forward(self, x):
+            return x
+
+    plan = ParallelPlan(activation_checkpointing="full", checkpointed_blocks=1)
+    for model in (AllOrNone(), nn.Identity()):
+        with pytest.raises(ValueError, match=rf"^{type(model).__name__} does not support checkpointed_blocks$"):
+            parallelize(model, plan=plan)
+    parallelize(AllOrNone(), plan=ParallelPlan(activation_checkpointing="full"))

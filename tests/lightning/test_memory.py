@@ -250,9 +250,10 @@ def test_the_fitting_plan_is_decided_before_the_model_is_built(monkeypatch, caps
 
 def test_auto_checkpointing_takes_the_least_recompute_that_fits(monkeypatch, capsys):
     """activation_checkpointing="auto" is decided in ``setup`` from the memory model: of no
-    checkpointing and selective, each untiled or with the MLP tiled, the one that recomputes
-    least among those that fit (for the tiny shape at 262,144 dense tokens: none, selective,
-    none tiled, selective tiled), else full (then the fitting ladder); the decided mode and tile
+    checkpointing, selective and full, each untiled or with the MLP tiled, and the checkpointed
+    modes on any number of the first blocks (the rest keeping everything), the one that
+    recomputes least among those that fit (checked against every such plan of the tiny shape at
+    262,144 dense tokens), else full (then the fitting ladder); the decided mode, blocks and tile
     are what the run plan prints, ``hparams["parallel"]`` records and the blocks run, and
     resolving that record again gives the same plan. Without a GPU to check it is "full"."""
     from types import SimpleNamespace
@@ -282,47 +283,58 @@ def test_auto_checkpointing_takes_the_least_recompute_that_fits(monkeypatch, cap
 
     huge = 1 << 50
     config = GPTConfig.from_dict(dict(preset="tiny", vocab_size=256))
+    n_layer = config.n_layer
+
+    # Every plan "auto" may take, in its order of preference at equal cost: (mode, tile, blocks).
+    choices = [
+        (m, t, b)
+        for m in ("none", "selective", "full")
+        for t in (None, DEFAULT_MLP_TILE)
+        for b in ([None] if m == "none" else [*range(1, n_layer), None])
+    ]
+
+    def plan_of(choice):
+        m, t, b = choice
+        return {"activation_checkpointing": m, "mlp_tile_size": t, "checkpointed_blocks": b}
 
     def cost(choice):
-        plan = ParallelPlan(activation_checkpointing=choice[0], mlp_tile_size=choice[1])
+        plan = ParallelPlan(**plan_of(choice))
         return recomputed_flops_per_token(config, 1 << 18, plan, tokens_per_rank=1 << 18)
 
-    order = [(m, t) for m in ("none", "selective") for t in (None, DEFAULT_MLP_TILE)]
-    cheapest_first = sorted(order, key=cost)  # stable: equal costs keep that order
-    assert cheapest_first == [
-        ("none", None),
-        ("selective", None),
-        ("none", DEFAULT_MLP_TILE),
-        ("selective", DEFAULT_MLP_TILE),
-    ]
-    need = {
-        (m, t): run({"activation_checkpointing": m, "mlp_tile_size": t}, huge).run_plan.estimate.gpu_bytes
-        for m, t in [*cheapest_first, ("full", None)]
-    }
-    assert need[("none", None)] > need[("selective", None)] > need[("full", None)]
+    need = {c: run(plan_of(c), huge).run_plan.estimate.gpu_bytes for c in choices}
+    assert need[("none", None, None)] > need[("selective", None, None)] > need[("full", None, None)]
     capsys.readouterr()
 
     def gpu_for(choice):  # the smallest GPU on which it fits with the headroom "auto" keeps
         return math.ceil(need[choice] / (1 - LIGHTER_MODE_HEADROOM))
 
-    sizes = sorted({gpu_for(c) for c in cheapest_first} | {gpu_for(c) - 2 for c in cheapest_first}, reverse=True)
+    def expected_for(gpu):  # by brute force: the least cost among those that fit, earliest first
+        fitting = [c for c in choices if gpu_for(c) <= gpu and not (c[0] == "full" and c[1] is not None)]
+        return min(fitting, key=cost) if fitting else None
+
+    sizes = sorted({gpu_for(c) for c in choices} | {gpu_for(c) - 2 for c in choices}, reverse=True)
     taken = set()
     for gpu in sizes:
-        expected = next((c for c in cheapest_first if gpu_for(c) <= gpu), ("full", None))
-        taken.add(expected)
+        expected = expected_for(gpu)
         module = run({"activation_checkpointing": "auto"}, gpu)
         printed = capsys.readouterr().out
-        got = (module.plan.activation_checkpointing, module.plan.mlp_tile_size)
-        if expected[0] == "full":  # the fitting ladder's tile, where full alone does not fit either
-            expected = ("full", got[1])
+        got = (module.plan.activation_checkpointing, module.plan.mlp_tile_size, module.plan.checkpointed_blocks)
+        if expected is None:  # nothing fits with the headroom: full, and the fitting ladder's tile
+            expected = ("full", got[1], None)
+        taken.add(expected)
         assert got == expected, (gpu, printed)
-        assert f"activation_checkpointing auto -> {expected[0]}" in printed
-        assert module.hparams["parallel"]["activation_checkpointing"] == expected[0]
-        assert module.hparams["parallel"]["mlp_tile_size"] == expected[1]
-        assert {block.activation_checkpointing for block in module.model.blocks} == {expected[0]}
-        assert {block.mlp.tile_size for block in module.model.blocks} == {expected[1]}
+        mode, tile, blocks = expected
+        on = f" on the first {blocks} of {n_layer} blocks" if blocks is not None else ""
+        assert f"activation_checkpointing auto -> {mode}{on}" in printed
+        assert module.hparams["parallel"]["activation_checkpointing"] == mode
+        assert module.hparams["parallel"]["mlp_tile_size"] == tile
+        assert module.hparams["parallel"]["checkpointed_blocks"] == blocks
+        modes = [block.activation_checkpointing for block in module.model.blocks]
+        assert modes == [mode if blocks is None or i < blocks else "none" for i in range(n_layer)]
+        assert {block.mlp.tile_size for block in module.model.blocks} == {tile}
         assert run(module.hparams["parallel"], gpu).run_plan == module.run_plan
-    assert ("none", None) in taken and ("full", None) in taken and len(taken) >= 3
+    assert ("none", None, None) in taken and ("selective", None, 1) in taken and len(taken) >= 4
+    assert any(c[0] == "full" for c in taken)
     # CPU: no lighter mode checked (at a length that fits the host, which a CPU run is checked against)
     assert run({"activation_checkpointing": "auto"}, seq_len=1 << 12).plan.activation_checkpointing == "full"
     assert "auto -> full (no GPU memory to check" in capsys.readouterr().out
@@ -548,3 +560,23 @@ def test_device_memory_full_commands_pass_train_checks_and_tabulate(tmp_path, mo
     assert {name: again[f"{name} (step 1)"]["predicted"] for name in cases} == {
         r["case"]: r["predicted_first_step_gpu"] for r in rows
     }
+
+
+def test_checkpointed_blocks_save_by_block():
+    """``checkpointed_blocks=n``: at the loss backward (every block's saved tensors on the GPU)
+    the prediction moves in equal steps from "none" (n = 0) to the mode on every block (n = L);
+    the mode's own recompute transient shows only while a checkpointed block is differentiated."""
+    config = GPTConfig.from_preset("llama3-8b", vocab_size=128256, max_seq_len=128 * K)
+    kw = dict(cp=4, attention_kernel="fa4")
+
+    def loss_phase(**plan):
+        return estimate(config, 128 * K, plan=ParallelPlan(fuse_pointwise=True, **plan), **kw).phases[
+            "the loss backward"
+        ]
+
+    L = config.n_layer
+    none, selective = loss_phase(activation_checkpointing="none"), loss_phase(activation_checkpointing="selective")
+    for n in (1, 8, 15, 31):
+        mixed = loss_phase(activation_checkpointing="selective", checkpointed_blocks=n)
+        assert abs(mixed * L - (selective * L + (L - n) * (none - selective))) <= 64 * L, n
+    assert loss_phase(activation_checkpointing="selective", checkpointed_blocks=L) == selective

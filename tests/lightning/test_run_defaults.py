@@ -35,28 +35,34 @@ def _one_b():
 
 
 @pytest.mark.parametrize(
-    "gpu_gib, expected, tile",
-    [(80, "none", None), (40, "selective", None), (25, "selective", None), (20, "full", None)],
-    ids=["80GiB-none", "40GiB-selective", "25GiB-selective", "20GiB-full"],
+    "gpu_gib, expected, blocks",
+    [(80, "none", None), (40, "selective", 9), (25, "selective", None), (20, "full", None)],
+    ids=["80GiB-none", "40GiB-selective-9-blocks", "25GiB-selective", "20GiB-full"],
 )
-def test_gpu_defaults_take_the_least_recompute_predicted_to_fit(gpu_gib, expected, tile):
+def test_gpu_defaults_take_the_least_recompute_predicted_to_fit(gpu_gib, expected, blocks):
     """The documented plan for the 1B shape at 131,072 tokens over CP = 4 (predicted per rank:
     54.3 GiB without checkpointing, 25.5 with the MLP tiled, 23.4 selective, 17.2 full): an
-    80 GiB GPU runs without recompute; a 40 GiB one and a 25 GiB one selective (it recomputes
-    less than the tiled MLP, which runs down_proj again where a checkpoint stops before it,
-    and needs less memory); a 20 GiB one full; pointwise fusion on. The note says the mode
-    came from the GPU default."""
+    80 GiB GPU runs without recompute; a 40 GiB one selective on the first 9 of 16 blocks
+    (37.0 GiB: the other 7 keep everything and recompute nothing); a 25 GiB one selective on
+    every block (it recomputes less than the tiled MLP, which runs down_proj again where a
+    checkpoint stops before it, and needs less memory); a 20 GiB one full; pointwise fusion
+    on. The note says the mode came from the GPU default."""
     run = resolve_run(
         _one_b(), WORLD, "cuda", requested=KERNEL, gpu_total=gpu_gib * GiB, host_total=512 * GiB, **ONE_B_CP4
     )
-    assert (run.memory.activation_checkpointing, run.memory.mlp_tile_size) == (expected, tile)
+    memory = run.memory
+    assert (memory.activation_checkpointing, memory.checkpointed_blocks, memory.mlp_tile_size) == (
+        expected,
+        blocks,
+        None,
+    )
     assert run.parallel.fuse_pointwise is True and run.parallel.float8 is False
-    tiled = f" with mlp_tile_size={tile}" if tile else ""
-    assert f"activation_checkpointing auto (the GPU default) -> {expected}{tiled} (" in run.notes[0]
+    on = f" on the first {blocks} of 16 blocks" if blocks else ""
+    assert f"activation_checkpointing auto (the GPU default) -> {expected}{on} (" in run.notes[0]
     assert run.estimate.gpu_bytes <= 0.95 * gpu_gib * GiB  # "auto" keeps 5% of the GPU free
     line = run.line()
     assert f"activation_checkpointing={expected}" in line and "fuse_pointwise=True" in line
-    assert f"mlp_tile_size={tile}" in line
+    assert f"checkpointed_blocks={blocks}" in line and "mlp_tile_size=None" in line
     # What config.yaml gets resolves again to the same plan (the user's values now: no "auto").
     again = resolve_run(
         _one_b(),

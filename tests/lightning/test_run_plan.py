@@ -84,7 +84,7 @@ def _runs_as(module, strategy) -> dict:
         cp_attention=kind,
         attention_backend=backend,
         document_backend=document_backend,
-        activation_checkpointing={b.activation_checkpointing for b in blocks},
+        activation_checkpointing=[b.activation_checkpointing for b in blocks],
         mlp_tile_size={b.mlp.tile_size for b in blocks},
         attention_head_chunks=head_chunks,
         offload_activations=module.model.offload_activations,
@@ -102,6 +102,7 @@ CONFIGS = {
             parallel=dict(
                 attention_backend="torch",
                 activation_checkpointing="full",
+                checkpointed_blocks=1,
                 mlp_tile_size=8,
                 attention_head_chunks=2,
                 loss_chunk_size=16,
@@ -139,7 +140,10 @@ def test_printed_plan_is_the_recorded_plan_is_the_plan_the_model_runs(name, caps
         cp_attention=p.cp_attention,
         attention_backend=p.attention_backend,
         document_backend=p.document_backend,
-        activation_checkpointing={m.activation_checkpointing},
+        activation_checkpointing=[
+            m.activation_checkpointing if m.checkpointed_blocks is None or i < m.checkpointed_blocks else "none"
+            for i in range(len(module.model.blocks))
+        ],
         mlp_tile_size={m.mlp_tile_size},
         attention_head_chunks=m.attention_head_chunks,
         offload_activations=m.offload_activations,

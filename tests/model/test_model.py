@@ -359,6 +359,50 @@ def test_selective_checkpointing_runs_the_ring_once(monkeypatch):
         GPTConfig.from_preset("tiny", activation_checkpointing="full")
 
 
+def test_checkpointed_blocks_checkpoint_the_first_blocks_only(monkeypatch):
+    """``checkpointed_blocks=n``: the first n blocks run the plan's mode, the later ones keep
+    everything; float64, the same loss and grads as no checkpointing, and full's second ring
+    call in the first n blocks only. Bad values are one line each."""
+    import longctx.parallel as parallel_module
+
+    calls = []
+    real = parallel_module.ring_attention
+    monkeypatch.setattr(parallel_module, "ring_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    config = small_config(n_layer=3)
+    model = GPT(config).double()
+    input_ids, labels = make_batch(20, config.vocab_size, seed=8)
+    results = {}
+    for mode, blocks in (("none", None), ("full", 1), ("full", 2), ("selective", 2)):
+        torch.manual_seed(0)
+        m = parallelize(copy.deepcopy(model), plan=small_plan(activation_checkpointing=mode, checkpointed_blocks=blocks))
+        assert [b.activation_checkpointing for b in m.blocks] == [
+            mode if blocks is None or i < blocks else "none" for i in range(3)
+        ]
+        calls.clear()
+        loss, _ = m.loss(input_ids, labels)
+        loss.backward()
+        results[(mode, blocks)] = (loss.detach(), {k: p.grad for k, p in m.named_parameters()}, len(calls))
+    base_loss, base_grads, _ = results[("none", None)]
+    assert [results[k][2] for k in results] == [3, 4, 5, 3]
+    for key, (loss, grads, _) in results.items():
+        assert torch.allclose(loss, base_loss, rtol=1e-12, atol=0), key
+        for k, g in base_grads.items():
+            assert torch.allclose(grads[k], g, rtol=1e-10, atol=1e-13), (key, k)
+    for bad, match in (
+        (dict(activation_checkpointing="none", checkpointed_blocks=2), "needs activation_checkpointing"),
+        (dict(activation_checkpointing="auto", checkpointed_blocks=2), "'auto' chooses the count itself"),
+        (dict(activation_checkpointing="full", checkpointed_blocks=-1), "integer >= 0"),
+        (dict(activation_checkpointing="full", checkpointed_blocks=True), "integer >= 0"),
+        (dict(activation_checkpointing="full", checkpointed_blocks=2, offload_activations=1), "offload_activations"),
+    ):
+        with pytest.raises(ValueError, match=match) as refused:
+            ParallelPlan(**bad)
+        assert str(refused.value).startswith("checkpointed_blocks ") and "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match=r"checkpointed_blocks must be an integer in \[0, 3\]"):
+        parallelize(GPT(config), plan=small_plan(activation_checkpointing="full", checkpointed_blocks=4))
+
+
 @pytest.mark.parametrize(
     "backend",
     [
