@@ -15,7 +15,8 @@ as torchtitan does).
 What stays as it was: parameters keep their dtype (fp32 masters) and names, so state dicts have
 the same keys, shapes and dtypes as without FP8 and checkpoints load either way. The projections
 inside the sequence-tiled path (``mlp_tile_size``) call their weights directly, not the modules:
-they run in bf16 there (``o_proj`` stays FP8); the run plan says so.
+they run in bf16 there (``o_proj`` stays FP8 where no checkpointing runs, and joins the tiles
+otherwise); the run plan says so.
 
 Where it runs (``float8_refusal``): a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper,
 Blackwell: FP8 tensor cores) with torchao installed.

@@ -331,7 +331,7 @@ def resolve_run(
     if plan.float8 and plan.mlp_tile_size is not None:
         notes += (
             "float8: with mlp_tile_size the tiled q/k/v projections and MLP use their weights directly "
-            "and run in bf16; only o_proj runs in FP8",
+            "and run in bf16; only o_proj runs in FP8, in the blocks that checkpoint nothing",
         )
     mem = MemoryChoices(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(MemoryChoices)})
     return RunPlan(parallel, mem, estimate=estimate, notes=notes)

@@ -375,7 +375,8 @@ def test_checkpointed_blocks_checkpoint_the_first_blocks_only(monkeypatch):
     results = {}
     for mode, blocks in (("none", None), ("full", 1), ("full", 2), ("selective", 2)):
         torch.manual_seed(0)
-        m = parallelize(copy.deepcopy(model), plan=small_plan(activation_checkpointing=mode, checkpointed_blocks=blocks))
+        plan = small_plan(activation_checkpointing=mode, checkpointed_blocks=blocks)
+        m = parallelize(copy.deepcopy(model), plan=plan)
         assert [b.activation_checkpointing for b in m.blocks] == [
             mode if blocks is None or i < blocks else "none" for i in range(3)
         ]
