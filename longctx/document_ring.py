@@ -329,9 +329,7 @@ class _DocumentAttention(torch.autograd.Function):
         gather = plan.exchange == "gather"
         comm = RingExchange(group) if plan.world_size > 1 and not gather else None
         name = plan.backend(backend, q, k)
-        # One decision for the whole group (every rank's plan holds every rank's count): a
-        # rank that exchanges again in the backward needs its peers to do so too.
-        keep = int(plan.received.max(initial=0)) <= plan.batch * plan.local_len
+        keep = plan.keeps_messages
 
         def run(q_h, k_h, v_h, g):
             if gather:
