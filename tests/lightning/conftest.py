@@ -8,6 +8,9 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+# Lightning's log handler keeps the stderr it finds at import: imported here, outside any test's
+# capture (a capturing test would close that stream, and later in-process runs log errors).
+import lightning.pytorch  # noqa: F401
 import pytest
 from helpers.train_script import SMALL, launch_env, run_train
 
