@@ -159,15 +159,17 @@ def recomputed_flops_per_token(
     the projections and the MLP around the attention, full the attention too, each but the
     block's last matmul (down_proj: a checkpoint's recompute stops once the last tensor it
     needs, that matmul's input, is back). MLP tiles (``mlp_tile_size``, where a tile is
-    shorter than ``tokens_per_rank``; otherwise nothing is tiled) recompute the whole MLP and
-    the q/k/v projections inside their own backward: with no checkpointing that is all they
-    add; with selective the tiles are the recompute (o_proj in them, no checkpoint around
-    them); with full they come on top of the checkpoint's, which then runs the whole MLP.
-    Attention counts ``seq_len / 2`` keys per token (causal); with document masking the keys
-    a token sees are unknown before the data, and packed documents are short against the
-    sequence: counted as none. With ``checkpointed_blocks`` only that many blocks recompute; the
-    rest count as "none". The counts are the model's (tests/model/test_tiled_mlp.py checks them
-    against PyTorch's FLOP counter)."""
+    shorter than ``tokens_per_rank``; otherwise nothing is tiled) recompute in their own
+    backward what their gradients need: the norms, gate and up, and o_proj where it is in the
+    tiles (a block that checkpoints), not the projections that end a tile (q/k/v, down_proj:
+    ``grad_only_linear``). With no checkpointing that is all they add; with selective the tiles
+    are the recompute (no checkpoint around them); with full they come on top of the
+    checkpoint's, which then runs the whole block. Attention counts ``seq_len / 2`` keys per
+    token (causal); with document masking the keys a token sees are unknown before the data,
+    and packed documents are short against the sequence: counted as none. With
+    ``checkpointed_blocks`` only that many blocks recompute; the rest count as "none". The
+    counts are the model's (tests/model/test_tiled_mlp.py checks them against PyTorch's FLOP
+    counter)."""
     s = model_shape(config)
     qkv = 2 * s.d * (s.q + 2 * s.kv)
     out = 2 * s.q * s.d
@@ -176,13 +178,13 @@ def recomputed_flops_per_token(
     attention = 0.0 if documents else 4 * s.hq * s.hd * seq_len / 2
     mode = plan.activation_checkpointing
     tiled = plan.mlp_tile_size is not None and plan.mlp_tile_size < tokens_per_rank
-    plain = qkv + mlp if tiled else 0.0  # a block that checkpoints nothing
+    plain = mlp - down if tiled else 0.0  # a block that checkpoints nothing
     if mode == "none":
         per_block = plain
     elif mode == "selective":
-        per_block = qkv + out + mlp - (0 if tiled else down)
+        per_block = out + mlp - down if tiled else qkv + out + mlp - down
     else:
-        per_block = qkv + out + mlp + attention + (qkv + out + mlp if tiled else -down)
+        per_block = qkv + out + mlp + attention + (out + mlp - down if tiled else -down)
     n = s.L if plan.checkpointed_blocks is None else min(plan.checkpointed_blocks, s.L)
     return n * per_block + (s.L - n) * plain
 

@@ -26,7 +26,7 @@ written from the description.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -46,12 +46,12 @@ def _autocast_state(device_type: str):
 
 class _Tiled(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn, tile, n_token_args, x, *rest):
+    def forward(ctx, fn, backward_fn, tile, n_token_args, x, *rest):
         token_args = rest[:n_token_args]
         flat = x.reshape(-1, x.shape[-1])
         args = [a.reshape(-1, *a.shape[x.dim() - 1 :]) for a in token_args]
         n = flat.shape[0]
-        ctx.fn, ctx.tile, ctx.n_token_args = fn, tile, n_token_args
+        ctx.fn, ctx.tile, ctx.n_token_args = backward_fn, tile, n_token_args
         ctx.autocast = _autocast_state(x.device.type)
         ctx.save_for_backward(x, *rest)
         weights = rest[n_token_args:]
@@ -81,8 +81,8 @@ class _Tiled(torch.autograd.Function):
             pairs = [(y, g[start : start + y.shape[0]]) for y, g in zip(ys, gs) if g is not None]
             return [y for y, _ in pairs], [g for _, g in pairs]
 
-        dx, dargs, dw = _tiled_backward(ctx, x, rest[:n], rest[n:], want[3], want[4 : 4 + n], want[4 + n :], tile_grads)
-        return (None, None, None, dx, *dargs, *dw)
+        dx, dargs, dw = _tiled_backward(ctx, x, rest[:n], rest[n:], want[4], want[5 : 5 + n], want[5 + n :], tile_grads)
+        return (None, None, None, None, dx, *dargs, *dw)
 
 
 def _tiled_backward(ctx, x, token_args, weights, want_x, want_args, want_w, tile_grads):
@@ -142,17 +142,47 @@ def tiled_apply(
     weights: Sequence[torch.Tensor],
     tile_size: int,
     token_args: Sequence[torch.Tensor] = (),
+    backward_fn: Optional[Callable[..., torch.Tensor]] = None,
 ) -> torch.Tensor:
     """``fn(x, *token_args, *weights)`` computed over tiles of ``tile_size`` tokens (all
     leading dims of ``x`` flattened; ``token_args``, e.g. a second per-token input, sliced
     with ``x``'s tokens and differentiated like it), exact, holding one tile's intermediates
     at a time, forward and backward; saves only its arguments. ``fn`` must act on each token
     independently (an MLP, not attention); it returns one tensor or a tuple of them (e.g. the
-    q, k, v projections)."""
+    q, k, v projections). ``backward_fn``: ``fn`` as the backward recomputes it, where the
+    outputs' values are never read, only their graph: it may end in ``grad_only_linear``
+    instead of its last matmuls (None: ``fn``)."""
     check_tile_size(tile_size)
     if tile_size is None or not spans_tiles(x, tile_size):
         return fn(x, *token_args, *weights)  # one tile: nothing to save
-    return _Tiled.apply(fn, tile_size, len(token_args), x, *token_args, *weights)
+    return _Tiled.apply(fn, backward_fn or fn, tile_size, len(token_args), x, *token_args, *weights)
+
+
+class _GradOnlyLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, w):
+        ctx.save_for_backward(z, w)
+        return z.new_empty((*z.shape[:-1], w.shape[0]))
+
+    @staticmethod
+    def backward(ctx, grad):
+        z, w = ctx.saved_tensors
+        dz = grad.matmul(w) if ctx.needs_input_grad[0] else None
+        dw = grad.reshape(-1, grad.shape[-1]).t().mm(z.reshape(-1, z.shape[-1])) if ctx.needs_input_grad[1] else None
+        return dz, dw
+
+
+def grad_only_linear(z: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear(z, w)`` (no bias) for a backward's recompute: the graph and the gradients
+    of the linear (the same matmuls, in autocast's dtype where it is on), but a forward that
+    skips the matmul and returns an uninitialised tensor of the result's shape. Only where
+    nothing reads the output's values (a tiled function's last projection, which autograd
+    differentiates through without them)."""
+    device_type = z.device.type
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        z, w = z.to(dtype), w.to(dtype)
+    return _GradOnlyLinear.apply(z, w)
 
 
 def spans_tiles(x: torch.Tensor, tile_size) -> bool:

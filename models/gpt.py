@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 from longctx.layouts import position_ids as layout_position_ids
 from longctx.offload import BlockOffloader, offload_count
 from longctx.parallel import CHECKPOINTING, ContextParallelAttention, CPContext
-from longctx.tiled import check_tile_size, spans_tiles, tiled_apply, tiled_sum
+from longctx.tiled import check_tile_size, grad_only_linear, spans_tiles, tiled_apply, tiled_sum
 from longctx.validation import check_choice
 
 from .config import GPTConfig
@@ -119,20 +119,36 @@ class RingSelfAttention(nn.Module):
         return self.core(q, k, v, document_ids).flatten(2)
 
 
-def swiglu_mlp(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
-    return F.linear(swiglu_gate(F.linear(x, gate_w), F.linear(x, up_w)), down_w)
+# The tiled functions below take ``last``: their final projections, ``F.linear`` in the
+# forward and ``longctx.tiled.grad_only_linear`` in the tiles' backward recompute, where only
+# the graph of those outputs is needed (``tiled_apply``'s ``backward_fn``).
 
 
-def swiglu_mlp_fused(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
-    return F.linear(fused(swiglu_gate)(F.linear(x, gate_w), F.linear(x, up_w)), down_w)
+def swiglu_mlp(
+    x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor, last=F.linear
+) -> torch.Tensor:
+    return last(swiglu_gate(F.linear(x, gate_w), F.linear(x, up_w)), down_w)
+
+
+def swiglu_mlp_fused(
+    x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor, last=F.linear
+) -> torch.Tensor:
+    return last(fused(swiglu_gate)(F.linear(x, gate_w), F.linear(x, up_w)), down_w)
 
 
 def norm_then_projections(
-    norm, eps: float, x: torch.Tensor, norm_w: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, v_w: torch.Tensor
+    norm,
+    eps: float,
+    x: torch.Tensor,
+    norm_w: torch.Tensor,
+    q_w: torch.Tensor,
+    k_w: torch.Tensor,
+    v_w: torch.Tensor,
+    last=F.linear,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v projections of ``norm(x)``, every weight an argument, as ``tiled_apply`` calls it."""
     h = norm(x, norm_w, eps)
-    return F.linear(h, q_w), F.linear(h, k_w), F.linear(h, v_w)
+    return last(h, q_w), last(h, k_w), last(h, v_w)
 
 
 def norm_then_mlp(
@@ -144,9 +160,10 @@ def norm_then_mlp(
     gate_w: torch.Tensor,
     up_w: torch.Tensor,
     down_w: torch.Tensor,
+    last=F.linear,
 ) -> torch.Tensor:
     """``mlp(norm(x))`` with every weight an argument, as ``tiled_apply`` calls it."""
-    return mlp(norm(x, norm_w, eps), gate_w, up_w, down_w)
+    return mlp(norm(x, norm_w, eps), gate_w, up_w, down_w, last=last)
 
 
 def after_attention(
@@ -160,12 +177,19 @@ def after_attention(
     gate_w: torch.Tensor,
     up_w: torch.Tensor,
     down_w: torch.Tensor,
+    last=F.linear,
 ) -> torch.Tensor:
     """A block's output from its input ``x`` and the attention's output ``y``: o_proj, the
     residual, ``mlp(norm(.))`` and the residual, every weight an argument, as ``tiled_apply``
     calls it (``y`` a token argument)."""
     h = x + F.linear(y, o_w)
-    return h + mlp(norm(h, norm_w, eps), gate_w, up_w, down_w)
+    return h + mlp(norm(h, norm_w, eps), gate_w, up_w, down_w, last=last)
+
+
+def tiled(fn, x: torch.Tensor, weights, tile_size, token_args=()):
+    """``tiled_apply`` of one of the functions above, whose backward recompute skips the last
+    projections' matmuls (``grad_only_linear``)."""
+    return tiled_apply(fn, x, weights, tile_size, token_args=token_args, backward_fn=partial(fn, last=grad_only_linear))
 
 
 class SwiGLU(nn.Module):
@@ -194,7 +218,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tile_size is not None:
-            return tiled_apply(self.function(), x, self.weights, self.tile_size)
+            return tiled(self.function(), x, self.weights, self.tile_size)
         gate = fused(swiglu_gate) if self.fuse_pointwise else swiglu_gate
         return self.down_proj(gate(self.gate_proj(x), self.up_proj(x)))
 
@@ -231,7 +255,7 @@ class TransformerBlock(nn.Module):
         # saved (it would be the tiles' input), only x itself.
         norm = self.mlp_norm
         fn = partial(norm_then_mlp, norm.function(), norm.eps, mlp.function())
-        return tiled_apply(fn, x, (norm.weight, *mlp.weights), mlp.tile_size)
+        return tiled(fn, x, (norm.weight, *mlp.weights), mlp.tile_size)
 
     def _before_attention(self, x: torch.Tensor, rope: Rope):
         tile = self.mlp.tile_size
@@ -241,7 +265,7 @@ class TransformerBlock(nn.Module):
         # save for their weight gradients is never materialised at full length.
         norm = self.attn_norm
         fn = partial(norm_then_projections, norm.function(), norm.eps)
-        return self.attn.rotate(*tiled_apply(fn, x, (norm.weight, *self.attn.projection_weights), tile), rope)
+        return self.attn.rotate(*tiled(fn, x, (norm.weight, *self.attn.projection_weights), tile), rope)
 
     def _forward(self, x: torch.Tensor, rope: Rope, document_ids: Optional[torch.Tensor]) -> torch.Tensor:
         y = self.attn.attend(*self._before_attention(x, rope), document_ids)
@@ -256,7 +280,7 @@ class TransformerBlock(nn.Module):
         # anyway: the block's input and the attention's output), not the residual between.
         norm, mlp = self.mlp_norm, self.mlp
         fn = partial(after_attention, norm.function(), norm.eps, mlp.function())
-        return tiled_apply(fn, x, (self.attn.o_proj.weight, norm.weight, *mlp.weights), tile, token_args=(y,))
+        return tiled(fn, x, (self.attn.o_proj.weight, norm.weight, *mlp.weights), tile, token_args=(y,))
 
     def forward(
         self,

@@ -343,10 +343,11 @@ def test_auto_checkpointing_takes_the_least_recompute_that_fits(monkeypatch, cap
 def test_recompute_cost_counts_what_each_plan_runs_again():
     """``recomputed_flops_per_token``, by hand for the tiny shape (d 128, 4 heads of 32, 2 KV
     heads, MLP 352, 2 blocks): q/k/v 65,536, out 32,768, MLP 270,336 FLOPs a token a block;
-    causal attention at 4,096 tokens 4 x 128 x 2,048; tiles add q/k/v and the MLP where
-    shorter than the rank's tokens; a checkpoint's recompute skips down_proj, the block's last
-    matmul; selective with tiles recomputes in the tiles only, full with tiles both; with
-    documents the attention counts as none. (What the model really runs again:
+    causal attention at 4,096 tokens 4 x 128 x 2,048; tiles add gate and up where
+    shorter than the rank's tokens, but not the projections that end a tile (q/k/v, down_proj);
+    a checkpoint's recompute skips down_proj, the block's last matmul; selective with tiles
+    recomputes in the tiles only (o_proj joins them), full with tiles both; with documents the
+    attention counts as none. (What the model really runs again:
     tests/model/test_tiled_mlp.py counts it.)"""
     from longctx.memory_fit import recomputed_flops_per_token
 
@@ -358,13 +359,13 @@ def test_recompute_cost_counts_what_each_plan_runs_again():
         return recomputed_flops_per_token(cfg, 4096, plan, tokens_per_rank=tokens, documents=documents)
 
     assert cost("none") == 0
-    assert cost("none", 1024) == 2 * (qkv + mlp)
+    assert cost("none", 1024) == 2 * (mlp - mlp // 3)  # gate and up: q/k/v and down_proj end a tile
     assert cost("none", 4096) == 0  # one tile holds every token: nothing tiled
     down = mlp // 3  # the block's last matmul: a checkpoint's recompute stops before it
     assert cost("selective") == 2 * (qkv + out + mlp - down)
-    assert cost("selective", 1024) == 2 * (qkv + out + mlp)
+    assert cost("selective", 1024) == 2 * (out + mlp - down)
     assert cost("full") == 2 * (qkv + out + mlp - down + attention)
-    assert cost("full", 1024) == 2 * (2 * (qkv + out + mlp) + attention)
+    assert cost("full", 1024) == 2 * (qkv + out + mlp + attention + out + mlp - down)
     assert cost("full", documents=True) == cost("selective")
 
 

@@ -35,18 +35,18 @@ def _one_b():
 
 
 @pytest.mark.parametrize(
-    "gpu_gib, expected, blocks",
-    [(80, "none", None), (40, "selective", 9), (25, "selective", None), (20, "full", None)],
-    ids=["80GiB-none", "40GiB-selective-9-blocks", "25GiB-selective", "20GiB-full"],
+    "gpu_gib, expected, blocks, tile",
+    [(80, "none", None, None), (40, "selective", 9, None), (25, "selective", 14, 8192), (20, "full", None, None)],
+    ids=["80GiB-none", "40GiB-selective-9-blocks", "25GiB-selective-tiled-14-blocks", "20GiB-full"],
 )
-def test_gpu_defaults_take_the_least_recompute_predicted_to_fit(gpu_gib, expected, blocks):
+def test_gpu_defaults_take_the_least_recompute_predicted_to_fit(gpu_gib, expected, blocks, tile):
     """The documented plan for the 1B shape at 131,072 tokens over CP = 4 (predicted per rank:
     54.3 GiB without checkpointing, 25.5 with the MLP tiled, 23.4 selective, 17.2 full): an
     80 GiB GPU runs without recompute; a 40 GiB one selective on the first 9 of 16 blocks
-    (37.0 GiB: the other 7 keep everything and recompute nothing); a 25 GiB one selective on
-    every block (it recomputes less than the tiled MLP, which runs down_proj again where a
-    checkpoint stops before it, and needs less memory); a 20 GiB one full; pointwise fusion
-    on. The note says the mode came from the GPU default."""
+    (37.0 GiB: the other 7 keep everything and recompute nothing); a 25 GiB one selective with
+    the MLP tiled on the first 14 (23.7 GiB: the tiles recompute neither q/k/v nor down_proj,
+    less than selective untiled); a 20 GiB one full; pointwise fusion on. The note says the
+    mode came from the GPU default."""
     run = resolve_run(
         _one_b(), WORLD, "cuda", requested=KERNEL, gpu_total=gpu_gib * GiB, host_total=512 * GiB, **ONE_B_CP4
     )
@@ -54,15 +54,16 @@ def test_gpu_defaults_take_the_least_recompute_predicted_to_fit(gpu_gib, expecte
     assert (memory.activation_checkpointing, memory.checkpointed_blocks, memory.mlp_tile_size) == (
         expected,
         blocks,
-        None,
+        tile,
     )
     assert run.parallel.fuse_pointwise is True and run.parallel.float8 is False
     on = f" on the first {blocks} of 16 blocks" if blocks else ""
-    assert f"activation_checkpointing auto (the GPU default) -> {expected}{on} (" in run.notes[0]
+    tiled = f" with mlp_tile_size={tile}" if tile else ""
+    assert f"activation_checkpointing auto (the GPU default) -> {expected}{on}{tiled} (" in run.notes[0]
     assert run.estimate.gpu_bytes <= 0.95 * gpu_gib * GiB  # "auto" keeps 5% of the GPU free
     line = run.line()
     assert f"activation_checkpointing={expected}" in line and "fuse_pointwise=True" in line
-    assert f"checkpointed_blocks={blocks}" in line and "mlp_tile_size=None" in line
+    assert f"checkpointed_blocks={blocks}" in line and f"mlp_tile_size={tile}" in line
     # What config.yaml gets resolves again to the same plan (the user's values now: no "auto").
     again = resolve_run(
         _one_b(),
@@ -184,15 +185,15 @@ def test_float8_on_cpu_is_one_line_and_exit_code_2_through_train_py(train, capsy
 
 
 @pytest.mark.parametrize(
-    "documents, expected, tile", [(False, "selective", 8192), (True, "full", None)], ids=["dense", "documents"]
+    "documents, expected, tile", [(False, "selective", 8192), (True, "selective", 8192)], ids=["dense", "documents"]
 )
 def test_eight_b_over_two_h200_takes_the_plan_that_recomputes_least(documents, expected, tile):
     """Llama-3-8B shape, 131,072 tokens, CP = 2 on 139.8 GiB GPUs: selective alone (132.9 GiB
     predicted) leaves less than 5% free; selective with the MLP tiled (127.9; the tiles are
-    its recompute) fits. Dense, full would repeat the attention too: selective and tiles;
-    with packed documents the attention is short and full (83.2) recomputes less (its
-    recompute stops before down_proj, the tiles run it). An FP8 plan is not tiled by "auto"
-    (tiles run in bf16): full."""
+    its recompute, without q/k/v or down_proj) fits, on the first 23 blocks with the rest
+    keeping everything (132.5). Dense, full would repeat the attention too; with packed
+    documents, where the attention counts as free, full on 26 blocks recomputes q/k/v there
+    and so a little more. An FP8 plan is not tiled by "auto" (tiles run in bf16): full."""
     from longctx.memory_fit import least_recompute
     from longctx.models import GPTConfig
 
@@ -212,6 +213,7 @@ def test_eight_b_over_two_h200_takes_the_plan_that_recomputes_least(documents, e
         **sizes,
     )
     assert (run.memory.activation_checkpointing, run.memory.mlp_tile_size) == (expected, tile), run.notes
+    assert run.memory.checkpointed_blocks == 23, run.notes
     fp8 = ParallelPlan(**KERNEL, activation_checkpointing="auto", float8=True)
     kw = dict(cp=2, dp=1, data_parallel="fsdp", precision="bf16-mixed", documents=documents, attention_kernel="fa4")
     picked = least_recompute(config, 128 * K, plan=fp8, **sizes, **kw)

@@ -271,3 +271,41 @@ def test_tiled_apply_token_arguments_get_their_gradients():
     bad.requires_grad_(True)
     (gy,) = torch.autograd.grad(tiled_apply(fn, x.detach(), (w.detach(),), 4, token_args=(bad,)), (bad,), dout)
     assert torch.isnan(gy[1, 2]).all() and not torch.isnan(gy[0]).any()
+
+
+def test_grad_only_linear_has_the_linears_gradients():
+    """``grad_only_linear``: the gradients of ``F.linear`` (float64; bf16 autocast on CPU, bit
+    for bit), no matmul in its forward (PyTorch's FLOP counter counts only the backward's two),
+    NaN in an input or the incoming gradient shows in the gradients."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from longctx.tiled import grad_only_linear
+
+    g = torch.Generator().manual_seed(4)
+    z = torch.randn(9, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(5, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    dout = torch.randn(9, 5, dtype=torch.float64, generator=g)
+    ref = torch.autograd.grad(torch.nn.functional.linear(z, w), (z, w), dout)
+    with FlopCounterMode(display=False) as counter:
+        out = grad_only_linear(z, w)
+        assert out.shape == (9, 5) and out.dtype == torch.float64
+        assert counter.get_total_flops() == 0
+        got = torch.autograd.grad(out, (z, w), dout)
+    assert counter.get_total_flops() == 2 * (2 * 9 * 6 * 5)
+    for a, b in zip(got, ref):
+        assert torch.allclose(a, b, rtol=1e-14, atol=0)
+    zf, wf = z.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = torch.autograd.grad(torch.nn.functional.linear(zf, wf), (zf, wf), dout.bfloat16())
+        got = torch.autograd.grad(grad_only_linear(zf, wf), (zf, wf), dout.bfloat16())
+    for a, b in zip(got, ref):
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+    bad = z.detach().clone()
+    bad[3, 2] = float("nan")
+    bad.requires_grad_(True)
+    dz, dw = torch.autograd.grad(grad_only_linear(bad, w), (bad, w), dout)
+    assert torch.isnan(dw[:, 2]).all() and not torch.isnan(dw[:, :2]).any() and not torch.isnan(dz).any()
+    dout_bad = dout.clone()
+    dout_bad[1, 0] = float("nan")
+    dz, _ = torch.autograd.grad(grad_only_linear(z, w), (z, w), dout_bad)
+    assert torch.isnan(dz[1]).all() and not torch.isnan(dz[0]).any()
