@@ -192,8 +192,9 @@ def test_eight_b_over_two_h200_takes_the_plan_that_recomputes_least(documents, e
     predicted) leaves less than 5% free; selective with the MLP tiled (127.9; the tiles are
     its recompute, without q/k/v or down_proj) fits, on the first 23 blocks with the rest
     keeping everything (132.5). Dense, full would repeat the attention too; with packed
-    documents, where the attention counts as free, full on 26 blocks recomputes q/k/v there
-    and so a little more. An FP8 plan is not tiled by "auto" (tiles run in bf16): full."""
+    documents, where the attention counts as free, full on 26 blocks ties with it (8.29
+    GFLOP a token) and the tie goes to the earlier candidate, selective, which never repeats
+    the attention. An FP8 plan is not tiled by "auto" (tiles run in bf16): full."""
     from longctx.memory_fit import least_recompute
     from longctx.models import GPTConfig
 
