@@ -167,23 +167,13 @@ def norm_then_mlp(
 
 
 def after_attention(
-    norm,
-    eps: float,
-    mlp,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    o_w: torch.Tensor,
-    norm_w: torch.Tensor,
-    gate_w: torch.Tensor,
-    up_w: torch.Tensor,
-    down_w: torch.Tensor,
-    last=F.linear,
+    norm, eps: float, mlp, x: torch.Tensor, y: torch.Tensor, o_w: torch.Tensor, *norm_and_mlp_w, last=F.linear
 ) -> torch.Tensor:
     """A block's output from its input ``x`` and the attention's output ``y``: o_proj, the
-    residual, ``mlp(norm(.))`` and the residual, every weight an argument, as ``tiled_apply``
-    calls it (``y`` a token argument)."""
+    residual, ``norm_then_mlp`` (weights: the norm's, gate, up, down) and the residual, as
+    ``tiled_apply`` calls it (``y`` a token argument)."""
     h = x + F.linear(y, o_w)
-    return h + mlp(norm(h, norm_w, eps), gate_w, up_w, down_w, last=last)
+    return h + norm_then_mlp(norm, eps, mlp, h, *norm_and_mlp_w, last=last)
 
 
 def tiled(fn, x: torch.Tensor, weights, tile_size, token_args=()):
