@@ -608,6 +608,16 @@ def _check_arguments(args: Mapping[str, Any]) -> ParallelPlan:
     elif init_from is not None:
         check_checkpoint_spec("init_from", init_from)
         check_run_checkpoint_sizes(init_from, model)  # a train.py checkpoint's sizes, before any data work
-    elif not isinstance(model, GPTConfig):
-        GPTConfig.from_dict(dict(model or {}))  # unknown keys and bad sizes
+    config = model if isinstance(model, GPTConfig) else None
+    if hf_model is None and init_from is None and config is None:
+        config = GPTConfig.from_dict(dict(model or {}))  # unknown keys and bad sizes
+    blocks = requested.checkpointed_blocks
+    if blocks is not None and hf_model is not None:
+        raise ArgumentValueError(
+            "parallel.checkpointed_blocks", "is not available for Hugging Face models (checkpointed all or none)"
+        )
+    if blocks is not None and config is not None and blocks > config.n_layer:
+        raise ArgumentValueError(
+            "parallel.checkpointed_blocks", f"must be at most the model's {config.n_layer} blocks, got {blocks}"
+        )
     return requested

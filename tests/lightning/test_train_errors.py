@@ -89,6 +89,14 @@ CASES = [
     (["--nonfinite.policy", "never"], "nonfinite.policy must be one of skip, stop, got 'never'"),
     (["--model.model.n_layers", "3"], "unknown GPTConfig key(s) ['n_layers']"),
     (["--model.parallel.cp_attention", "ulises"], "model.parallel.cp_attention must be one of"),
+    (
+        ["--model.parallel.activation_checkpointing", "full", "--model.parallel.checkpointed_blocks", "5"],
+        "model.parallel.checkpointed_blocks must be at most the model's 2 blocks, got 5",
+    ),
+    (
+        ["--model.parallel.checkpointed_blocks", "1"],
+        "model.parallel.checkpointed_blocks needs activation_checkpointing 'selective' or 'full'",
+    ),
     # jsonargparse's own: the option, what it takes, the value given.
     (["--precision", "bf15"], 'Parser key "trainer.precision": expected ['),
     (["--failure-timeout", "soon"], "Parser key \"strategy.failure_timeout\": expected [<class 'float'>"),
