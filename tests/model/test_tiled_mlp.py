@@ -309,3 +309,58 @@ def test_grad_only_linear_has_the_linears_gradients():
     dout_bad[1, 0] = float("nan")
     dz, _ = torch.autograd.grad(grad_only_linear(z, w), (z, w), dout_bad)
     assert torch.isnan(dz[1]).all() and not torch.isnan(dz[0]).any()
+
+
+def _sharded_tiles_worker(rank: int, world_size: int):
+    """One sequence over a CP group of both ranks, FSDP2 over the same two (fp32): the plain
+    plan and selective / full with tiles on the first block only; the loss and the full
+    gradients (gathered) of each."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from longctx import CPContext, shard_sequence
+    from longctx.parallel import ParallelDims
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    tokens = torch.randint(0, 96, (1, 49), generator=torch.Generator().manual_seed(0))
+    shard = dict(rank=rank, world_size=world_size, layout="zigzag")
+    ids, labels = (shard_sequence(t, 1, **shard) for t in (tokens[:, :-1], tokens[:, 1:]))
+    out = {}
+    for mode, blocks, tile in (("none", None, None), ("selective", 1, 5), ("full", 1, 5), ("selective", None, 5)):
+        torch.manual_seed(0)
+        model = GPT(_config(n_layer=3))
+        dims = ParallelDims(cp=CPContext(dist.group.WORLD), data_parallel="fsdp", fsdp_mesh=mesh)
+        plan = ParallelPlan(
+            attention_backend="torch",
+            activation_checkpointing=mode,
+            checkpointed_blocks=blocks,
+            mlp_tile_size=tile,
+            fuse_pointwise=False,
+        )
+        parallelize(model, dims, plan)
+        loss_sum, n = model.loss(ids, labels)
+        loss_sum.backward()
+        total = torch.stack([loss_sum.detach(), n.to(loss_sum.dtype)])
+        dist.all_reduce(total)
+        grads = {
+            k: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for k, p in model.named_parameters()
+        }
+        out[(mode, blocks, tile)] = (total[0].item(), {k: g.clone() for k, g in grads.items()})
+    return out
+
+
+@pytest.mark.slow
+def test_tiled_checkpointed_blocks_under_fsdp2_and_cp_equal_the_plain_plan():
+    """FSDP2 and ring attention over two gloo ranks: selective and full with the MLP tiled
+    (o_proj in the tiles, the last projections' recompute gradient-only), on the first block
+    or on all, give the plain plan's loss and gradients (fp32, 1e-5)."""
+    from helpers.dist_harness import run_distributed
+
+    for rank_out in run_distributed(_sharded_tiles_worker, 2):
+        ref_loss, ref = rank_out[("none", None, None)]
+        for key, (loss, grads) in rank_out.items():
+            assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), key
+            for k, g in ref.items():
+                err = ((grads[k] - g).norm() / g.norm()).item()
+                assert err < 1e-5, (key, k, err)
