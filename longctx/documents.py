@@ -168,7 +168,7 @@ class DocumentPlan:
         # Whether a layer keeps its forward's messages for the backward (at most one shard's
         # rows received on any rank): one decision for the whole group, as every rank's plan
         # holds every rank's count, and a rank that exchanges again needs its peers to.
-        self.keeps_messages = int(received.max(initial=0)) <= batch * (seq_len // world_size)
+        self.keeps_messages = int(received.max(initial=0)) <= self.batch * self.local_len
         self.fingerprint = fingerprint
         self._full_doc = full_doc  # (B, S) document numbers, for sequence_calls
         self._sequence_calls: Optional[list[BlockCall]] = None

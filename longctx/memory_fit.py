@@ -202,12 +202,12 @@ def least_recompute(
     tiled here, nor are FP8 plans (tiles run in bf16). Where nothing fits: full, which
     ``fitting_plan`` escalates from. ``kw``: the rest of ``estimate``'s arguments."""
     plan = as_plan(plan)
-    modes = ("none",) if kw.get("hf_modules") else ("none", "selective")
+    hf = bool(kw.get("hf_modules"))
+    modes = ("none",) if hf else ("none", "selective")
     tokens = kw.get("batch_size", 1) * -(-seq_len // kw.get("cp", 1))
-    untileable = plan.mlp_tile_size is not None or tokens <= DEFAULT_MLP_TILE or kw.get("hf_modules") or plan.float8
+    untileable = plan.mlp_tile_size is not None or tokens <= DEFAULT_MLP_TILE or hf or plan.float8
     tiles = (plan.mlp_tile_size,) if untileable else (None, DEFAULT_MLP_TILE)
     documents = kw.get("documents", False)
-    hf = bool(kw.get("hf_modules"))
     n_layer = model_shape(config).L
 
     def recomputed(p) -> float:

@@ -153,7 +153,7 @@ def tiled_apply(
     outputs' values are never read, only their graph: it may end in ``grad_only_linear``
     instead of its last matmuls (None: ``fn``)."""
     check_tile_size(tile_size)
-    if tile_size is None or not spans_tiles(x, tile_size):
+    if not spans_tiles(x, tile_size):
         return fn(x, *token_args, *weights)  # one tile: nothing to save
     return _Tiled.apply(fn, backward_fn or fn, tile_size, len(token_args), x, *token_args, *weights)
 

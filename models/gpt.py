@@ -176,7 +176,7 @@ def after_attention(
     return h + norm_then_mlp(norm, eps, mlp, h, *norm_and_mlp_w, last=last)
 
 
-def tiled(fn, x: torch.Tensor, weights, tile_size, token_args=()):
+def _tiled(fn, x: torch.Tensor, weights, tile_size, token_args=()):
     """``tiled_apply`` of one of the functions above, whose backward recompute skips the last
     projections' matmuls (``grad_only_linear``)."""
     return tiled_apply(fn, x, weights, tile_size, token_args=token_args, backward_fn=partial(fn, last=grad_only_linear))
@@ -208,7 +208,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tile_size is not None:
-            return tiled(self.function(), x, self.weights, self.tile_size)
+            return _tiled(self.function(), x, self.weights, self.tile_size)
         gate = fused(swiglu_gate) if self.fuse_pointwise else swiglu_gate
         return self.down_proj(gate(self.gate_proj(x), self.up_proj(x)))
 
@@ -245,7 +245,7 @@ class TransformerBlock(nn.Module):
         # saved (it would be the tiles' input), only x itself.
         norm = self.mlp_norm
         fn = partial(norm_then_mlp, norm.function(), norm.eps, mlp.function())
-        return tiled(fn, x, (norm.weight, *mlp.weights), mlp.tile_size)
+        return _tiled(fn, x, (norm.weight, *mlp.weights), mlp.tile_size)
 
     def _before_attention(self, x: torch.Tensor, rope: Rope):
         tile = self.mlp.tile_size
@@ -255,7 +255,7 @@ class TransformerBlock(nn.Module):
         # save for their weight gradients is never materialised at full length.
         norm = self.attn_norm
         fn = partial(norm_then_projections, norm.function(), norm.eps)
-        return self.attn.rotate(*tiled(fn, x, (norm.weight, *self.attn.projection_weights), tile), rope)
+        return self.attn.rotate(*_tiled(fn, x, (norm.weight, *self.attn.projection_weights), tile), rope)
 
     def _forward(self, x: torch.Tensor, rope: Rope, document_ids: Optional[torch.Tensor]) -> torch.Tensor:
         y = self.attn.attend(*self._before_attention(x, rope), document_ids)
@@ -270,7 +270,7 @@ class TransformerBlock(nn.Module):
         # anyway: the block's input and the attention's output), not the residual between.
         norm, mlp = self.mlp_norm, self.mlp
         fn = partial(after_attention, norm.function(), norm.eps, mlp.function())
-        return tiled(fn, x, (self.attn.o_proj.weight, norm.weight, *mlp.weights), tile, token_args=(y,))
+        return _tiled(fn, x, (self.attn.o_proj.weight, norm.weight, *mlp.weights), tile, token_args=(y,))
 
     def forward(
         self,
