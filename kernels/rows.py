@@ -139,11 +139,15 @@ if triton is not None:
         count = tl.load(starts + r + 1, mask=ok, other=0) - first
         col_ok = cols[None, :] < head_dim
         acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-        for j in range(0, most):
+        # A while loop: Triton 3.5's interpreter turns a runtime int bound of range() into an
+        # int with int(one-element array), which NumPy 2.4 refuses.
+        j = 0
+        while j < most:
             has = ok & (j < count)
             pos = tl.load(order + first + j, mask=has, other=0)
             src_ptr = src + h * ss_h + pos[:, None] * ss_s + cols[None, :]
             acc += tl.load(src_ptr, mask=has[:, None] & col_ok, other=0.0).to(tl.float32)
+            j += 1
         dst_ptr = dst + h * sd_h + r[:, None] * sd_s + cols[None, :]
         tl.store(dst_ptr, acc.to(dst.dtype.element_ty), mask=ok[:, None] & col_ok)
 
