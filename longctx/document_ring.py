@@ -165,14 +165,19 @@ def _ring_forward(q, k, v, plan: DocumentPlan, comm, scale, backend, keep: bool)
     shape = q.shape
     q, k, v = flatten_batch(q), flatten_batch(k), flatten_batch(v)
     world = plan.world_size
-    pending = _post_kv(plan, comm, 1, k, v) if world > 1 else None
+    # Every step's messages posted before the local calls where the plan allows it (see
+    # DocumentPlan.posts_steps_first), else each step's after the step before it.
+    first = world if plan.posts_steps_first else min(world, 2)
+    posted = [_post_kv(plan, comm, step, k, v) for step in range(1, first)]
     only = plan.calls == 1
     out, lse = forward_calls(q, k, v, plan.local_calls, scale, backend, only=only)
     kept = []
     for step in range(1, world):
-        recv, work, _ = pending
+        recv, work, _ = posted[step - 1]
+        posted[step - 1] = None  # its buffers go with the step (or into `kept`)
         work.wait()
-        pending = _post_kv(plan, comm, step + 1, k, v) if step + 1 < world else None
+        if len(posted) < world - 1:
+            posted.append(_post_kv(plan, comm, step + 1, k, v))
         call = plan.exchanges[step - 1].call
         if call is not None:
             out, lse = call_forward(call, q, recv[0], recv[1], out, lse, scale, backend)

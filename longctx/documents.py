@@ -49,6 +49,7 @@ from longctx.kernels.rows import Rows
 from .gather_plan import gather_segments, returned_rows
 from .gather_plan import ranges as _ranges
 from .layouts import check_layout, check_seq_len, chunks_per_rank, rank_chunks
+from .memory import ring_receive_buffers
 
 EXCHANGES = ("ring", "gather")
 ALIGN_BYTES = 16  # where each shipped index tensor starts (kernels take 16-byte aligned pointers)
@@ -169,6 +170,17 @@ class DocumentPlan:
         # rows received on any rank): one decision for the whole group, as every rank's plan
         # holds every rank's count, and a rank that exchanges again needs its peers to.
         self.keeps_messages = int(received.max(initial=0)) <= self.batch * self.local_len
+        # Whether the ring's forward posts every step's K/V before its local calls: each step's
+        # transfer then starts at once, where posted after the previous step it would wait for
+        # the kernels queued before it (a send waits for the work queued ahead of it). Where
+        # this rank receives at most one shard (what it keeps) and sends at most what the
+        # memory model counts for the backward's receive buffers (at least one shard): all of
+        # its messages at once stay within those terms. The other ranks post theirs in the
+        # same order either way.
+        shard = self.batch * self.local_len
+        sent = sum(ex.n_send for ex in exchanges)
+        sendable = max(1, ring_receive_buffers(world_size)) * shard
+        self.posts_steps_first = world_size > 1 and int(received[rank]) <= shard and sent <= sendable
         self.fingerprint = fingerprint
         self._full_doc = full_doc  # (B, S) document numbers, for sequence_calls
         self._sequence_calls: Optional[list[BlockCall]] = None

@@ -354,6 +354,12 @@ class _Sizes:
     shard: int
 
 
+def ring_receive_buffers(cp: int) -> int:
+    """K/V shards of receive buffers the ring's backward holds at once beyond the kept shard:
+    none at cp = 2 (the kept shard is the only one), one at cp = 3, two from 4 on."""
+    return min(max(cp - 2, 0), 2)
+
+
 def _layer_bytes(z: _Sizes, attention_kernel: str, *, seq_len: int, batch_size: int, device: str, documents: bool):
     """One layer: the bytes it saves for the backward per token, and the most its backward holds
     at once beyond the saved tensors (recompute, gradients, the kernels' buffers)."""
@@ -410,9 +416,8 @@ def _layer_bytes(z: _Sizes, attention_kernel: str, *, seq_len: int, batch_size: 
     else:
         kernel = 2 * a * q + 4 * q + 8 * kv
     if cp > 1:
-        # the ring's fp32 dQ, K/V receive buffers (none at cp=2: the kept shard is the only
-        # one; one at cp=3; two from 4 on) and dK/dV accumulators (two, fp32)
-        kv_buffers = min(max(cp - 2, 0), 2)
+        # the ring's fp32 dQ, K/V receive buffers and dK/dV accumulators (two, fp32)
+        kv_buffers = ring_receive_buffers(cp)
         kernel += 4 * q + kv_buffers * 2 * a * kv + 2 * 2 * 4 * kv + 4 * hq
         if plan.cp_attention == "ulysses":
             kernel += 2 * a * (2 * q + 2 * kv)

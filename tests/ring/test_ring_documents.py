@@ -280,6 +280,54 @@ def test_one_rank_of_packed_documents_is_one_causal_call():
         assert plan.calls == 1 and plan.local_calls[0].causal, longest
 
 
+def _forward_events(plan, monkeypatch):
+    """The order in which the ring's forward posts its steps' messages and runs its local
+    calls, for ``plan`` on a stand-in exchange (values not checked)."""
+    import longctx.document_ring as document_ring
+
+    events = []
+
+    class Exchange:
+        def swap(self, offset, send, recv):
+            events.append(("post", offset))
+            return type("Posted", (), {"wait": lambda self: None})()
+
+    real = document_ring.forward_calls
+
+    def local(*args, **kwargs):
+        events.append(("local",))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(document_ring, "forward_calls", local)
+    q, k, v = (torch.randn(1, plan.local_len, 2, 4) for _ in range(3))
+    document_ring._ring_forward(q, k, v, plan, Exchange(), 0.5, "torch", keep=plan.keeps_messages)
+    return events
+
+
+def test_ring_forward_posts_every_step_first_where_its_messages_fit_one_shard(monkeypatch):
+    """Where a rank receives at most one shard and sends at most two (the backward's receive
+    buffers at P = 4), its forward posts every step's messages before its local calls (each
+    transfer starts at once, not behind the step before it); else each step's after the step
+    before. Both occur here."""
+    world, seen = 4, set()
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    for pattern in ("crossing", "spanning", "repeated", "short"):
+        full = document_ids(pattern, 1, CHUNK * world * 2, g)
+        for rank in range(world):
+            plan = plan_documents(full, world_size=world, rank=rank)
+            if plan.one_document:
+                continue
+            shard = plan.batch * plan.local_len
+            fits = int(plan.received[rank]) <= shard and sum(ex.n_send for ex in plan.exchanges) <= 2 * shard
+            assert plan.posts_steps_first == fits, (pattern, rank)
+            events = _forward_events(plan, monkeypatch)
+            posts = [("post", step) for step in range(1, world)]
+            want = [*posts, ("local",)] if fits else [posts[0], ("local",), *posts[1:]]
+            assert events == want, (pattern, rank, events)
+            seen.add(fits)
+    assert seen == {True, False}  # not vacuous
+
+
 def test_plan_refuses_a_call_it_was_not_built_for():
     ids = torch.zeros(1, 8, dtype=torch.long)
     ids[0, 4:] = 1
