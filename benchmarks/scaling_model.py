@@ -41,7 +41,9 @@ one message per rank, started when every rank has posted it (a collective), each
 part as long as its larger side.
 
 Overlap, as ``longctx.document_ring`` runs it. Ring: step s + 1's K/V are stacked and leave
-a rank when it starts step s (after waiting for step s's), step 0 is the local calls; the
+a rank when it starts step s (after waiting for step s's), step 0 is the local calls; a rank
+whose plan posts every step first (``DocumentPlan.posts_steps_first``; ``--late-posts`` for
+runs of the code before it) stacks and sends them all before its local calls; the
 backward runs the steps in the same order, dK/dV of step s sent home right after its call,
 the local step last, then the wait for the gradients coming home; where the forward's
 messages are not kept (they exceed one shard) K/V travel again as in the forward. Gather:
@@ -168,13 +170,16 @@ class Gather:
 class RankWork:
     """A rank's share of one layer call, as its ``DocumentPlan`` has it. ``keep``: the
     forward's messages are kept for the backward (the group's decision, the same on every
-    rank); ``gather``: the gather exchange (None: the ring's ``steps``, or nothing moves)."""
+    rank); ``gather``: the gather exchange (None: the ring's ``steps``, or nothing moves);
+    ``posts_first``: the ring's forward posts every step's messages before its local calls
+    (``DocumentPlan.posts_steps_first``), else each step's after the step before."""
 
     local: tuple
     steps: tuple
     keep: bool = True
     gather: Optional[Gather] = None
     exchange: str = "ring"
+    posts_first: bool = False
 
     @property
     def calls(self) -> int:
@@ -219,8 +224,10 @@ def _count(t) -> int:
     return 0 if t is None else int(t.numel())
 
 
-def rank_work(plan) -> RankWork:
-    """The counts of a ``longctx.documents.DocumentPlan`` the model reads."""
+def rank_work(plan, late_posts: bool = False) -> RankWork:
+    """The counts of a ``longctx.documents.DocumentPlan`` the model reads. ``late_posts``: as
+    the ring ran before it posted every step first (each step's messages after the step
+    before), for measurements of that code."""
     keep = int(plan.received.max(initial=0)) <= plan.batch * plan.local_len  # as document_ring decides
     steps = tuple(
         Step(int(ex.n_send), int(ex.n_recv), None if ex.call is None else _call(ex.call)) for ex in plan.exchanges
@@ -236,7 +243,8 @@ def rank_work(plan) -> RankWork:
             _count(g.home_slot),
             None if g.call is None else _call(g.call),
         )
-    return RankWork(tuple(_call(c) for c in plan.local_calls), steps, keep, gather, exchange)
+    posts_first = not late_posts and bool(getattr(plan, "posts_steps_first", False))
+    return RankWork(tuple(_call(c) for c in plan.local_calls), steps, keep, gather, exchange, posts_first)
 
 
 def _works(plans) -> list:
@@ -434,16 +442,28 @@ class _Timeline:
     def _ring(self) -> list:
         P, works = self.world, self.works
         clock = [_zero() for _ in works]
-        # Forward: step 1's K/V stacked and sent at once, while the local calls run.
+        # Forward: step 1's K/V stacked and sent at once, while the local calls run; a rank
+        # that posts every step first stacks and posts them all there, the others each step's
+        # when they start the step before it.
+        posted = {}
         if P > 1:
-            clock = [c + s for c, s in zip(clock, self._stack(1, "fwd"))]
-        arriving = self._kv(1, clock) if P > 1 else None
+            for step in range(1, P):
+                stack = self._stack(step, "fwd")
+                for r, w in enumerate(works):
+                    if step == 1 or w.posts_first:
+                        clock[r] = clock[r] + stack[r]
+                        posted[r, step] = clock[r]
+        arriving = self._kv(1, [posted[r, 1] for r in range(P)]) if P > 1 else None
         clock = [clock[r] + _calls_time(w.local, "fwd", self.passes[r]) for r, w in enumerate(works)]
         for step in range(1, P):
             start = [self.later(clock[r], arriving[r]) for r in range(P)]
             if step + 1 < P:
-                start = [s + x for s, x in zip(start, self._stack(step + 1, "fwd"))]
-                arriving = self._kv(step + 1, start)
+                stack = self._stack(step + 1, "fwd")
+                for r, w in enumerate(works):
+                    if not w.posts_first:
+                        start[r] = start[r] + stack[r]
+                        posted[r, step + 1] = start[r]
+                arriving = self._kv(step + 1, [posted[r, step + 1] for r in range(P)])
             clock = [start[r] + self._step_call(r, step, "fwd") for r in range(P)]
         # Backward: steps first (K/V kept, or exchanged again), dK/dV home after each, local last.
         keep = all(w.keep for w in works)
@@ -874,11 +894,18 @@ def _mix_ids(mix: str, S: int, seed: int):
 
 @functools.lru_cache(maxsize=None)
 def mix_work(
-    mix: str, S: int, P: int, arrangement: str, seed: int = 0, layout: str = "zigzag", exchange: str = "ring"
+    mix: str,
+    S: int,
+    P: int,
+    arrangement: str,
+    seed: int = 0,
+    layout: str = "zigzag",
+    exchange: str = "ring",
+    late_posts: bool = False,
 ) -> tuple:
     """Every rank's ``RankWork`` for the benchmark's ``mix`` at ``S`` tokens on P ranks: the
     packed sequence, or (``arrangement="balanced"``) ``balance_documents``' arrangement of it,
-    by ``exchange``."""
+    by ``exchange`` (``late_posts``: see ``rank_work``)."""
     from longctx import balance_documents
     from longctx.documents import plan_documents
 
@@ -886,7 +913,8 @@ def mix_work(
     if P > 1 and arrangement == "balanced":
         ids = balance_documents({"document_ids": ids}, world_size=P, layout=layout)["document_ids"]
     return tuple(
-        rank_work(plan_documents(ids, world_size=P, rank=r, layout=layout, exchange=exchange)) for r in range(P)
+        rank_work(plan_documents(ids, world_size=P, rank=r, layout=layout, exchange=exchange), late_posts)
+        for r in range(P)
     )
 
 
@@ -970,6 +998,12 @@ def parse_args(argv=None):
     ap.add_argument("--bwd-over-fwd", type=float, default=BWD_OVER_FWD)
     ap.add_argument("--no-loo", action="store_true", help="skip the leave-one-mix-out refits")
     ap.add_argument(
+        "--late-posts",
+        action="store_true",
+        help="the measured runs posted each ring step's messages after the step before (longctx before "
+        "DocumentPlan.posts_steps_first): model them so; the predictions follow the current plans",
+    )
+    ap.add_argument(
         "--grad-dtype", default=None, help="dtype of the dK/dV sent home (default: the input dtype, as FA4)"
     )
     return ap.parse_args(argv)
@@ -1022,7 +1056,9 @@ def main(argv=None) -> int:
         _check_mix(p, args.seed)
 
     def work(p):
-        return list(mix_work(p["mix"], p["S"], p["P"], p["arrangement"], args.seed, layout, p["exchange"]))
+        return list(
+            mix_work(p["mix"], p["S"], p["P"], p["arrangement"], args.seed, layout, p["exchange"], args.late_posts)
+        )
 
     measured = [Measured(p["seconds"], plans=work(p), label=p) for p in points]
     extra = [link_measurement(p) for path in args.link for p in read_link_results(path)]

@@ -206,6 +206,27 @@ def test_plain_ring_with_a_slow_link_is_its_messages_back_to_back():
     )
 
 
+def test_posting_every_step_first_never_predicts_more_time():
+    """A ring rank that posts every step's messages before its local calls (the plan's
+    ``posts_steps_first``) sends them while it computes: with the stacking free (it is what
+    posting first moves ahead of the local calls) the prediction never grows, and it shrinks
+    where a rank's local work held back a later step's message."""
+    g = torch.Generator().manual_seed(8)
+    rng = np.random.default_rng(8)
+    shrank = False
+    for trial in range(6):
+        ids = ids_of(draw_lengths(240, 80, g))
+        for world in (3, 4):
+            ws = works(ids, world, balanced=trial % 2 == 1)
+            assert any(w.posts_first for w in ws)  # small messages: every step posted first
+            late = [replace(w, posts_first=False) for w in ws]
+            r = rates(random_costs(rng) | NO_HOST | {"pass_fwd": 0.0})
+            first, after = sm.predict(ws, r), sm.predict(late, r)
+            assert first <= after * (1 + 1e-12)
+            shrank |= first < after * (1 - 1e-3)
+    assert shrank  # not vacuous
+
+
 def test_fit_recovers_the_rates_that_made_the_times():
     g = torch.Generator().manual_seed(3)
     # A host that keeps up with these small plans (its costs come from the host points).
