@@ -8,8 +8,11 @@ rank's queries see of its own shard - point to point, nothing forwarded. A step 
 neither side sees anything of the other posts nothing and launches nothing, so ranks that
 share no document exchange nothing at all, and the time follows the visible work.
 
-Forward: the next step's exchange is posted before the current one is computed; each
-step is one varlen kernel call (the local step one causal call, plus one per extra run of
+Forward: every step's exchange is posted before the local calls where the rank's messages
+fit the memory they are counted in (``DocumentPlan.posts_steps_first``), else the next
+step's before the current one is computed (a post waits for the kernels queued before it,
+so posting early lets every transfer run under the local calls); each step is one varlen
+kernel call (the local step one causal call, plus one per extra run of
 a document split inside the shard), partial results merged in fp32 through the
 log-sum-exp. Backward: steps in the same order, then the local step, while the dK/dV of
 every received block go straight back to their owner (bf16 partials where the kernels
