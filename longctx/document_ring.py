@@ -12,13 +12,13 @@ Forward: every step's exchange is posted before the local calls where the rank's
 fit the memory they are counted in (``DocumentPlan.posts_steps_first``), else the next
 step's before the current one is computed (a post waits for the kernels queued before it,
 so posting early lets every transfer run under the local calls); each step is one varlen
-kernel call (the local step one causal call, plus one per extra run of
-a document split inside the shard), partial results merged in fp32 through the
-log-sum-exp. Backward: steps in the same order, then the local step, while the dK/dV of
-every received block go straight back to their owner (bf16 partials where the kernels
-write bf16, summed there in fp32). The forward's messages are kept for the backward
-where they add up to at most one shard (always at P = 2, like the plain ring's kept
-shard); otherwise the backward exchanges them again.
+kernel call (the local step one causal call, plus one per extra run of a document split
+inside the shard), partial results merged in fp32 through the log-sum-exp. Backward: steps
+in the same order, then the local step, while the dK/dV of every received block go
+straight back to their owner (bf16 partials where the kernels write bf16, summed there in
+fp32). The forward's messages are kept for the backward where they add up to at most one
+shard (always at P = 2, like the plain ring's kept shard); otherwise the backward exchanges
+them again.
 
 The gather exchange (a plan built with ``exchange="gather"``, ``longctx.gather_plan``)
 moves the same rows without P - 1 steps: one all-to-all brings every rank all the rows its

@@ -170,12 +170,10 @@ class DocumentPlan:
         # rows received on any rank): one decision for the whole group, as every rank's plan
         # holds every rank's count, and a rank that exchanges again needs its peers to.
         self.keeps_messages = int(received.max(initial=0)) <= self.batch * self.local_len
-        # Whether the ring's forward posts every step's K/V before its local calls: each step's
-        # transfer then starts at once, where posted after the previous step it would wait for
-        # the kernels queued before it (a send waits for the work queued ahead of it). Where
-        # this rank receives at most one shard (what it keeps) and sends at most what the
-        # memory model counts for the backward's receive buffers (at least one shard): all of
-        # its messages at once stay within those terms. The other ranks post theirs in the
+        # Whether the ring's forward posts every step's K/V before its local calls, so that each
+        # transfer starts at once (a post waits for the kernels queued before it). Only where
+        # this rank receives at most one shard (what it keeps) and sends at most the backward's
+        # receive buffers the memory model counts (at least one shard). Every rank posts in the
         # same order either way.
         shard = self.batch * self.local_len
         sent = sum(ex.n_send for ex in exchanges)
