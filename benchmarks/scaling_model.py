@@ -11,11 +11,13 @@ the same format) and predict P = 8, 16 at 131,072 and 1,048,576 tokens:
         --link benchmarks/results/ring_ws2_h200_finish.json \\
         --host-overhead benchmarks/results/fa4_host_overhead_h200.json \\
         --prior benchmarks/results/scaling_model_h200x4_v2.json \\
-        --predict 8 16 --predict-seq 131072 1048576 \\
+        --predict 8 16 --predict-seq 131072 1048576 --late-posts \\
         --out benchmarks/results/scaling_model_h200x4_v3.json
 
 (``--rates FILE`` predicts with a written fit instead of fitting; ``--no-loo`` skips the
-leave-one-mix-out refits.)
+leave-one-mix-out refits; ``--late-posts`` models the measured runs as the ring ran before
+it posted every step first, which every run up to ``scaling_model_h200x4_v5_layers4.json``
+did.)
 
 What it counts comes from the host: every rank's ``DocumentPlan`` (``plan_documents(ids,
 world_size=P, rank=r, exchange=...)``, reduced to ``RankWork`` by ``rank_work``). What it
