@@ -230,7 +230,6 @@ def rank_work(plan, late_posts: bool = False) -> RankWork:
     """The counts of a ``longctx.documents.DocumentPlan`` the model reads. ``late_posts``: as
     the ring ran before it posted every step first (each step's messages after the step
     before), for measurements of that code."""
-    keep = int(plan.received.max(initial=0)) <= plan.batch * plan.local_len  # as document_ring decides
     steps = tuple(
         Step(int(ex.n_send), int(ex.n_recv), None if ex.call is None else _call(ex.call)) for ex in plan.exchanges
     )
@@ -245,8 +244,10 @@ def rank_work(plan, late_posts: bool = False) -> RankWork:
             _count(g.home_slot),
             None if g.call is None else _call(g.call),
         )
-    posts_first = not late_posts and bool(getattr(plan, "posts_steps_first", False))
-    return RankWork(tuple(_call(c) for c in plan.local_calls), steps, keep, gather, exchange, posts_first)
+    posts_first = plan.posts_steps_first and not late_posts
+    return RankWork(
+        tuple(_call(c) for c in plan.local_calls), steps, plan.keeps_messages, gather, exchange, posts_first
+    )
 
 
 def _works(plans) -> list:
