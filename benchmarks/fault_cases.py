@@ -290,6 +290,33 @@ def sigkill(target: str, launcher: str = "plain") -> Callable[[Settings], Row]:
     return case
 
 
+def sigkill_in_save(s: Settings) -> Row:
+    """Rank 1 is SIGKILLed while it writes its shard of a checkpoint: rank 0, waiting in the
+    save's collectives, must name rank 1 (not report its own failed save), and the half-written
+    checkpoint must stay invisible to --resume."""
+    name, at = "sigkill_rank1_in_save", 2 * s.checkpoint_every
+    row = Row(name, f"SIGKILL of rank 1 while it writes its shard of the checkpoint at step {at}")
+    out = s.workdir / name
+    run = s.run(name, fault={"kind": "sigkill_in_save", "rank": 1, "step": at})
+    limit = s.failure_timeout + 15  # as for a SIGKILL during a step
+    try:
+        run.wait_for(lambda: (run.probe / "rank1.fault").exists(), s.startup_s + 60 * s.steps, "the kill")
+        since = time.monotonic()
+        rc = _end(s, run, row, since, limit)
+    finally:
+        run.finish()
+    row["message"] = find_line(run.log(), rf"{WATCHDOG_LINE}.*rank 1 ", r"rank 1 \(pid \d+\) ended")
+    row.check(bool(row["message"]), "no line names rank 1")
+    row.check(rc is not None and rc != 0, f"exit code {rc}")
+    row.check(row["seconds"] is not None and row["seconds"] <= limit, f"took {row['seconds']}s > {limit:.0f}s")
+    _work_lost(run, out, row, done=at)  # the save killed is step `at`'s (the probe logs after the saves)
+    row.check(
+        row["checkpoint_step"] == s.checkpoint_every,
+        f"--resume would take step {row['checkpoint_step']}, not {s.checkpoint_every}",
+    )
+    return row
+
+
 def stall(launcher: str = "plain") -> Callable[[Settings], Row]:
     def case(s: Settings) -> Row:
         name = "stall_rank1" + ("_torchrun" if launcher == "torchrun" else "")
@@ -466,6 +493,7 @@ CASES: dict[str, Callable[[Settings], Row]] = {
     "sigkill_rank1": sigkill("rank1"),
     "sigkill_rank0": sigkill("rank0"),
     "sigkill_rank0_torchrun": sigkill("rank0", "torchrun"),
+    "sigkill_rank1_in_save": sigkill_in_save,
     "stall_rank1": stall(),
     "stall_rank1_torchrun": stall("torchrun"),
     "store_lost_before": store_lost("before"),

@@ -21,6 +21,8 @@ Faults (``kind``; ``rank``: the rank it hits; ``step``: the global step it hits 
   element of the rank's first local gradient becomes NaN (``"value": "inf"``: +Inf);
 * ``enospc``: the rank's first shard file of the checkpoint saved at ``step`` raises
   ``OSError(ENOSPC)`` after 4 KiB (a disk that filled up during a sharded save);
+* ``sigkill_in_save``: the rank SIGKILLs itself after 4 KiB of that file (a rank killed,
+  by the OOM killer say, while the others wait in the save's collectives);
 * ``pause``: every rank sleeps ``seconds`` after ``on_fit_start`` (a window before step 1).
 """
 
@@ -30,6 +32,7 @@ import errno
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from contextlib import contextmanager
@@ -130,23 +133,26 @@ def _install(fault: dict) -> None:
 
         ring.attention_forward = stalling_forward
 
-    if kind == "enospc" and here:
+    if kind in ("enospc", "sigkill_in_save") and here:
         from torch.distributed.checkpoint.filesystem import FileSystem
 
         create_stream = FileSystem.create_stream
         mark = f"step{int(at):06d}"
 
         @contextmanager
-        def full_disk_stream(self, path, mode):
+        def failing_stream(self, path, mode):
             with create_stream(self, path, mode) as stream:
                 if "w" in mode and mark in str(path):
-                    stream.write(b"\0" * 4096)  # what fitted
+                    stream.write(b"\0" * 4096)  # what was written before the failure
                     stream.flush()
+                    if kind == "sigkill_in_save":
+                        _injected(f"SIGKILL writing {path}")
+                        os.kill(os.getpid(), signal.SIGKILL)
                     _injected(f"ENOSPC writing {path}")
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
                 yield stream
 
-        FileSystem.create_stream = full_disk_stream
+        FileSystem.create_stream = failing_stream
 
 
 def main() -> int:

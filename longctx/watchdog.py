@@ -75,11 +75,23 @@ def _is_communication_error(error: BaseException) -> bool:
     """Whether ``error`` is torch's report of a failed collective or store operation (often a
     symptom of a dead peer), judged by its type and how torch words it, never by a substring:
     torch's distributed errors (NCCL's included) are ``DistError``s; gloo raises plain
-    ``RuntimeError``s whose message starts as ``_BACKEND_FAILURE`` says. Anything else, an
-    ``OSError`` (disk full) above all, is this rank's own failure."""
-    if isinstance(error, dist.DistError):
-        return True
-    return isinstance(error, RuntimeError) and _BACKEND_FAILURE.match(str(error)) is not None
+    ``RuntimeError``s whose message starts as ``_BACKEND_FAILURE`` says. An error raised
+    *from* one (``raise ... from``: a checkpoint save that failed in its collectives) is one
+    too, and so is DCP's ``CheckpointException`` whose every rank failed that way. Anything
+    else, an ``OSError`` (disk full) above all, is this rank's own failure."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, dist.DistError):
+            return True
+        if isinstance(error, RuntimeError) and _BACKEND_FAILURE.match(str(error)) is not None:
+            return True
+        failures = getattr(error, "failures", None)  # DCP: {rank: (exception, traceback)}
+        if isinstance(failures, dict) and failures:
+            causes = [f[0] if isinstance(f, tuple) and f else f for f in failures.values()]
+            return all(isinstance(c, BaseException) and _is_communication_error(c) for c in causes)
+        error = error.__cause__
+    return False
 
 
 def _check_seconds(name: str, value: Any) -> None:

@@ -292,6 +292,38 @@ def test_communication_errors_are_told_by_type_and_backend_wording():
         assert _is_communication_error(error), repr(error)
 
 
+def test_a_save_that_failed_in_its_collectives_is_a_communication_error(tmp_path):
+    """A peer SIGKILLed while a checkpoint is saved: rank 0's error is the save's own one line,
+    raised from gloo's. It once counted as rank 0's own failure, so rank 0 published it and the
+    job's message named rank 0 instead of the dead rank 1 (a CI run of the fault suite)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from longctx.lightning.checkpoint_io import _cause, _save_failed
+
+    gloo = _gloo_error_from_a_closed_peer()
+    disk_full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "x.distcp"))
+
+    def raised_from(cause: BaseException) -> RuntimeError:
+        try:
+            raise _save_failed(tmp_path / "step000006", _cause(cause)) from cause
+        except RuntimeError as exc:
+            return exc
+
+    def dcp(*causes: BaseException) -> CheckpointException:
+        return CheckpointException("save failed", {rank: (c, None) for rank, c in enumerate(causes)})
+
+    for symptom in (raised_from(gloo), raised_from(dcp(gloo, gloo)), dcp(gloo, gloo)):
+        assert str(symptom).startswith(("cannot save sharded checkpoint", "CheckpointException")), symptom
+        assert _is_communication_error(symptom), repr(symptom)
+    # A rank's own failure stays its own, however it is wrapped.
+    for own in (raised_from(disk_full), raised_from(dcp(gloo, disk_full)), dcp(disk_full), RuntimeError("x")):
+        assert not _is_communication_error(own), repr(own)
+    # The symptom waits for the dead rank's watcher to name it, then every rank prints that.
+    watchdog = RankWatchdog(0, 2, timeout=0.5, interval=0.1, store=dist.HashStore())
+    watchdog._call("set", "failure", "rank 1 stopped responding (no heartbeat for 10s; killed or hung)")
+    assert watchdog.report_failure(raised_from(gloo)).startswith("rank 1 stopped responding")
+
+
 def test_a_disk_full_under_a_path_named_after_a_backend_is_no_communication_error(tmp_path):
     """A work dir called /tmp/glooall (or .../nccl-runs) once turned a disk-full checkpoint
     save into "rank 0 stopped waiting in a collective": a path says nothing about what failed."""
