@@ -215,7 +215,9 @@ def main(argv=None) -> int:
         row["message"] = row["message"].replace(f"{workdir}/", "")  # run folders by their names
         rows.append(row)
         print(
-            f"[faults] {row['case']}: {row['outcome']} ({row['seconds']}s) {row['why'] or row['message']}", flush=True
+            f"[faults] {row['case']}: {row['outcome']} ({'-' if row['seconds'] is None else row['seconds']}s) "
+            f"{row['why'] or row['message']}",
+            flush=True,
         )
 
     try:
