@@ -79,6 +79,9 @@ def _is_communication_error(error: BaseException) -> bool:
     *from* one (``raise ... from``: a checkpoint save that failed in its collectives) is one
     too, and so is DCP's ``CheckpointException`` whose every rank failed that way. Anything
     else, an ``OSError`` (disk full) above all, is this rank's own failure."""
+    # Only ever called on a failure: DCP (half a second to import) is imported here, not with longctx.
+    from torch.distributed.checkpoint.api import CheckpointException
+
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
@@ -86,10 +89,8 @@ def _is_communication_error(error: BaseException) -> bool:
             return True
         if isinstance(error, RuntimeError) and _BACKEND_FAILURE.match(str(error)) is not None:
             return True
-        failures = getattr(error, "failures", None)  # DCP: {rank: (exception, traceback)}
-        if isinstance(failures, dict) and failures:
-            causes = [f[0] if isinstance(f, tuple) and f else f for f in failures.values()]
-            return all(isinstance(c, BaseException) and _is_communication_error(c) for c in causes)
+        if isinstance(error, CheckpointException):  # failures: {rank: (exception, traceback)}
+            return bool(error.failures) and all(_is_communication_error(e) for e, _ in error.failures.values())
         error = error.__cause__
     return False
 

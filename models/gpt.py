@@ -51,7 +51,7 @@ IGNORE_INDEX = -100
 # A block draws no random numbers, so its checkpoints save no RNG state. That also lets a CPU
 # run on a GPU host compile inside one: torch.compile's first call initializes CUDA, which a
 # checkpoint that saved the device RNG states refuses.
-_CHECKPOINT = dict(use_reentrant=False, preserve_rng_state=False)
+_CHECKPOINT_OPTIONS = dict(use_reentrant=False, preserve_rng_state=False)
 
 
 # ---- positions --------------------------------------------------------------------------
@@ -300,10 +300,10 @@ class TransformerBlock(nn.Module):
                 return self._forward(x, rope, document_ids)
             # The ring runs once: q, k, v and its output are kept (the ring saves them for
             # its own backward anyway); the per-token parts around it are recomputed.
-            q, k, v = checkpoint(self._before_attention, x, rope, **_CHECKPOINT)
+            q, k, v = checkpoint(self._before_attention, x, rope, **_CHECKPOINT_OPTIONS)
             y = self.attn.attend(q, k, v, document_ids)
-            return checkpoint(self._after_attention, x, y, **_CHECKPOINT)
-        return checkpoint(self._forward, x, rope, document_ids, **_CHECKPOINT)
+            return checkpoint(self._after_attention, x, y, **_CHECKPOINT_OPTIONS)
+        return checkpoint(self._forward, x, rope, document_ids, **_CHECKPOINT_OPTIONS)
 
 
 # ---- loss --------------------------------------------------------------------------------
